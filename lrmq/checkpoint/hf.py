@@ -1,0 +1,225 @@
+"""Hugging Face safetensors checkpoints in and out.
+
+Import streams one tensor at a time from memory-mapped safetensors straight onto its sharding
+(`jax.make_array_from_callback` materializes only the local shards), so peak host memory stays near
+one tensor. Export writes into a temporary directory and renames it into place: a failed export
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from lrmq.checkpoint.atomic import atomic_dir
+from lrmq.checkpoint.hf_names import expand
+from lrmq.model.config import ModelConfig
+from lrmq.model.decoder import Decoder
+from lrmq.sharding import logical_to_spec
+from lrmq.model.params import LOGICAL_AXES_KEY
+
+# Tensors some exporters write that carry no information for us.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint lrmq cannot read; the message names every offending file or tensor."""
+
+
+def flat_params(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """'layers.0.attn.q_proj.kernel' -> Variable, for every parameter of the model."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        out[".".join(str(p) for p in path)] = var
+    return out
+
+
+def tensor_index(ckpt_dir: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file, for single-file and sharded (index.json) checkpoints."""
+    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    single = os.path.join(ckpt_dir, "model.safetensors")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                wm = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = {os.path.join(ckpt_dir, v) for v in wm.values()}
+        missing = sorted(f for f in files if not os.path.exists(f))
+        if missing:
+            raise CheckpointError(f"{index} lists files that do not exist: {missing}")
+        return {k: os.path.join(ckpt_dir, v) for k, v in wm.items()}
+    if os.path.exists(single):
+        return {name: single for name in _names_in(single)}
+    raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _names_in(path: str) -> list[str]:
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+
+
+def _shapes(index: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    by_file: dict[str, list[str]] = {}
+    for n, p in index.items():
+        by_file.setdefault(p, []).append(n)
+    shapes = {}
+    for path, names in by_file.items():
+        size = os.path.getsize(path)
+        try:
+            with safe_open(path, framework="numpy") as f:
+                for n in names:
+                    sl = f.get_slice(n)
+                    shapes[n] = tuple(sl.get_shape())
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+        _check_complete(path, size)
+    return shapes
+
+
+def _check_complete(path: str, size: int) -> None:
+    """safetensors opens a truncated file lazily; compare the header's extent with the file size."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: file is truncated ({size} bytes, header needs {8 + n + end})")
+
+
+def match_names(model: nnx.Module, cfg: ModelConfig, index: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                source: str) -> dict[str, tuple[str, str]]:
+    """Check every tensor against the model; one error lists all problems."""
+    params = flat_params(model)
+    mapping = expand(set(params), cfg)
+    problems = []
+    missing = sorted(h for h in mapping if h not in index)
+    if missing:
+        problems.append("missing tensors: " + ", ".join(missing))
+    unexpected = sorted(n for n in index if n not in mapping and not n.endswith(IGNORED_SUFFIXES)
+                        and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+    if unexpected:
+        problems.append("unexpected tensors: " + ", ".join(unexpected))
+    for h, (ours, tr) in sorted(mapping.items()):
+        if h not in shapes:
+            continue
+        want = tuple(params[ours].get_value().shape)
+        if tr == "T":
+            want = want[::-1]
+        if shapes[h] != want:
+            problems.append(f"wrong shape for {h}: expected {want}, found {shapes[h]}")
+    if problems:
+        raise CheckpointError(f"{source}: checkpoint does not match the {cfg.family} config:\n  " + "\n  ".join(problems))
+    return mapping
+
+
+def load_hf_model(ckpt_dir: str, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None,
+                  config: ModelConfig | None = None) -> Decoder:
+    cfg = config or ModelConfig.from_hf_file(ckpt_dir, dtype=dtype, param_dtype=param_dtype)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    index = tensor_index(ckpt_dir)
+    shapes = _shapes(index)
+    mapping = match_names(abstract, cfg, index, shapes, ckpt_dir)
+    params = flat_params(abstract)
+    handles: dict[str, Any] = {}
+    try:
+        for hf_name, (ours, tr) in mapping.items():
+            path = index[hf_name]
+            if path not in handles:
+                handles[path] = safe_open(path, framework="numpy").__enter__()
+            var = params[ours]
+            target = var.get_value()
+            arr = handles[path].get_tensor(hf_name)
+            if tr == "T":
+                arr = arr.T
+            arr = np.asarray(arr).astype(target.dtype)
+            var.set_value(_place(arr, var.get_metadata().get(LOGICAL_AXES_KEY), mesh))
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return abstract
+
+
+def _place(arr: np.ndarray, axes, mesh) -> jax.Array:
+    if mesh is None:
+        return jnp.asarray(arr)
+    sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(axes, arr.shape, mesh))
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, numpy array) for every parameter, in HF orientation and the export dtype."""
+    cfg = model.cfg
+    params = flat_params(model)
+    out_dtype = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.param_dtype) == "bfloat16" else np.dtype(dtype or cfg.param_dtype)
+    for hf_name, (ours, tr) in expand(set(params), cfg).items():
+        arr = np.asarray(jax.device_get(params[ours].get_value()))
+        if tr == "T":
+            arr = arr.T
+        yield hf_name, np.ascontiguousarray(arr.astype(out_dtype))
+
+
+def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tokenizer_from: str | None = None,
+                  max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> str:
+    """Write model.safetensors (sharded with an index past max_shard_bytes) + config.json, atomically."""
+    cfg = model.cfg
+    hf_cfg = cfg.to_hf_dict()
+    export_dtype = dtype or _hf_dtype(hf_cfg) or cfg.param_dtype
+    if "torch_dtype" in hf_cfg and "dtype" not in hf_cfg:
+        hf_cfg["torch_dtype"] = export_dtype
+    else:
+        hf_cfg["dtype"] = export_dtype
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        shards: list[dict[str, np.ndarray]] = [{}]
+        size = 0
+        for name, arr in hf_tensors(model, export_dtype):
+            if size and size + arr.nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = arr
+            size += arr.nbytes
+        meta = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata=meta)
+        else:
+            weight_map, total = {}, 0
+            for i, sh in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(sh, os.path.join(tmp, fname), metadata=meta)
+                for n, a in sh.items():
+                    weight_map[n] = fname
+                    total += a.nbytes
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_cfg, f, indent=2)
+        if tokenizer_from:
+            copy_tokenizer_files(tokenizer_from, tmp)
+    return out_dir
+
+
+def _hf_dtype(hf_cfg: dict) -> str | None:
+    d = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")
+    return str(d).replace("torch.", "") if d else None
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
+    for name in TOKENIZER_FILES:
+        p = os.path.join(src_dir, name)
+        if os.path.exists(p):
+            shutil.copy2(p, os.path.join(dst_dir, name))

@@ -1,0 +1,436 @@
+"""Typed configs: nested dataclasses built from YAML plus dotted command-line overrides.
+
+The loader is schema-agnostic; each subsystem defines its own dataclasses. Everything is type-checked
+and every error is collected before a single dataclass is constructed, so a typo never half-builds a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections.abc
+import dataclasses
+import difflib
+import os
+import pathlib
+import re
+import tempfile
+import types
+import typing
+from typing import Any, Literal, Sequence, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """A config file, dict or override does not match its dataclass schema."""
+
+
+# PyYAML follows YAML 1.1, where `1e-6` (no dot) is a *string*; learning rates are written exactly
+# like that, so use a loader whose float rule also takes YAML 1.2 style exponents.
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _ch in list(_Loader.yaml_implicit_resolvers):
+    _Loader.yaml_implicit_resolvers[_ch] = [
+        (tag, rx) for tag, rx in _Loader.yaml_implicit_resolvers[_ch] if tag != "tag:yaml.org,2002:float"
+    ]
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML with the 1.2-style float rule (`1e-6` is a float)."""
+    return yaml.load(text, Loader=_Loader)
+
+
+# ----------------------------------------------------------------------------- type helpers
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception as e:  # unresolved forward reference in a user's schema
+        raise ConfigError(f"cannot resolve the type annotations of {cls.__qualname__}: {e}") from e
+
+
+def _init_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _strip_optional(tp: Any) -> Any:
+    if _is_union(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type) and not typing.get_args(tp):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _value_desc(v: Any) -> str:
+    return f"{type(v).__name__} {v!r}" if not isinstance(v, (dict, list)) else type(v).__name__
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {prefix + close[0]!r}?)"
+    return f" (known keys: {sorted(options)})"
+
+
+# ----------------------------------------------------------------------------- building
+
+
+class _Builder:
+    """Converts raw YAML data to typed values, collecting every error before raising."""
+
+    def __init__(self, source: str, override_src: dict[str, str], construct: bool = True):
+        self.source = source
+        self.override_src = override_src  # dotted path -> the override text that set it
+        self.construct = construct  # False: check-only pass, dataclasses stay dicts
+        self.errors: list[str] = []
+
+    def where(self, path: str) -> str:
+        # Blame the override when the value (or one of its parents) came from the command line.
+        p = path
+        while p:
+            if p in self.override_src:
+                return f"override {self.override_src[p]!r}"
+            p = p.rpartition(".")[0]
+        return self.source
+
+    def err(self, path: str, msg: str) -> object:
+        self.errors.append(f"{self.where(path)}: {path or '<root>'}: {msg}")
+        return _MISSING
+
+    def build(self, tp: Any, v: Any, path: str) -> Any:
+        if tp is Any:
+            return v
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if _is_union(tp):
+            if v is None and type(None) in args:
+                return None
+            members = [a for a in args if a is not type(None)]
+            if len(members) == 1:
+                return self.build(members[0], v, path)
+            for m in members:  # general unions: first member that accepts the value, quietly
+                sub = _Builder(self.source, self.override_src, self.construct)
+                out = sub.build(m, v, path)
+                if not sub.errors:
+                    return out
+            return self.err(path, f"expected {_type_name(tp)}, found {_value_desc(v)}")
+        if origin is Literal:
+            if any(v == a and type(v) is type(a) for a in args):
+                return v
+            return self.err(path, f"expected one of {list(args)}, found {v!r}")
+        if _is_dataclass_type(tp):
+            return self.build_dataclass(tp, v, path)
+        if v is None:
+            return self.err(path, f"expected {_type_name(tp)}, found null")
+        if tp is bool:
+            return v if isinstance(v, bool) else self.err(path, f"expected bool, found {_value_desc(v)}")
+        if tp is int:
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+            return self.err(path, f"expected int, found {_value_desc(v)}")
+        if tp is float:
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return float(v)
+            return self.err(path, f"expected float, found {_value_desc(v)}")
+        if tp is str:
+            return v if isinstance(v, str) else self.err(path, f"expected str, found {_value_desc(v)}")
+        if tp in (pathlib.Path, os.PathLike):
+            return pathlib.Path(v) if isinstance(v, str) else self.err(path, f"expected a path string, found {_value_desc(v)}")
+        if tp in (list, tuple) or origin in (list, tuple, collections.abc.Sequence):
+            return self.build_sequence(tp, origin or tp, args, v, path)
+        if tp is dict or origin in (dict, collections.abc.Mapping):
+            if not isinstance(v, dict):
+                return self.err(path, f"expected a mapping, found {_value_desc(v)}")
+            kt, vt = args if args else (Any, Any)
+            out = {}
+            for k, item in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                key = self.build(kt, k, sub)
+                val = self.build(vt, item, sub)
+                out[key] = val
+            return out
+        if isinstance(tp, type) and isinstance(v, tp):
+            return v
+        return self.err(path, f"unsupported field type {_type_name(tp)} (value {_value_desc(v)})")
+
+    def build_sequence(self, tp: Any, origin: Any, args: tuple, v: Any, path: str) -> Any:
+        if not isinstance(v, (list, tuple)):
+            return self.err(path, f"expected a list for {_type_name(tp)}, found {_value_desc(v)}")
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(v) != len(args):
+                return self.err(path, f"expected {len(args)} items for {_type_name(tp)}, found {len(v)}")
+            items = [self.build(a, x, f"{path}[{i}]") for i, (a, x) in enumerate(zip(args, v))]
+        else:
+            et = args[0] if args else Any
+            items = [self.build(et, x, f"{path}[{i}]") for i, x in enumerate(v)]
+        return tuple(items) if origin is tuple else list(items)
+
+    def build_dataclass(self, cls: type, v: Any, path: str) -> Any:
+        if isinstance(v, cls):
+            return v
+        if not isinstance(v, dict):
+            return self.err(path, f"expected a mapping for {cls.__name__}, found {_value_desc(v)}")
+        hints = _hints(cls)
+        fields = _init_fields(cls)
+        names = [f.name for f in fields]
+        ok = True
+        for k in v:
+            if k not in names:
+                full = f"{path}.{k}" if path else str(k)
+                self.err(full, f"unknown key {full!r} for {cls.__name__}{_suggest(str(k), names, path + '.' if path else '')}")
+                ok = False
+        kwargs = {}
+        for f in fields:
+            full = f"{path}.{f.name}" if path else f.name
+            if f.name not in v:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    self.err(full, f"missing required field {full!r} ({_type_name(hints[f.name])})")
+                    ok = False
+                continue
+            out = self.build(hints[f.name], v[f.name], full)
+            if out is _MISSING or self._has_missing(out):
+                ok = False
+            else:
+                kwargs[f.name] = out
+        if not ok or self.errors:
+            return _MISSING
+        if not self.construct:
+            return kwargs
+        try:
+            return cls(**kwargs)
+        except Exception as e:  # __post_init__ checks
+            return self.err(path, f"{cls.__name__}: {e}")
+
+    @staticmethod
+    def _has_missing(x: Any) -> bool:
+        if x is _MISSING:
+            return True
+        if isinstance(x, (list, tuple)):
+            return any(_Builder._has_missing(i) for i in x)
+        if isinstance(x, dict):
+            return any(_Builder._has_missing(i) for i in x.values())
+        return False
+
+
+def _run_validate(obj: Any, path: str, source: str) -> None:
+    """Calls `validate()` bottom-up on every dataclass in the tree (children first)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _run_validate(getattr(obj, f.name), f"{path}.{f.name}" if path else f.name, source)
+        fn = getattr(obj, "validate", None)
+        if callable(fn):
+            try:
+                fn()
+            except ConfigError:
+                raise
+            except Exception as e:
+                raise ConfigError(f"{source}: {path or '<root>'}: {type(obj).__name__}.validate: {e}") from e
+    elif isinstance(obj, (list, tuple)):
+        for i, x in enumerate(obj):
+            _run_validate(x, f"{path}[{i}]", source)
+    elif isinstance(obj, dict):
+        for k, x in obj.items():
+            _run_validate(x, f"{path}.{k}" if path else str(k), source)
+
+
+def _build_root(cls: type[T], data: Any, source: str, override_src: dict[str, str]) -> T:
+    if not _is_dataclass_type(cls):
+        raise TypeError(f"config class must be a dataclass, got {cls!r}")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, found {_value_desc(data)}")
+    # Check everything first, construct only when the whole tree is valid.
+    for construct in (False, True):
+        b = _Builder(source, override_src, construct)
+        out = b.build_dataclass(cls, data, "")
+        if b.errors:
+            break
+    if b.errors:
+        n = len(b.errors)
+        raise ConfigError(f"{n} config error{'s' if n > 1 else ''} for {cls.__name__}:\n  " + "\n  ".join(b.errors))
+    _run_validate(out, "", source)
+    return out
+
+
+def config_from_dict(cls: type[T], d: dict | None, source: str = "<dict>") -> T:
+    """Builds (and validates) `cls` from a plain nested dict."""
+    return _build_root(cls, d, source, {})
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _field_type_at(cls: type, keys: list[str], text: str) -> Any:
+    """Walks the schema along a dotted path; unknown keys fail here, before merging."""
+    tp: Any = cls
+    for i, k in enumerate(keys):
+        dotted = ".".join(keys[: i + 1])
+        inner = _strip_optional(tp)
+        if _is_dataclass_type(inner):
+            hints = _hints(inner)
+            names = [f.name for f in _init_fields(inner)]
+            if k not in names:
+                prefix = ".".join(keys[:i]) + "." if i else ""
+                raise ConfigError(f"override {text!r}: unknown key {dotted!r} for {inner.__name__}{_suggest(k, names, prefix)}")
+            tp = hints[k]
+        elif inner is dict or typing.get_origin(inner) is dict:
+            args = typing.get_args(inner)
+            tp = args[1] if args else Any
+        elif inner is Any:
+            tp = Any
+        else:
+            raise ConfigError(f"override {text!r}: {'.'.join(keys[:i])!r} is a {_type_name(inner)}, it has no key {k!r}")
+    return tp
+
+
+def _accepts_str_only(tp: Any) -> bool:
+    tp = _strip_optional(tp)
+    if tp is str or tp is pathlib.Path:
+        return True
+    return typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp))
+
+
+def parse_override(cls: type, text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], value); the value is YAML (`1e-6`, `true`, `[1,2]`, `null`)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not k for k in key.split(".")):
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
+    keys = key.split(".")
+    tp = _field_type_at(cls, keys, text)
+    try:
+        value = parse_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from e
+    # `name=123` or `dtype=true` for a str field means the text, not a number/bool.
+    if _accepts_str_only(tp) and value is not None and not isinstance(value, str):
+        value = raw.strip()
+    return keys, value
+
+
+def apply_overrides(cls: type, data: dict, overrides: Sequence[str]) -> tuple[dict, dict[str, str]]:
+    """Merges dotted overrides into a raw (unbuilt) config dict; returns it and path -> override text."""
+    data = dict(data)
+    src: dict[str, str] = {}
+    for text in overrides:
+        keys, value = parse_override(cls, text)
+        node = data
+        for i, k in enumerate(keys[:-1]):
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = {}
+            elif isinstance(nxt, dict):
+                nxt = dict(nxt)  # copy: never mutate the caller's dict
+            else:
+                raise ConfigError(f"override {text!r}: {'.'.join(keys[: i + 1])!r} holds {_value_desc(nxt)}, not a mapping")
+            node[k] = nxt
+            node = nxt
+        node[keys[-1]] = value
+        src[".".join(keys)] = text
+    return data, src
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def load_config(cls: type[T], yaml_path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
+    """Builds `cls` from a YAML file (optional) then dotted overrides; all errors before construction."""
+    data: Any = {}
+    source = "<defaults>"
+    if yaml_path is not None:
+        source = str(yaml_path)
+        try:
+            with open(yaml_path, encoding="utf-8") as f:
+                data = parse_yaml(f.read())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {source}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: invalid YAML: {e}") from e
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: top level must be a mapping, found {_value_desc(data)}")
+    data, src = apply_overrides(cls, data, overrides)
+    return _build_root(cls, data, source, src)
+
+
+def to_plain(obj: Any) -> Any:
+    """Dataclasses -> dicts, tuples -> lists, paths -> str: plain YAML/JSON data."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, pathlib.PurePath):
+        return str(obj)
+    return obj
+
+
+def dump_config(cfg: Any) -> str:
+    """YAML text that `load_config` reads back to an equal config."""
+    return yaml.safe_dump(to_plain(cfg), sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def save_config(cfg: Any, path: str | os.PathLike) -> None:
+    """Atomic write (temp file in the same directory + os.replace): readers never see half a file."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".yaml")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(dump_config(cfg))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def add_config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> argparse.ArgumentParser:
+    """CLI pattern: `--config PATH [dotted.key=value ...]`; read back with `config_from_args`."""
+    parser.add_argument("--config", default=None, required=required, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. rl.lr=1e-6")
+    return parser
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    return load_config(cls, args.config, list(args.overrides))

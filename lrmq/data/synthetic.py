@@ -1,0 +1,170 @@
+"""Seeded multi-step arithmetic: a task small enough for the tiny embedded model to learn and RL on.
+
+    problem:  "Compute 12+7*3-5."
+    solution: "7*3=21. 12+21=33. 33-5=28. \\boxed{28}"
+    answer:   "28"
+
+Steps follow operator precedence: every `*` left to right, then `+`/`-` left to right. The character
+set is tiny on purpose (digits, `+-*=.`, space, the words "Compute"/"boxed", a backslash and braces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+OPS = ("+", "-", "*")
+
+
+@dataclass(frozen=True)
+class ArithDifficulty:
+    min_ops: int = 1
+    max_ops: int = 3
+    max_operand: int = 20  # operands are drawn from [0, max_operand]
+    max_mul_operand: int = 9  # both factors of a `*` stay small so products stay short
+    allow_negative: bool = False  # if False, no intermediate result is negative
+
+    def __post_init__(self):
+        if not 1 <= self.min_ops <= self.max_ops <= 3:
+            raise ValueError(f"need 1 <= min_ops <= max_ops <= 3, got min_ops={self.min_ops} max_ops={self.max_ops}")
+        if self.max_operand < 1 or self.max_mul_operand < 1:
+            raise ValueError(f"max_operand and max_mul_operand must be >= 1, got {self.max_operand}, {self.max_mul_operand}")
+
+
+def solve(numbers: Sequence[int], ops: Sequence[str]) -> tuple[list[str], int]:
+    """Step strings ("7*3=21") and the value, multiplication first, then left to right."""
+    if len(numbers) != len(ops) + 1:
+        raise ValueError(f"{len(numbers)} numbers need {len(numbers) - 1} ops, got {len(ops)}")
+    nums, ops = list(numbers), list(ops)
+    steps = []
+    while "*" in ops:
+        i = ops.index("*")
+        v = nums[i] * nums[i + 1]
+        steps.append(f"{nums[i]}*{nums[i + 1]}={v}")
+        nums[i : i + 2] = [v]
+        del ops[i]
+    while ops:
+        a, op, b = nums[0], ops[0], nums[1]
+        v = a + b if op == "+" else a - b
+        steps.append(f"{a}{op}{b}={v}")
+        nums[0:2] = [v]
+        del ops[0]
+    return steps, nums[0]
+
+
+def _intermediates_ok(steps: list[str]) -> bool:
+    return all(not s.split("=")[1].startswith("-") for s in steps)
+
+
+def make_problem(rng: random.Random, difficulty: ArithDifficulty = ArithDifficulty()) -> dict:
+    """One row {problem, solution, answer}; rejection-samples until the difficulty constraints hold."""
+    while True:
+        n_ops = rng.randint(difficulty.min_ops, difficulty.max_ops)
+        ops = [rng.choice(OPS) for _ in range(n_ops)]
+        nums = [rng.randint(0, difficulty.max_operand) for _ in range(n_ops + 1)]
+        for i, op in enumerate(ops):
+            if op == "*":  # keep both factors (also shared by a neighbouring `*`) small
+                nums[i] = min(nums[i], rng.randint(0, difficulty.max_mul_operand))
+                nums[i + 1] = min(nums[i + 1], rng.randint(0, difficulty.max_mul_operand))
+        steps, value = solve(nums, ops)
+        if difficulty.allow_negative or _intermediates_ok(steps):
+            break
+    expr = "".join(f"{n}{op}" for n, op in zip(nums, ops)) + str(nums[-1])
+    return {
+        "problem": f"Compute {expr}.",
+        "solution": " ".join(f"{s}." for s in steps) + f" \\boxed{{{value}}}",
+        "answer": str(value),
+    }
+
+
+def generate_split(
+    n: int,
+    seed: int,
+    difficulty: ArithDifficulty = ArithDifficulty(),
+    *,
+    exclude: Iterable[str] = (),
+    max_tries_per_row: int = 200,
+) -> list[dict]:
+    """`n` rows with distinct problem texts, none of which is in `exclude`; deterministic in `seed`."""
+    rng = random.Random(seed)
+    seen = set(exclude)
+    rows: list[dict] = []
+    tries = 0
+    while len(rows) < n:
+        row = make_problem(rng, difficulty)
+        tries += 1
+        if row["problem"] in seen:
+            if tries > max_tries_per_row * max(n, 1):
+                raise ValueError(f"only {len(rows)} distinct problems found for n={n} at {difficulty}; widen the ranges")
+            continue
+        seen.add(row["problem"])
+        rows.append(row)
+    return rows
+
+
+def make_splits(
+    n_train: int, n_eval: int, seed: int, difficulty: ArithDifficulty = ArithDifficulty()
+) -> tuple[list[dict], list[dict]]:
+    """(train, held_out): the held-out split is drawn first and its problems are excluded from train."""
+    held_out = generate_split(n_eval, seed * 2 + 1, difficulty)
+    train = generate_split(n_train, seed * 2, difficulty, exclude={r["problem"] for r in held_out})
+    return train, held_out
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
+    """One JSON object per line; atomic (temp file + os.replace)."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".jsonl")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{os.fspath(path)}:{lineno}: invalid JSON: {e}") from e
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Write train.jsonl / test.jsonl of synthetic arithmetic")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--n-train", type=int, default=2000)
+    p.add_argument("--n-eval", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-ops", type=int, default=1)
+    p.add_argument("--max-ops", type=int, default=3)
+    p.add_argument("--max-operand", type=int, default=20)
+    p.add_argument("--max-mul-operand", type=int, default=9)
+    p.add_argument("--allow-negative", action="store_true")
+    a = p.parse_args(argv)
+    diff = ArithDifficulty(a.min_ops, a.max_ops, a.max_operand, a.max_mul_operand, a.allow_negative)
+    train, test = make_splits(a.n_train, a.n_eval, a.seed, diff)
+    write_jsonl(os.path.join(a.out, "train.jsonl"), train)
+    write_jsonl(os.path.join(a.out, "test.jsonl"), test)
+    print(f"wrote {len(train)} train and {len(test)} test rows to {a.out}")
+
+
+if __name__ == "__main__":
+    main()

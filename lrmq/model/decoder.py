@@ -1,0 +1,212 @@
+"""The one decoder shared by Qwen3, Qwen2/2.5, Llama 3.x and Olmo-3 (differences live in ModelConfig)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from lrmq.model.config import ModelConfig
+from lrmq.model.linear import Linear
+from lrmq.model.params import param
+from lrmq.model.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+
+@struct.dataclass
+class KVCache:
+    """Preallocated per-layer keys/values [B, S, KVH, D] and the position held by each slot (-1 = empty)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    pos: jax.Array  # [B, S] int32
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+        dtype = dtype or jnp.dtype(cfg.dtype)
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   pos=jnp.full((batch, max_len), -1, jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.pos.shape[1]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, scale_in_f32: bool, param_dtype):
+        self.scale = param(jnp.ones((dim,), param_dtype), (None,))
+        self.eps = eps
+        self.scale_in_f32 = scale_in_f32  # Olmo multiplies before casting back; Llama/Qwen after
+
+    def __call__(self, x):
+        dtype = x.dtype
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        if self.scale_in_f32:
+            return (self.scale[...].astype(jnp.float32) * h).astype(dtype)
+        return self.scale[...].astype(dtype) * h.astype(dtype)
+
+
+def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, scale_in_f32=cfg.family == "olmo3", param_dtype=jnp.dtype(cfg.param_dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, rngs: nnx.Rngs):
+        dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        d = cfg.hidden_size
+        lin = lambda i, o, bias, axes: Linear(i, o, use_bias=bias, axes=axes, dtype=dt, param_dtype=pdt, rngs=rngs)
+        self.q_proj = lin(d, cfg.q_size, cfg.qkv_bias, ("embed", "heads"))
+        self.k_proj = lin(d, cfg.kv_size, cfg.qkv_bias, ("embed", "kv_heads"))
+        self.v_proj = lin(d, cfg.kv_size, cfg.qkv_bias, ("embed", "kv_heads"))
+        self.o_proj = lin(cfg.q_size, d, cfg.o_bias, ("heads", "embed"))
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = _norm(cfg, cfg.head_dim), _norm(cfg, cfg.head_dim)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = _norm(cfg, cfg.q_size), _norm(cfg, cfg.kv_size)
+        else:
+            self.q_norm = self.k_norm = None
+        self.qk_norm = cfg.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
+        inv, scale = inv_frequencies(cfg.rope[layer_type], cfg.head_dim)
+        self.inv_freq = tuple(float(v) for v in inv)  # static python data, not a parameter
+        self.rope_scale = scale
+
+    def __call__(self, x, positions, cache_kv=None, cache_pos=None, index=None):
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(positions, np.asarray(self.inv_freq, np.float32), self.rope_scale, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cache_kv is None:  # training / scoring: keys are this sequence
+            keys, values, k_pos, new_kv = k, v, positions, None
+        else:
+            ck, cv = cache_kv
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+            keys, values, k_pos, new_kv = ck, cv, cache_pos, (ck, cv)
+        out = attend(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, self.window)
+        return self.o_proj(out.reshape(b, t, -1)), new_kv
+
+
+def attend(q, k, v, q_pos, k_pos, window):
+    """Grouped-query attention with masks from positions (-1 = padding/empty slot).
+
+    q [B, T, H, D], k/v [B, S, KVH, D], q_pos [B, T], k_pos [B, S]. Causality and sliding windows are
+    decided by positions, so left-padded prompts, caches and training batches share one code path.
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    qg = q.reshape(b, t, kvh, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+    allowed = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        allowed &= (qp - kp) < window
+    scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        lin = lambda i, o, axes: Linear(i, o, use_bias=cfg.mlp_bias, axes=axes, dtype=dt, param_dtype=pdt, rngs=rngs)
+        self.gate_proj = lin(d, f, ("embed", "mlp"))
+        self.up_proj = lin(d, f, ("embed", "mlp"))
+        self.down_proj = lin(f, d, ("mlp", "embed"))
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, rngs: nnx.Rngs):
+        self.post_norm = cfg.norm_placement == "post"
+        self.attn = Attention(cfg, layer_type, rngs)
+        self.mlp = MLP(cfg, rngs)
+        if self.post_norm:  # Olmo: x + norm(f(x))
+            self.attn_out_norm = _norm(cfg, cfg.hidden_size)
+            self.mlp_out_norm = _norm(cfg, cfg.hidden_size)
+        else:  # Llama/Qwen: x + f(norm(x))
+            self.attn_norm = _norm(cfg, cfg.hidden_size)
+            self.mlp_norm = _norm(cfg, cfg.hidden_size)
+
+    def __call__(self, x, positions, cache_kv=None, cache_pos=None, index=None):
+        if self.post_norm:
+            a, new_kv = self.attn(x, positions, cache_kv, cache_pos, index)
+            x = x + self.attn_out_norm(a)
+            return x + self.mlp_out_norm(self.mlp(x)), new_kv
+        a, new_kv = self.attn(self.attn_norm(x), positions, cache_kv, cache_pos, index)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), new_kv
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, param_dtype, rngs: nnx.Rngs):
+        self.embedding = param(0.02 * jax.random.normal(rngs.params(), (vocab, dim), param_dtype), ("vocab", "embed"))
+
+
+class Decoder(nnx.Module):
+    """Causal LM. `__call__(tokens, positions)` -> logits; with a KVCache it also returns the new cache."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, pdt, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, cfg.layer_types[i], rngs) for i in range(cfg.num_layers)])
+        self.final_norm = _norm(cfg, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, axes=("embed", "vocab"),
+                                  dtype=dt, param_dtype=pdt, rngs=rngs)
+
+    def hidden(self, tokens, positions, cache: KVCache | None = None, index=None):
+        """Final-norm hidden states [B, T, D] (and the updated cache)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        x = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(dt)
+        new_k, new_v, cache_pos = [], [], None
+        if cache is not None:
+            cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, index))
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, new_kv = layer(x, positions, kv, cache_pos, index)
+            if cache is not None:
+                new_k.append(new_kv[0])
+                new_v.append(new_kv[1])
+        x = self.final_norm(x)
+        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), pos=cache_pos)
+        return x, new_cache
+
+    def logits(self, h):
+        if self.lm_head is None:
+            w = self.embed.embedding[...].astype(h.dtype)
+            return jnp.einsum("btd,vd->btv", h, w)
+        return self.lm_head(h)
+
+    def __call__(self, tokens, positions=None, cache: KVCache | None = None, index=None):
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        h, new_cache = self.hidden(tokens, positions, cache, index)
+        logits = self.logits(h)
+        return logits if cache is None else (logits, new_cache)
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """Positions for a (left- or right-) padded batch: cumulative count of real tokens - 1; padding -> -1."""
+    mask = mask.astype(jnp.int32)
+    return jnp.where(mask > 0, jnp.cumsum(mask, axis=-1) - 1, -1)

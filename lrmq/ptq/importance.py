@@ -1,0 +1,321 @@
+"""QuantLRM channel importance from fine-tuning updates (papers.md, Paper 2, "Channel importance").
+
+Reference pipeline (psunlpgroup/QuantLRM) and what is replicated here:
+
+1. ``compare_weight_matrix.py``: both checkpoints are loaded with ``from_pretrained`` and no dtype
+   (transformers 4.57 -> float32 upcast of the bf16 weights), ``|W_ft - W_base|`` is taken in float32
+   and saved.  Here: :func:`abs_delta` (float32 difference of float32-upcast weights; exact for bf16
+   inputs of similar magnitude, as in the reference).
+2. ``quadratic_mapping.py``: global (all targeted matrices, all layers) min / exact median / max of the
+   strictly positive |dW| in float32, then the mapping ``q`` elementwise in float32.  Here:
+   :func:`global_stats` (streamed, exact, :mod:`lrmq.ptq.median`) and :data:`MAPPINGS`.
+3. ``pre_quant.run_awq``: ``minus = dW.half(); quadratic = q.half()``;
+   ``count = (minus == 0).sum(0) + 1``; ``imp = quadratic.mean(0) * count`` -- all float16 and along
+   torch dim 0 = the output dim, giving one value per input channel.  So the zero test is on the
+   float16 cast of the float32 difference (|dW| <= 2^-25 counts as zero although it is positive in the
+   float32 stats and its q came from the quadratic), the mean is of float16-rounded q, and the product
+   is float16 (the int count is first cast to float16).  Here: :func:`channel_importance`.
+
+Orientation: lrmq weights are ``[K, N] = [in, out]``; the reference's column j of the torch
+``[out, in]`` weight is our row k, so every reduction below is over axis 1 (the output dim).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from lrmq.ptq.median import Stats, positive_stats
+from lrmq.registry import Registry
+
+ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+IMPORTANCE_PROJ = ("q_proj", "o_proj", "gate_proj", "down_proj")
+_EPS = 1e-30
+# largest float32 that rounds to 0 in float16: half of the smallest subnormal, ties go to even (0)
+_FP16_ZERO_MAX = np.float32(2.0**-25)
+
+MAPPINGS: Registry = Registry("importance mapping")
+
+
+def abs_delta(w_ft, w_base, *, name: str = "weight") -> np.ndarray:
+    """|W_ft - W_base| in float32 (the reference's fp32 upcast of bf16 weights, then subtract).
+
+    The exact-zero test is *not* applied here: the reference computes the mapping on these float32
+    values and zero-tests their float16 cast separately (see :func:`zero_mask`).
+    """
+    a = np.asarray(w_ft)
+    b = np.asarray(w_base)
+    if a.shape != b.shape:
+        raise ValueError(f"{name}: fine-tuned shape {a.shape} != base shape {b.shape}")
+    return np.abs(a.astype(np.float32) - b.astype(np.float32))
+
+
+def zero_mask(dw_abs: np.ndarray, precision: str = "fp16") -> np.ndarray:
+    """Exact-zero test of |dW|: after a float16 cast (reference) or in float32 (``"fp32"``)."""
+    if precision == "fp16":
+        # |x| cast to fp16 is 0 iff |x| <= 2^-25 (round-half-even at half the smallest subnormal)
+        return dw_abs <= _FP16_ZERO_MAX
+    if precision == "fp32":
+        return dw_abs == 0
+    raise ValueError(f"precision must be 'fp16' or 'fp32', got {precision!r}")
+
+
+def _dens(stats: Stats) -> tuple[np.float32, np.float32, np.float32]:
+    # as the reference: python-float denominators floored at 1e-30, then made float32 tensors
+    mid = np.float32(stats.median)
+    left = np.float32(max(stats.median - stats.min, _EPS))
+    right = np.float32(max(stats.max - stats.median, _EPS))
+    return mid, left, right
+
+
+def _signed_position(x: np.ndarray, stats: Stats) -> np.ndarray:
+    """u in [-1, 1]: -1 at x_min, 0 at the median, +1 at x_max (two linear halves, clipped)."""
+    mid, left, right = _dens(stats)
+    d = x - mid
+    # (x - mid) / -left == -((mid - x) / left) exactly, so u^2 is the reference's z^2
+    u = d / np.where(x <= mid, left, right)
+    return np.clip(u, -1, 1, out=u)
+
+
+def _finish(q: np.ndarray, x: np.ndarray) -> np.ndarray:
+    q[x == 0] = 1.0  # zero updates map to 1 for every mapping
+    return q
+
+
+@MAPPINGS.register("u_shape")
+def u_shape(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
+    """Reference "restricted quadratic": 1 + (R-1) z^2, z = clipped distance to the median.
+
+    R at x_min and x_max, 1 at the median.  float32 throughout as the reference.
+    """
+    x = np.asarray(x, np.float32)
+    u = _signed_position(x, stats)
+    return _finish(np.float32(1) + np.float32(R - 1) * (u * u), x)
+
+
+@MAPPINGS.register("inverted_u")
+def inverted_u(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
+    """Ablation: 1 + (R-1)(1 - z^2): R at the median, 1 at both ends (protects the middle)."""
+    x = np.asarray(x, np.float32)
+    u = _signed_position(x, stats)
+    return _finish(np.float32(1) + np.float32(R - 1) * (np.float32(1) - u * u), x)
+
+
+@MAPPINGS.register("increasing")
+def increasing(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
+    """Ablation: 1 + (R-1)(u+1)/2: 1 at x_min, (1+R)/2 at the median, R at x_max (protects big updates)."""
+    x = np.asarray(x, np.float32)
+    u = _signed_position(x, stats)
+    return _finish(np.float32(1) + np.float32((R - 1) / 2) * (u + np.float32(1)), x)
+
+
+@MAPPINGS.register("decreasing")
+def decreasing(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
+    """Ablation: 1 + (R-1)(1-u)/2: R at x_min, (1+R)/2 at the median, 1 at x_max (protects small updates)."""
+    x = np.asarray(x, np.float32)
+    u = _signed_position(x, stats)
+    return _finish(np.float32(1) + np.float32((R - 1) / 2) * (np.float32(1) - u), x)
+
+
+@MAPPINGS.register("constant")
+def constant(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
+    """Ablation: q == 1, so the importance is the zero-update count term alone."""
+    return np.ones(np.shape(x), np.float32)
+
+
+def channel_importance(
+    dw_abs: np.ndarray,
+    stats: Stats,
+    *,
+    mapping: str = "u_shape",
+    R: float = 10.0,
+    zero_chunks: int = 1,
+    precision: str = "fp16",
+) -> np.ndarray:
+    """Per-input-channel importance of one ``[K, N]`` (lrmq orientation) |dW|: ``[K]`` float32.
+
+    ``I_k = mean_n q(|dW[k, n]|) * C_k`` with ``C_k = 1 + #zeros in row k`` (``zero_chunks == 1``) or
+    ``C_k = (1/K_c) sum_c (1 + Z_k^(c))`` over ``K_c`` chunks of the output dim (the reference's 32B/70B
+    variant; the sum does not depend on the split, so ``C_k = (Z_k + K_c) / K_c``, computed in float32).
+
+    ``precision="fp16"`` replicates the reference: q is cast to float16 before the mean, the mean is
+    rounded to float16 (accumulated here in float64; torch accumulates in float32 -- identical unless
+    a mean sits within float32 rounding error of a float16 rounding boundary), the count is cast to
+    float16 (integers above 2048 round), the product is rounded to float16 (may be inf above 65504,
+    which is why the reference chunks the count for wide matrices).  The result holds those float16
+    values as float32.  ``precision="fp32"`` keeps everything float32 (mean in float64) and tests
+    exact float32 zeros.
+    """
+    x = np.asarray(dw_abs, np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"dw_abs must be 2-D [K, N], got shape {x.shape}")
+    if zero_chunks < 1:
+        raise ValueError(f"zero_chunks must be >= 1, got {zero_chunks}")
+    fn = MAPPINGS.get(mapping)
+    q = fn(x, stats, R)
+    z = zero_mask(x, precision).sum(axis=1)
+    if zero_chunks == 1:
+        count = (z + 1).astype(np.float32)
+    else:
+        count = (z + zero_chunks).astype(np.float32) / np.float32(zero_chunks)
+    if precision == "fp16":
+        mean = q.astype(np.float16).mean(axis=1, dtype=np.float64).astype(np.float16)
+        with np.errstate(over="ignore"):
+            prod = mean.astype(np.float32) * count.astype(np.float16).astype(np.float32)
+            return prod.astype(np.float16).astype(np.float32)
+    return (q.mean(axis=1, dtype=np.float64) * count).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# model-level two-pass driver
+
+Pair = tuple  # (name, w_ft, w_base); each weight an array or a zero-argument callable returning one
+
+
+def matrix_type(name: str, targets: Sequence[str]) -> str | None:
+    """The target a tensor name belongs to, by dotted component (``layers.3.attn.q_proj`` -> q_proj)."""
+    parts = name.split(".")
+    for t in targets:
+        if t in parts:
+            return t
+    return None
+
+
+def _reiterable(pairs) -> Callable[[], Iterable[Pair]]:
+    if callable(pairs):
+        return pairs
+    if iter(pairs) is pairs:
+        raise TypeError("pairs must be re-iterable (a sequence or a callable returning an iterable); "
+                        "the importance pass reads the weights more than once")
+    return lambda: pairs
+
+
+def _load(w):
+    return w() if callable(w) else w
+
+
+def _deltas(make_pairs, targets) -> Iterable[tuple[str, str, np.ndarray]]:
+    for name, w_ft, w_base in make_pairs():
+        t = matrix_type(name, targets)
+        if t is not None:
+            yield name, t, abs_delta(_load(w_ft), _load(w_base), name=name)
+
+
+def global_stats(pairs, *, stats_targets: Sequence[str] = ALL_PROJ, max_bucket: int = 1 << 22) -> Stats:
+    """Global positive-only (min, exact median, max, count) of |dW| over every ``stats_targets`` matrix."""
+    make_pairs = _reiterable(pairs)
+    seen = []
+
+    def stream():
+        seen.clear()
+        for name, _, dw in _deltas(make_pairs, stats_targets):
+            seen.append(name)
+            yield dw
+
+    try:
+        return positive_stats(stream, max_bucket=max_bucket)
+    except ValueError:
+        if not seen:
+            raise ValueError(f"no tensor matched the targets {tuple(stats_targets)}") from None
+        raise ValueError(
+            f"|dW| is zero everywhere in the {len(seen)} targeted matrices: the fine-tuned weights are "
+            "identical to the base weights, so there is no fine-tuning signal for QuantLRM importance"
+        ) from None
+
+
+def importance_for_model(
+    pairs,
+    targets: Sequence[str] = IMPORTANCE_PROJ,
+    *,
+    stats_targets: Sequence[str] | None = ALL_PROJ,
+    stats: Stats | None = None,
+    mapping: str = "u_shape",
+    R: float = 10.0,
+    zero_chunks: int | Mapping[str, int] = 1,
+    precision: str = "fp16",
+    max_bucket: int = 1 << 22,
+) -> dict[str, np.ndarray]:
+    """Importance vectors ``{name: [K]}`` for every tensor whose name has a ``targets`` component.
+
+    ``pairs``: a sequence of ``(name, w_ft, w_base)`` or a callable returning a fresh iterable of
+    them, in lrmq orientation ``[K, N]``; a weight may be a zero-argument callable (lazy load).
+    Pass 1 (two streamed reads, :func:`global_stats`) takes the global stats over ``stats_targets``
+    (default: all seven projections, as the reference's Qwen3-8B run; ``None`` = ``targets``, as its
+    OLMo-3 run); pass 2 reads the ``targets`` matrices once more.  ``zero_chunks`` may be a dict
+    ``{target: chunks}`` (the 32B reference chunks gate/down by 5).
+    """
+    make_pairs = _reiterable(pairs)
+    if stats is None:
+        stats = global_stats(make_pairs, stats_targets=stats_targets or targets, max_bucket=max_bucket)
+    out = {}
+    for name, t, dw in _deltas(make_pairs, targets):
+        chunks = zero_chunks.get(t, 1) if isinstance(zero_chunks, Mapping) else zero_chunks
+        out[name] = channel_importance(dw, stats, mapping=mapping, R=R, zero_chunks=chunks,
+                                       precision=precision)
+    if not out:
+        raise ValueError(f"no tensor matched the targets {tuple(targets)}")
+    return out
+
+
+def save_importance_npz(path: str, importances: Mapping[str, np.ndarray]) -> None:
+    """Write ``{name: vector}`` to ``path`` (.npz) atomically: temp file in the same dir, then rename."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".npz.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **{k: np.asarray(v) for k, v in importances.items()})
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def plot_importance(
+    path_png: str,
+    dw_sample: np.ndarray,
+    stats: Stats,
+    importances: Mapping[str, np.ndarray],
+    mapping: str = "u_shape",
+    *,
+    R: float = 10.0,
+    max_curves: int = 4,
+) -> None:
+    """Two panels: histogram of positive |dW| (log x) with the mapping overlaid; importance per channel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = np.asarray(dw_sample, np.float32).ravel()
+    x = x[x > 0]
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lo, hi = max(stats.min, 1e-12), stats.max
+    bins = np.geomspace(lo, hi, 80) if hi > lo else 10
+    if x.size:
+        ax0.hist(x, bins=bins, color="tab:gray", alpha=0.7)
+    ax0.set_xscale("log")
+    ax0.set_xlabel("|dW| (positive)")
+    ax0.set_ylabel("count (sample)")
+    ax0.axvline(stats.median, color="tab:red", ls="--", lw=1, label=f"median {stats.median:.3g}")
+    axq = ax0.twinx()
+    grid = np.geomspace(lo, hi, 400).astype(np.float32) if hi > lo else np.array([lo], np.float32)
+    axq.plot(grid, MAPPINGS.get(mapping)(grid, stats, R), color="tab:blue", label=f"q ({mapping})")
+    axq.set_ylabel("q(|dW|)")
+    axq.set_ylim(0, R * 1.05)
+    ax0.legend(loc="upper left")
+    axq.legend(loc="upper right")
+    ax0.set_title(f"|dW|: n={stats.count}, min={stats.min:.3g}, max={stats.max:.3g}")
+    for name in list(importances)[:max_curves]:
+        ax1.plot(np.asarray(importances[name]), lw=0.8, label=name)
+    ax1.set_xlabel("input channel")
+    ax1.set_ylabel("importance")
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=100)
+    plt.close(fig)

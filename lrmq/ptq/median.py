@@ -1,0 +1,120 @@
+"""Exact min / median / max of the strictly positive values of a stream of arrays, in bounded memory.
+
+QuantLRM needs the exact median of |dW| over every targeted matrix of a model (hundreds of millions to
+billions of values); the reference writes them all to a memmap and runs ``np.partition``. Here the
+values are streamed twice and never held at once:
+
+* pass 1: count, min, max and a histogram of the top 16 bits of each value's float32 bit pattern.
+  Positive float32 values order exactly like their uint32 bit patterns, so the histogram is ordered
+  and the bucket holding any rank is found by a cumulative sum.
+* pass 2 (one pass for both middle ranks): a bucket holding a middle rank is either small
+  (``<= max_bucket`` values: collect them, ``np.partition``) or large (histogram the low 16 bits of that
+  bucket's values: the rank then falls on one exact 32-bit pattern, i.e. one exact value).
+
+Memory: two 65536-bin int64 histograms plus at most ``max_bucket`` uint32 per middle bucket (at most
+2 buckets), plus whatever one chunk of the stream costs.  Values are compared in float32 (the
+reference's dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, NamedTuple
+
+import numpy as np
+
+_NBINS = 1 << 16
+
+
+class Stats(NamedTuple):
+    min: float
+    median: float
+    max: float
+    count: int
+
+
+def positive_bits(chunk) -> np.ndarray:
+    """uint32 bit patterns of the strictly positive float32 values of one chunk (NaN dropped)."""
+    x = np.asarray(chunk, dtype=np.float32).ravel()
+    return x[x > 0].view(np.uint32)
+
+
+def _pass1(make_stream) -> tuple[np.ndarray, float, float]:
+    hist = np.zeros(_NBINS, np.int64)
+    bmin, bmax = None, None
+    for chunk in make_stream():
+        b = positive_bits(chunk)
+        if b.size == 0:
+            continue
+        hist += np.bincount(b >> 16, minlength=_NBINS)
+        # min/max of the bit patterns are the bit patterns of min/max
+        lo, hi = int(b.min()), int(b.max())
+        bmin = lo if bmin is None else min(bmin, lo)
+        bmax = hi if bmax is None else max(bmax, hi)
+    if bmin is None:
+        return hist, np.nan, np.nan
+    return hist, float(np.uint32(bmin).view(np.float32)), float(np.uint32(bmax).view(np.float32))
+
+
+def _pass2(make_stream, wanted: dict[int, list[int]], hist: np.ndarray, max_bucket: int) -> dict:
+    """Exact values at within-bucket ranks: ``wanted`` maps bucket -> ranks inside that bucket."""
+    small = {b: np.empty(int(hist[b]), np.uint32) for b in wanted if hist[b] <= max_bucket}
+    filled = dict.fromkeys(small, 0)
+    large = {b: np.zeros(_NBINS, np.int64) for b in wanted if hist[b] > max_bucket}
+    for chunk in make_stream():
+        bits = positive_bits(chunk)
+        hi = bits >> 16
+        for b in wanted:
+            sel = bits[hi == b]
+            if b in small:
+                n = filled[b]
+                if n + sel.size > small[b].size:
+                    raise RuntimeError("the stream changed between passes (bucket count grew)")
+                small[b][n : n + sel.size] = sel
+                filled[b] = n + sel.size
+            else:
+                large[b] += np.bincount(sel & 0xFFFF, minlength=_NBINS)
+    out = {}
+    for b, ranks in wanted.items():
+        if b in small:
+            if filled[b] != hist[b]:
+                raise RuntimeError("the stream changed between passes (bucket count differs)")
+            part = np.partition(small[b], ranks)  # uint32 order == float order for positives
+            for r in ranks:
+                out[(b, r)] = part[r].view(np.float32)
+        else:
+            if large[b].sum() != hist[b]:
+                raise RuntimeError("the stream changed between passes (bucket count differs)")
+            cum = np.cumsum(large[b])
+            for r in ranks:
+                low = int(np.searchsorted(cum, r, side="right"))
+                out[(b, r)] = np.uint32((b << 16) | low).view(np.float32)
+    return out
+
+
+def positive_stats(
+    make_stream: Callable[[], Iterable[np.ndarray]], *, max_bucket: int = 1 << 22
+) -> Stats:
+    """Exact (min, median, max, count) over all strictly positive float32 values of ``make_stream()``.
+
+    ``make_stream`` is called twice (one call per pass) and must yield the same arrays each time.
+    An even count's median is the mean of the two middle values computed in float32, exactly as the
+    reference (``(mm[k1] + mm[k2]) / 2.0`` on float32 scalars) and ``np.median`` on float32 do.
+    Raises ValueError if there is no positive value.
+    """
+    hist, vmin, vmax = _pass1(make_stream)
+    n = int(hist.sum())
+    if n == 0:
+        raise ValueError("no strictly positive values in the stream")
+    cum = np.cumsum(hist)
+    ranks = sorted({(n - 1) // 2, n // 2})
+    where = {}
+    wanted: dict[int, list[int]] = {}
+    for r in ranks:
+        b = int(np.searchsorted(cum, r, side="right"))
+        within = r - (int(cum[b - 1]) if b else 0)
+        where[r] = (b, within)
+        wanted.setdefault(b, []).append(within)
+    vals = _pass2(make_stream, wanted, hist, max_bucket)
+    lo, hi = vals[where[(n - 1) // 2]], vals[where[n // 2]]
+    med = float((lo + hi) / np.float32(2)) if lo != hi else float(lo)
+    return Stats(min=vmin, median=med, max=vmax, count=n)

@@ -1,0 +1,180 @@
+"""Round-to-nearest integer quantizers on lrmq-orientation weights [K, N] (in, out).
+
+Groups run along K (axis 0): group i covers rows [i*g, (i+1)*g) of every output column, so scales and
+zeros are [K/g, N]. llm-awq works on torch weights [out, in] with groups along `in`; that is the same
+partition of the same matrix, transposed, so the numbers are identical.
+
+All math is float32 regardless of the weight dtype; results are cast back to `w.dtype`.
+`fake_quant(w) == dequantize_codes(quantize_codes(w, *compute_qparams(w)))` holds bit for bit because
+fake_quant is literally that composition.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from lrmq.registry import Registry
+
+QUANTIZERS: Registry = Registry("quantizer")
+
+# llm-awq clamps (max - min) at 1e-5 (asymmetric) and absmax at 1e-5 (symmetric branch) so constant
+# groups get a finite scale.
+_ASYM_RANGE_MIN = 1e-5
+_SYM_ABSMAX_MIN = 1e-5
+# paper-1 (rlquant QuantizedLinear) per-tensor scale floor.
+_PER_TENSOR_SCALE_MIN = 1e-6
+
+
+def check_bits(bits) -> int:
+    if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool) or not 2 <= bits <= 8:
+        raise ValueError(f"bits must be an int in 2..8, got {bits!r}")
+    return int(bits)
+
+
+def resolve_group_size(shape, group_size) -> int:
+    """Validate a [K, N] weight shape and group size; -1 (or K) means one group per output channel."""
+    if len(shape) != 2:
+        raise ValueError(f"weight must be 2-D [K, N] (in, out), got shape {tuple(shape)}")
+    K = int(shape[0])
+    if not isinstance(group_size, (int, np.integer)) or isinstance(group_size, bool):
+        raise TypeError(f"group_size must be an int, got {group_size!r}")
+    g = K if group_size in (-1, K) else int(group_size)
+    if g <= 0 or K % g:
+        raise ValueError(
+            f"group_size={group_size} must be -1 or a positive divisor of K for weight shape "
+            f"{tuple(shape)} (K={K})"
+        )
+    return g
+
+
+def _check_float(name, w):
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating array, got dtype {w.dtype}")
+
+
+def _grouped(w, g):
+    K, N = w.shape
+    return w.astype(jnp.float32).reshape(K // g, g, N)
+
+
+def compute_qparams(w, bits: int, group_size: int, symmetric: bool):
+    """Per-group scales (f32 [K/g, N]) and unsigned zero points (uint8 [K/g, N]).
+
+    asymmetric (llm-awq `pseudo_quantize_tensor`, zero_point=True):
+        scale = clamp(max - min, 1e-5) / (2^b - 1);  zero = clamp(-round(min / scale), 0, 2^b - 1)
+    symmetric:
+        scale = clamp(absmax, 1e-5) / (2^(b-1) - 1);  zero = 2^(b-1)
+    """
+    bits = check_bits(bits)
+    _check_float("w", w)
+    g = resolve_group_size(w.shape, group_size)
+    wg = _grouped(w, g)
+    if symmetric:
+        absmax = jnp.max(jnp.abs(wg), axis=1)
+        scales = jnp.maximum(absmax, _SYM_ABSMAX_MIN) / (2 ** (bits - 1) - 1)
+        zeros = jnp.full(scales.shape, 2 ** (bits - 1), dtype=jnp.uint8)
+    else:
+        qmax = 2**bits - 1
+        mx, mn = jnp.max(wg, axis=1), jnp.min(wg, axis=1)
+        scales = jnp.maximum(mx - mn, _ASYM_RANGE_MIN) / qmax
+        zeros = jnp.clip(-jnp.round(mn / scales), 0, qmax).astype(jnp.uint8)
+    return scales.astype(jnp.float32), zeros
+
+
+def _check_qparams(w_shape, scales, zeros, g):
+    want = (w_shape[0] // g, w_shape[1])
+    if tuple(scales.shape) != want:
+        raise ValueError(f"scales shape {tuple(scales.shape)} != {want} for weight {tuple(w_shape)}, group_size {g}")
+    if tuple(zeros.shape) != want:
+        raise ValueError(f"zeros shape {tuple(zeros.shape)} != {want} for weight {tuple(w_shape)}, group_size {g}")
+
+
+def quantize_codes(w, scales, zeros, bits: int, group_size: int):
+    """q = clamp(round(w / scale) + zero, 0, 2^b - 1) as uint8 [K, N] (unpacked)."""
+    bits = check_bits(bits)
+    _check_float("w", w)
+    g = resolve_group_size(w.shape, group_size)
+    _check_qparams(w.shape, scales, zeros, g)
+    wg = _grouped(w, g)
+    s = scales.astype(jnp.float32)[:, None, :]
+    z = zeros.astype(jnp.float32)[:, None, :]
+    # Division (not multiply-by-reciprocal) as in llm-awq, so codes match it exactly.
+    q = jnp.clip(jnp.round(wg / s) + z, 0, 2**bits - 1)
+    return q.reshape(w.shape).astype(jnp.uint8)
+
+
+def dequantize_codes(codes, scales, zeros, group_size: int, dtype=jnp.float32):
+    """w = (q - z) * s in float32, cast to `dtype`; codes uint8 [K, N] unpacked."""
+    if codes.ndim != 2:
+        raise ValueError(f"codes must be 2-D [K, N], got shape {tuple(codes.shape)}")
+    g = resolve_group_size(codes.shape, group_size)
+    _check_qparams(codes.shape, scales, zeros, g)
+    K, N = codes.shape
+    q = codes.astype(jnp.float32).reshape(K // g, g, N)
+    w = (q - zeros.astype(jnp.float32)[:, None, :]) * scales.astype(jnp.float32)[:, None, :]
+    return w.reshape(K, N).astype(dtype)
+
+
+def fake_quant(w, bits: int, group_size: int, symmetric: bool):
+    """dequantize(quantize(w)) with the same dtype as w."""
+    scales, zeros = compute_qparams(w, bits, group_size, symmetric)
+    codes = quantize_codes(w, scales, zeros, bits, group_size)
+    return dequantize_codes(codes, scales, zeros, group_size, w.dtype)
+
+
+def pseudo_quantize_awq(w, bits: int = 4, group_size: int = 128):
+    """llm-awq `pseudo_quantize_tensor(w, n_bit=bits, zero_point=True, q_group_size=group_size)`.
+
+    llm-awq takes torch [out, in] and groups along `in`; here w is [K, N] = [in, out] with groups along
+    K, i.e. `ours(W.T).T == llm_awq(W)`. llm-awq computes in the weight dtype (fp16); we use float32.
+    """
+    return fake_quant(w, bits, group_size, symmetric=False)
+
+
+def per_tensor_scale(w, bits: int = 8):
+    """Symmetric per-tensor scale max(absmax / (2^(b-1) - 1), 1e-6) (rlquant QuantizedLinear)."""
+    bits = check_bits(bits)
+    _check_float("w", w)
+    absmax = jnp.max(jnp.abs(w.astype(jnp.float32)))
+    return jnp.maximum(absmax / (2 ** (bits - 1) - 1), _PER_TENSOR_SCALE_MIN)
+
+
+def fake_quant_per_tensor(w, bits: int = 8, scale=None):
+    """clamp(round(w / S), -2^(b-1), 2^(b-1) - 1) * S, S = per_tensor_scale(w) unless given.
+
+    Paper-1 QAT fixes S from the base weights at load and passes it here on every step.
+    """
+    bits = check_bits(bits)
+    _check_float("w", w)
+    s = per_tensor_scale(w, bits) if scale is None else jnp.asarray(scale, jnp.float32)
+    q = jnp.clip(jnp.round(w.astype(jnp.float32) / s), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    return (q * s).astype(w.dtype)
+
+
+@QUANTIZERS.register("rtn_asym")
+def rtn_asym(w, *, bits: int = 4, group_size: int = 128):
+    return fake_quant(w, bits, group_size, symmetric=False)
+
+
+@QUANTIZERS.register("rtn_sym")
+def rtn_sym(w, *, bits: int = 4, group_size: int = 128):
+    return fake_quant(w, bits, group_size, symmetric=True)
+
+
+@QUANTIZERS.register("int8")
+def int8_per_channel(w, *, bits: int = 8, group_size: int = -1):
+    """Symmetric int8; per output channel by default."""
+    if bits != 8:
+        raise ValueError(f"quantizer 'int8' needs bits=8, got bits={bits}")
+    return fake_quant(w, 8, group_size, symmetric=True)
+
+
+@QUANTIZERS.register("nf4")
+def nf4(w, *, bits: int = 4, group_size: int = 64):
+    """bitsandbytes NF4 with double quantization; group_size is bnb's block size (flattened torch order)."""
+    from lrmq.quant.nf4 import nf4_fake_quant  # local: nf4 imports this module
+
+    if bits != 4:
+        raise ValueError(f"quantizer 'nf4' needs bits=4, got bits={bits}")
+    return nf4_fake_quant(w, block_size=group_size, double_quant=True)

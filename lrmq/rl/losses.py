@@ -1,0 +1,202 @@
+"""GRPO-family policy losses, loss aggregation and KL estimators, registered by name.
+
+Shapes: ``logp`` / ``old_logp`` / ``ref_logp`` / ``mask`` are ``[B, T]`` over completion tokens
+(``mask`` is 1 on real tokens, 0 on padding); ``advantages`` is ``[B]``, one per sequence.
+
+Aggregations return ``(loss_sum, count)`` rather than a mean: the optimiser-step loss is
+``sum(loss_sum) / sum(count)`` over micro-batches, which equals the full-batch aggregation exactly,
+so gradient accumulation does not change the objective. See docs/grpo.md ("Algorithm").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lrmq.registry import Registry
+
+POLICY_LOSSES = Registry("policy loss")
+AGGREGATIONS = Registry("loss aggregation")
+KL_ESTIMATORS = Registry("KL estimator")
+
+# exp(20) ~ 4.9e8 is finite in float32; an unclipped log-ratio from a stale or padded token can
+# overflow to inf, and inf * 0 (mask) = NaN would poison the whole batch's gradient.
+LOG_RATIO_CLIP = 20.0
+
+
+def _f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- per-token policy loss
+
+
+@POLICY_LOSSES.register("grpo")
+@POLICY_LOSSES.register("ppo-clip")
+def policy_loss_terms(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2):
+    """PPO-clip surrogate per token.
+
+    Returns ``(loss [B,T], clipped [B,T])``: ``loss = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)``
+    with ``ratio = exp(logp - old_logp)``, zero on padding; ``clipped`` is 1.0 where the clipped
+    branch is the active one (ratio below 1-eps_low with A<0, or above 1+eps_high with A>0), i.e.
+    where the token gets no gradient, and is used for the clip-fraction metric.
+    """
+    logp, old_logp, mask = _f32(logp), _f32(old_logp), _f32(mask)
+    adv = _f32(advantages)[:, None]
+    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    ratio = jnp.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -jnp.minimum(unclipped, clipped)
+    is_clipped = ((ratio < 1.0 - eps_low) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
+    valid = mask > 0
+    # where, not multiply: a NaN on a padded position must not leak into the sums.
+    return jnp.where(valid, loss, 0.0), jnp.where(valid & is_clipped, 1.0, 0.0)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _masked(values, mask):
+    mask = _f32(mask)
+    return jnp.where(mask > 0, _f32(values), 0.0), mask
+
+
+@AGGREGATIONS.register("sequence-mean-token-mean")
+def sequence_mean_token_mean(values, mask, *, max_len: int | None = None):
+    """Mean over each sequence's tokens, then mean over sequences (paper 1 / TRL ``loss_type="grpo"``).
+
+    sum = sum over sequences of that sequence's token mean; count = sequences with >= 1 token.
+    """
+    del max_len
+    v, m = _masked(values, mask)
+    tokens = m.sum(axis=-1)
+    per_seq = v.sum(axis=-1) / jnp.maximum(tokens, 1.0)
+    return per_seq.sum(), (tokens > 0).sum().astype(jnp.float32)
+
+
+@AGGREGATIONS.register("token-mean")
+def token_mean(values, mask, *, max_len: int | None = None):
+    """Sum over all tokens / number of tokens (DAPO): long sequences weigh more."""
+    del max_len
+    v, m = _masked(values, mask)
+    return v.sum(), m.sum()
+
+
+@AGGREGATIONS.register("drgrpo-constant")
+@AGGREGATIONS.register("sequence-sum-constant")
+def drgrpo_constant(values, mask, *, max_len: int | None = None):
+    """Sum of token losses / (num_sequences * max_len) (Dr.GRPO: no per-sequence 1/|o_i|).
+
+    ``max_len`` should be the configured max completion length; it defaults to the padded width T,
+    which is only the same constant if every micro-batch is padded to it. Sequences with no valid
+    token (batch padding rows) are not counted.
+    """
+    v, m = _masked(values, mask)
+    length = v.shape[-1] if max_len is None else max_len
+    n_seq = (m.sum(axis=-1) > 0).sum().astype(jnp.float32)
+    return v.sum(), n_seq * jnp.float32(length)
+
+
+def aggregate(name: str, values, mask, *, max_len: int | None = None):
+    return AGGREGATIONS.get(name)(values, mask, max_len=max_len)
+
+
+# ----------------------------------------------------------------------------- KL estimators
+# Estimators of KL(pi || pi_ref) from samples of pi, per token (Schulman, "Approximating KL").
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp, ref_logp):
+    """logp - ref_logp: unbiased, high variance, can be negative."""
+    return _f32(logp) - _f32(ref_logp)
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp, ref_logp):
+    """0.5 * (logp - ref_logp)^2: biased, low variance, >= 0."""
+    d = _f32(logp) - _f32(ref_logp)
+    return 0.5 * d * d
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp, ref_logp):
+    """exp(ref - logp) - (ref - logp) - 1: unbiased, low variance, >= 0 (GRPO paper, TRL)."""
+    # Same overflow guard as the policy ratio.
+    d = jnp.clip(_f32(ref_logp) - _f32(logp), -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    return jnp.exp(d) - d - 1.0
+
+
+# ----------------------------------------------------------------------------- full loss
+
+
+def grpo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    aggregation: str = "sequence-mean-token-mean",
+    beta: float = 0.0,
+    ref_logp=None,
+    kl_estimator: str = "k3",
+    max_len: int | None = None,
+    policy_loss: str = "grpo",
+):
+    """GRPO / Dr.GRPO / DAPO-style loss for one micro-batch.
+
+    Per token: ``l = policy_loss + beta * KL_est(logp, ref_logp)`` (KL added before aggregation, as in
+    TRL and Tunix), then aggregated with ``aggregation``. ``old_logp=None`` means on-policy
+    (one inner iteration): ``old_logp = stop_gradient(logp)``, so ratio == 1 but the gradient is
+    the policy gradient. With ``beta == 0`` no KL is computed and ``ref_logp`` may be None.
+
+    Returns ``(loss_sum, count, metrics)``; ``metrics`` maps name -> ``(sum, count)`` token means:
+    ``clip_fraction``, ``ratio`` and (when beta != 0) ``kl``.
+    """
+    logp = _f32(logp)
+    mask = _f32(mask)
+    if old_logp is None:
+        old_logp = jax.lax.stop_gradient(logp)
+    per_token, is_clipped = POLICY_LOSSES.get(policy_loss)(
+        logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high
+    )
+    n_tokens = mask.sum()
+    ratio = jnp.exp(jnp.clip(logp - _f32(old_logp), -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
+    metrics = {
+        "clip_fraction": (is_clipped.sum(), n_tokens),
+        "ratio": (jnp.where(mask > 0, jax.lax.stop_gradient(ratio), 0.0).sum(), n_tokens),
+    }
+    if beta != 0.0:
+        if ref_logp is None:
+            raise ValueError("beta != 0 needs ref_logp")
+        kl = jnp.where(mask > 0, KL_ESTIMATORS.get(kl_estimator)(logp, ref_logp), 0.0)
+        per_token = per_token + beta * kl
+        metrics["kl"] = (jax.lax.stop_gradient(kl).sum(), n_tokens)
+    loss_sum, count = AGGREGATIONS.get(aggregation)(per_token, mask, max_len=max_len)
+    return loss_sum, count, metrics
+
+
+# ----------------------------------------------------------------------------- logits helpers
+
+
+def token_logprobs(logits, tokens):
+    """log softmax(logits)[tokens] in float32: ``[..., V], [...] -> [...]``.
+
+    Computed as ``logit[token] - logsumexp(logits)`` so the full ``[..., V]`` log-softmax is never
+    materialised (a bf16 log-softmax loses ~3 digits, enough to bias the ratio).
+    """
+    x = _f32(logits)
+    picked = jnp.take_along_axis(x, jnp.asarray(tokens)[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(x, axis=-1)
+
+
+def token_entropy(logits):
+    """Entropy of softmax(logits) per position in float32: ``[..., V] -> [...]``."""
+    x = _f32(logits)
+    lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+    logp = x - lse
+    p = jnp.exp(logp)
+    # p == 0 where a logit is -inf (masked vocab); 0 * -inf would be NaN.
+    return -jnp.where(p > 0, p * logp, 0.0).sum(axis=-1)

@@ -1,0 +1,118 @@
+"""Meshes and logical-axis sharding rules.
+
+Parameters are annotated with logical axes ("embed", "heads", "mlp", "vocab", ...); `RULES` maps each
+to mesh axes of a (data, fsdp, tensor) mesh. All mesh axes are Auto, so XLA propagates activation
+shardings and AQT's dot_general (which cannot take `out_sharding`) works.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from lrmq.model.params import LOGICAL_AXES_KEY
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or None = replicated). One table, as the HF name map.
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "lora_rank": None,
+}
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = -1  # -1: all remaining devices
+    tensor: int = 1
+
+
+def make_mesh(cfg: MeshConfig | tuple[int, int, int] | None = None, devices=None) -> Mesh:
+    devices = devices if devices is not None else jax.devices()
+    if cfg is None:
+        cfg = MeshConfig()
+    if isinstance(cfg, tuple):
+        cfg = MeshConfig(*cfg)
+    shape = [cfg.data, cfg.fsdp, cfg.tensor]
+    n = len(devices)
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh {shape}: at most one axis may be -1")
+    if -1 in shape:
+        rest = math.prod(s for s in shape if s != -1)
+        if n % rest:
+            raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} does not divide {n} devices")
+        shape[shape.index(-1)] = n // rest
+    if math.prod(shape) != n:
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices, have {n}")
+    dev = np.asarray(devices).reshape(shape)
+    return Mesh(dev, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """PartitionSpec for logical axes; an axis whose size the mesh axis does not divide stays replicated."""
+    if not axes:
+        return P()
+    out, used = [], set()
+    for name, dim in zip(axes, shape):
+        target = RULES.get(name) if name else None
+        if target is None:
+            out.append(None)
+            continue
+        names = (target,) if isinstance(target, str) else tuple(target)
+        names = tuple(a for a in names if a not in used and mesh.shape[a] > 1)
+        size = math.prod(mesh.shape[a] for a in names) if names else 1
+        if not names or dim % size:
+            out.append(None)
+            continue
+        used.update(names)
+        out.append(names[0] if len(names) == 1 else names)
+    return P(*out)
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedShardings for every leaf of an nnx State (from each Variable's logical axes)."""
+
+    def one(var):
+        axes = var.get_metadata().get(LOGICAL_AXES_KEY) if isinstance(var, nnx.Variable) else None
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        return jax.tree.map(lambda v: NamedSharding(mesh, logical_to_spec(axes if _matches(axes, v) else None,
+                                                                          getattr(v, "shape", ()), mesh)), value)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _matches(axes, v) -> bool:
+    return axes is not None and hasattr(v, "ndim") and len(axes) == v.ndim
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Shard the leading (batch) dimension over data x fsdp."""
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    lead = axes if len(axes) > 1 else (axes[0] if axes else None)
+    return NamedSharding(mesh, P(lead, *([None] * (ndim - 1))))
+
+
+def batch_divisor(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Place an existing model's parameters onto the mesh according to their logical axes."""
+    gdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh)
+    pure = nnx.to_pure_dict(state)
+    pure_sh = nnx.to_pure_dict(shardings) if not isinstance(shardings, dict) else shardings
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, s), pure, pure_sh)
+    nnx.replace_by_pure_dict(state, placed)
+    return nnx.merge(gdef, state)
