@@ -66,11 +66,9 @@ def make_problem(rng: random.Random, difficulty: ArithDifficulty = ArithDifficul
     while True:
         n_ops = rng.randint(difficulty.min_ops, difficulty.max_ops)
         ops = [rng.choice(OPS) for _ in range(n_ops)]
-        nums = [rng.randint(0, difficulty.max_operand) for _ in range(n_ops + 1)]
-        for i, op in enumerate(ops):
-            if op == "*":  # keep both factors (also shared by a neighbouring `*`) small
-                nums[i] = min(nums[i], rng.randint(0, difficulty.max_mul_operand))
-                nums[i + 1] = min(nums[i + 1], rng.randint(0, difficulty.max_mul_operand))
+        # A number next to a `*` is a factor: drawn from the smaller range so products stay short.
+        factor = [(i > 0 and ops[i - 1] == "*") or (i < n_ops and ops[i] == "*") for i in range(n_ops + 1)]
+        nums = [rng.randint(0, difficulty.max_mul_operand if f else difficulty.max_operand) for f in factor]
         steps, value = solve(nums, ops)
         if difficulty.allow_negative or _intermediates_ok(steps):
             break

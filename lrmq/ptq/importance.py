@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lrmq.ptq.median import Stats, positive_stats
+from lrmq.ptq.median import NoPositiveValues, Stats, positive_stats
 from lrmq.registry import Registry
 
 ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -217,7 +217,7 @@ def global_stats(pairs, *, stats_targets: Sequence[str] = ALL_PROJ, max_bucket: 
 
     try:
         return positive_stats(stream, max_bucket=max_bucket)
-    except ValueError:
+    except NoPositiveValues:
         if not seen:
             raise ValueError(f"no tensor matched the targets {tuple(stats_targets)}") from None
         raise ValueError(

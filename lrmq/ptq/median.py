@@ -25,6 +25,10 @@ import numpy as np
 _NBINS = 1 << 16
 
 
+class NoPositiveValues(ValueError):
+    """The stream holds no strictly positive value."""
+
+
 class Stats(NamedTuple):
     min: float
     median: float
@@ -99,12 +103,12 @@ def positive_stats(
     ``make_stream`` is called twice (one call per pass) and must yield the same arrays each time.
     An even count's median is the mean of the two middle values computed in float32, exactly as the
     reference (``(mm[k1] + mm[k2]) / 2.0`` on float32 scalars) and ``np.median`` on float32 do.
-    Raises ValueError if there is no positive value.
+    Raises NoPositiveValues (a ValueError) if there is no positive value.
     """
     hist, vmin, vmax = _pass1(make_stream)
     n = int(hist.sum())
     if n == 0:
-        raise ValueError("no strictly positive values in the stream")
+        raise NoPositiveValues("no strictly positive values in the stream")
     cum = np.cumsum(hist)
     ranks = sorted({(n - 1) // 2, n // 2})
     where = {}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from lrmq.quant.quantizers import exact_div
 from lrmq.quant.packing import pack_nibbles_high_first, unpack_nibbles_high_first
 
 # bnb get_4bit_type("nf4"), index 0..15 (float32 values).
@@ -117,7 +118,7 @@ def pairwise_mean_f32(x):
     s = jnp.pad(x.astype(jnp.float32), (0, p - n))
     while s.shape[0] > 1:
         s = s[0::2] + s[1::2]
-    return s[0] / jnp.float32(n)
+    return exact_div(s[0], n)
 
 
 def _blockwise_absmax(flat, block):

@@ -11,6 +11,7 @@ fake_quant is literally that composition.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,6 +25,15 @@ _ASYM_RANGE_MIN = 1e-5
 _SYM_ABSMAX_MIN = 1e-5
 # paper-1 (rlquant QuantizedLinear) per-tensor scale floor.
 _PER_TENSOR_SCALE_MIN = 1e-6
+
+
+def exact_div(a, b):
+    """IEEE a / b elementwise. XLA rewrites `A / broadcast(B)` into `A * broadcast(1 / B)`, which is off
+    by an ulp in ~half the cases; dividing by an opaque full-shape operand keeps the true quotient so
+    codes match torch/llm-awq bit for bit."""
+    a = jnp.asarray(a)
+    b = jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape)
+    return a / jax.lax.optimization_barrier(b)
 
 
 def check_bits(bits) -> int:
@@ -72,12 +82,12 @@ def compute_qparams(w, bits: int, group_size: int, symmetric: bool):
     wg = _grouped(w, g)
     if symmetric:
         absmax = jnp.max(jnp.abs(wg), axis=1)
-        scales = jnp.maximum(absmax, _SYM_ABSMAX_MIN) / (2 ** (bits - 1) - 1)
+        scales = exact_div(jnp.maximum(absmax, _SYM_ABSMAX_MIN), 2 ** (bits - 1) - 1)
         zeros = jnp.full(scales.shape, 2 ** (bits - 1), dtype=jnp.uint8)
     else:
         qmax = 2**bits - 1
         mx, mn = jnp.max(wg, axis=1), jnp.min(wg, axis=1)
-        scales = jnp.maximum(mx - mn, _ASYM_RANGE_MIN) / qmax
+        scales = exact_div(jnp.maximum(mx - mn, _ASYM_RANGE_MIN), qmax)
         zeros = jnp.clip(-jnp.round(mn / scales), 0, qmax).astype(jnp.uint8)
     return scales.astype(jnp.float32), zeros
 
@@ -100,7 +110,7 @@ def quantize_codes(w, scales, zeros, bits: int, group_size: int):
     s = scales.astype(jnp.float32)[:, None, :]
     z = zeros.astype(jnp.float32)[:, None, :]
     # Division (not multiply-by-reciprocal) as in llm-awq, so codes match it exactly.
-    q = jnp.clip(jnp.round(wg / s) + z, 0, 2**bits - 1)
+    q = jnp.clip(jnp.round(exact_div(wg, s)) + z, 0, 2**bits - 1)
     return q.reshape(w.shape).astype(jnp.uint8)
 
 
@@ -137,7 +147,7 @@ def per_tensor_scale(w, bits: int = 8):
     bits = check_bits(bits)
     _check_float("w", w)
     absmax = jnp.max(jnp.abs(w.astype(jnp.float32)))
-    return jnp.maximum(absmax / (2 ** (bits - 1) - 1), _PER_TENSOR_SCALE_MIN)
+    return jnp.maximum(exact_div(absmax, 2 ** (bits - 1) - 1), _PER_TENSOR_SCALE_MIN)
 
 
 def fake_quant_per_tensor(w, bits: int = 8, scale=None):
@@ -148,7 +158,7 @@ def fake_quant_per_tensor(w, bits: int = 8, scale=None):
     bits = check_bits(bits)
     _check_float("w", w)
     s = per_tensor_scale(w, bits) if scale is None else jnp.asarray(scale, jnp.float32)
-    q = jnp.clip(jnp.round(w.astype(jnp.float32) / s), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    q = jnp.clip(jnp.round(exact_div(w.astype(jnp.float32), s)), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
     return (q * s).astype(w.dtype)
 
 

@@ -41,7 +41,10 @@ def grpo_advantages(rewards, group_size: int, *, eps: float = DEFAULT_EPS, std_d
         std = jnp.zeros((r.shape[0], 1), jnp.float32)
     else:
         std = jnp.std(r, axis=1, keepdims=True, ddof=std_ddof)
-    return ((r - r.mean(axis=1, keepdims=True)) / (std + eps)).reshape(-1)
+    dev = r - r.mean(axis=1, keepdims=True)
+    denom = std + eps
+    # A constant group has dev == 0; with eps == 0 that would be 0/0, and its advantage is 0 anyway.
+    return jnp.where(denom > 0, dev / jnp.where(denom > 0, denom, 1.0), 0.0).reshape(-1)
 
 
 @ADVANTAGES.register("drgrpo")

@@ -193,11 +193,11 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
     return bool(g and p and verify(g, p, timeout_seconds=None))
 
 
-def _worker_main() -> None:
+def _worker_main(equal) -> None:
     """Loop of a verify worker process: JSON lines ``{"id","pred","gold","timeout"}`` in, ``{"id","ok"}`` out.
 
-    Self-contained (stdlib + math_verify + ``_math_verify_equal``) because it is run via
-    ``python -c`` from this function's source, without importing lrmq.
+    Self-contained (stdlib + ``equal``'s source) because it is run via ``python -c`` from the
+    functions' source, without importing lrmq (whose package may pull in JAX).
     """
     import json
     import logging
@@ -223,7 +223,10 @@ def _worker_main() -> None:
         raise _Timeout()
 
     signal.signal(signal.SIGALRM, _alarm)
-    import math_verify  # noqa: F401  (import before reporting ready: keeps it off the item clock)
+    try:
+        import math_verify  # noqa: F401  (import before reporting ready: keeps it off the item clock)
+    except ImportError:
+        pass
 
     out.write('{"ready": true}\n')
     for line in sys.stdin:
@@ -231,7 +234,7 @@ def _worker_main() -> None:
         ok = False
         try:
             signal.setitimer(signal.ITIMER_REAL, max(float(job["timeout"]), 1e-3))
-            ok = _math_verify_equal(job["pred"], job["gold"])
+            ok = equal(job["pred"], job["gold"])
         except BaseException:
             ok = False
         finally:
@@ -240,10 +243,10 @@ def _worker_main() -> None:
 
 
 class _Worker:
-    def __init__(self):
-        src = inspect.getsource(_math_verify_equal) + "\n" + inspect.getsource(_worker_main)
+    def __init__(self, equal):
+        src = inspect.getsource(equal) + "\n" + inspect.getsource(_worker_main)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", src + "\n_worker_main()\n"],
+            [sys.executable, "-c", f"{src}\n_worker_main({equal.__name__})\n"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -290,7 +293,10 @@ class _Worker:
 class VerifyPool:
     """A few long-lived math-verify worker processes; ``verify_many`` bounds each item's time."""
 
-    def __init__(self, num_workers: int | None = None):
+    def __init__(self, num_workers: int | None = None, equal=_math_verify_equal):
+        # ``equal(pred, gold) -> bool`` must be a self-contained top-level function (its source is
+        # what the worker runs); tests substitute one that hangs.
+        self.equal = equal
         self.num_workers = num_workers or max(1, min(4, os.cpu_count() or 1))
         self.workers: list[_Worker] = []
         self.lock = threading.Lock()
@@ -299,7 +305,7 @@ class VerifyPool:
 
     def _spawn(self) -> _Worker | None:
         try:
-            return _Worker()
+            return _Worker(self.equal)
         except Exception as e:  # e.g. no fork allowed: degrade to string matching only
             log.warning("math-verify worker failed to start (%s); using string match only", e)
             self.broken = True

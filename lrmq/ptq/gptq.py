@@ -1,0 +1,197 @@
+"""GPTQ (Frantar et al.), a faithful numpy port of IST-DASLab ``gptq.py::GPTQ.fasterquant``.
+
+Orientation: lrmq weights are ``[K, N] = [in, out]``; the reference's column i of the torch
+``[out, in]`` weight is our row i, so "quantize column i and push its error onto the later
+columns" becomes "quantize row i and push its error onto the later rows".  ``H`` is ``[K, K]``.
+
+Numerics (why numpy): the column loop is inherently sequential and small (one ``[N]`` row and a
+``[block, N]`` rank-1 update per step), so plain numpy float32 is as fast as a jitted
+``fori_loop`` on CPU and is easy to check line by line against the reference; the per-step arithmetic
+is float32 as the reference's.  The Cholesky chain ``Hinv = chol_upper(inv(H + damp I))`` is done in
+float64 (more robust for near-singular H) and cast to float32.
+
+Reference behaviours kept on purpose:
+* dead inputs (``diag(H) == 0``): ``H_ii = 1`` and the weight row is zeroed;
+* damping ``percdamp * mean(diag(H))`` after the dead fix;
+* group parameters are found at each group start on the *error-updated* weights held in the full
+  matrix ``W``; lazy within-block updates live in the block copy only, so when ``group_size`` is not a
+  multiple of ``block_size`` a group starting mid-block sees weights without the current block's
+  updates -- exactly as the reference;
+* ``group_size=None`` (reference ``-1``): one set of per-output-channel params found on the original
+  weights before the dead-input zeroing;
+* quantizer (``quant.py::Quantizer``, perchannel, mse off): min/max *including 0*; asymmetric
+  ``scale = (xmax-xmin)/maxq, zero = round(-xmin/scale)``; symmetric ``xmax = max(|xmin|, xmax)``,
+  ``xmin = -xmax`` (if xmin < 0), ``zero = (maxq+1)/2``; all-zero ranges become [-1, 1];
+  ``q = clamp(round(w/scale) + zero, 0, maxq)``, ``w' = scale * (q - zero)``;
+* act-order: ``perm = argsort(diag(H), descending)`` (stable here); with ``static_groups`` the group
+  params are found on the unpermuted weights (natural groups), otherwise on consecutive
+  ``group_size`` rows in permuted order, giving a non-monotone ``g_idx``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class GPTQResult(NamedTuple):
+    w_q: np.ndarray  # float32 [K, N], fake-quantized, natural row order
+    scales: np.ndarray  # float32 [n_groups, N]
+    zeros: np.ndarray  # uint8 [n_groups, N] unsigned zero points
+    g_idx: np.ndarray  # int32 [K]: group of each input channel (row)
+
+
+def hessian_accumulate(H, n: int, x) -> tuple[np.ndarray, int]:
+    """Running average ``H = 2/n sum x x^T`` as the reference ``add_batch``.
+
+    ``x`` is ``[T, K]`` (one sample, as the reference counts a 2-D input) or ``[B, T, K]`` (B samples).
+    ``H=None`` starts from zeros.  The scale of H does not change GPTQ's result; only its shape does.
+    """
+    x = np.asarray(x, np.float32)
+    b = 1 if x.ndim == 2 else x.shape[0]
+    x = x.reshape(-1, x.shape[-1])
+    K = x.shape[1]
+    H = np.zeros((K, K), np.float32) if H is None else np.asarray(H, np.float32)
+    if H.shape != (K, K):
+        raise ValueError(f"H has shape {H.shape}, expected {(K, K)} for inputs of width {K}")
+    H = H * np.float32(n / (n + b))
+    n = n + b
+    x = np.float32(np.sqrt(2.0 / n)) * x
+    return H + x.T @ x, n
+
+
+def find_params(w: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Reference min/max quantizer params per output channel over the rows of ``w`` [rows, N]."""
+    maxq = np.float32(2**bits - 1)
+    xmin = np.minimum(w.min(axis=0), 0).astype(np.float32)
+    xmax = np.maximum(w.max(axis=0), 0).astype(np.float32)
+    if symmetric:
+        xmax = np.maximum(np.abs(xmin), xmax)
+        xmin = np.where(xmin < 0, -xmax, xmin)
+    both0 = (xmin == 0) & (xmax == 0)
+    xmin = np.where(both0, np.float32(-1), xmin)
+    xmax = np.where(both0, np.float32(1), xmax)
+    scale = (xmax - xmin) / maxq
+    if symmetric:
+        zero = np.full_like(scale, (maxq + 1) / 2)
+    else:
+        zero = np.round(-xmin / scale)
+    return scale.astype(np.float32), zero.astype(np.float32)
+
+
+def quantize_codes(w, scale, zero, bits: int) -> np.ndarray:
+    """Integer codes ``clamp(round(w/scale) + zero, 0, maxq)`` (float32 arithmetic, half-to-even)."""
+    return np.clip(np.round(w / scale) + zero, 0, 2**bits - 1)
+
+
+def fake_quant(w, scale, zero, bits: int) -> np.ndarray:
+    return scale * (quantize_codes(w, scale, zero, bits) - zero)
+
+
+def _inverse_cholesky_upper(H: np.ndarray) -> np.ndarray:
+    try:
+        L = np.linalg.cholesky(H)
+        Linv = np.linalg.inv(L)
+        U = np.linalg.cholesky(Linv.T @ Linv).T
+    except np.linalg.LinAlgError as e:
+        raise ValueError("GPTQ: the damped Hessian is not positive definite; raise percdamp or "
+                         "use more calibration tokens") from e
+    return U
+
+
+def gptq_quantize(
+    w,
+    H,
+    *,
+    bits: int,
+    group_size: int | None = 128,
+    symmetric: bool = False,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+    act_order: bool = False,
+    static_groups: bool = False,
+) -> GPTQResult:
+    """GPTQ-quantize ``w`` ``[K, N]`` given the input Hessian ``H`` ``[K, K]``; see module docstring.
+
+    ``group_size=None`` (or -1) means per output channel (one group of K rows).
+    """
+    W = np.array(w, dtype=np.float32)  # copy
+    K, N = W.shape
+    H = np.array(H, dtype=np.float64)
+    if H.shape != (K, K):
+        raise ValueError(f"H has shape {H.shape}, expected {(K, K)} for a weight of shape {W.shape}")
+    if group_size in (None, -1):
+        group_size, per_channel = K, True
+    else:
+        per_channel = False
+        if group_size <= 0 or K % group_size:
+            raise ValueError(f"K={K} is not a multiple of group_size={group_size}")
+    n_groups = K // group_size
+
+    scales = np.zeros((n_groups, N), np.float32)
+    zeros = np.zeros((n_groups, N), np.float32)
+    if per_channel:
+        scales[0], zeros[0] = find_params(W, bits, symmetric)  # before the dead zeroing, as the reference
+
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    W[dead] = 0
+
+    if static_groups and not per_channel:
+        for g in range(n_groups):
+            scales[g], zeros[g] = find_params(W[g * group_size : (g + 1) * group_size], bits, symmetric)
+
+    perm = np.arange(K)
+    if act_order:
+        perm = np.argsort(-np.diag(H), kind="stable")
+        W = W[perm]
+        H = H[perm][:, perm]
+
+    H[np.diag_indices(K)] += percdamp * np.mean(np.diag(H))
+    Hinv = _inverse_cholesky_upper(H).astype(np.float32)
+
+    Q = np.zeros_like(W)
+    g_of_pos = np.zeros(K, np.int64)  # group of permuted position j
+    cur = (scales[0], zeros[0])
+    for i1 in range(0, K, block_size):
+        i2 = min(i1 + block_size, K)
+        W1 = W[i1:i2].copy()
+        Err1 = np.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            if not per_channel:
+                if static_groups:
+                    g = perm[j] // group_size
+                    cur = (scales[g], zeros[g])
+                elif j % group_size == 0:
+                    g = j // group_size
+                    # error-updated weights from the full matrix (stale within the block, as reference)
+                    scales[g], zeros[g] = find_params(W[j : j + group_size], bits, symmetric)
+                    cur = (scales[g], zeros[g])
+                else:
+                    g = j // group_size
+            else:
+                g = 0
+            g_of_pos[j] = g
+            row = W1[i]
+            q = fake_quant(row, cur[0], cur[1], bits)
+            Q[j] = q
+            err = (row - q) / Hinv1[i, i]
+            W1[i:] -= np.outer(Hinv1[i, i:], err)
+            Err1[i] = err
+        W[i2:] -= Hinv[i1:i2, i2:].T @ Err1
+
+    g_idx = np.empty(K, np.int32)
+    g_idx[perm] = g_of_pos
+    w_q = np.empty_like(Q)
+    w_q[perm] = Q
+    return GPTQResult(w_q=w_q, scales=scales, zeros=zeros.astype(np.uint8), g_idx=g_idx)
+
+
+def gptq_codes(res: GPTQResult, bits: int) -> np.ndarray:
+    """Exact uint8 codes ``[K, N]`` of a result: ``w_q = scale * (code - zero)`` row by row."""
+    s = res.scales[res.g_idx]
+    z = res.zeros[res.g_idx].astype(np.float32)
+    return np.clip(np.round(res.w_q / s + z), 0, 2**bits - 1).astype(np.uint8)

@@ -1,0 +1,226 @@
+"""Public entry points: backend/shape dispatch plus an x-only custom_vjp.
+
+`impl`: "auto" (TPU backend -> Mosaic TPU kernel, GPU -> Triton kernel, otherwise the XLA
+dequantize-then-dot path), or "tpu" / "gpu" / "xla" to force one. Forcing a kernel on a backend
+it cannot compile for (e.g. "tpu" on CPU) runs it with interpret=True unless told otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import gpu as _gpu
+from . import reference as _ref
+from . import tpu as _tpu
+
+_IMPLS = ("auto", "tpu", "gpu", "xla")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    impl: str  # resolved: "tpu" | "gpu" | "xla"
+    interpret: bool
+    group_size: Any = None  # int4: group size; nf4: block size
+    tiles: tuple = ()  # sorted (name, value) overrides passed to the kernel
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def resolve_impl(impl: str = "auto", interpret: bool | None = None) -> tuple[str, bool]:
+    """The (impl, interpret) pair a call will use on the current default backend."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    backend = _backend()
+    if impl == "auto":
+        impl = "tpu" if backend == "tpu" else "gpu" if backend in _GPU_PLATFORMS else "xla"
+    if interpret is None:
+        native = (impl == "tpu" and backend == "tpu") or (impl == "gpu" and backend in _GPU_PLATFORMS)
+        interpret = impl != "xla" and not native
+    return impl, bool(interpret)
+
+
+def _xla_compute_dtype(dtype):
+    # XLA fallback: 16-bit activations dot against 16-bit dequantized weights (f32 accumulation),
+    # the same arithmetic as the kernels; f32 activations get the exact f32 reference.
+    return dtype if jnp.dtype(dtype).itemsize == 2 else None
+
+
+def _flat(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def _int_zero_cotangent(a):
+    return np.zeros(np.shape(a), dtype=jax.dtypes.float0)
+
+
+def _float_or_int_zero(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros_like(a)
+    return _int_zero_cotangent(a)
+
+
+# ---------------------------------------------------------------------------------------- int4
+def _int4_fwd_impl(x, codes, scales, zeros, cfg: _Cfg):
+    lead = x.shape[:-1]
+    x2 = _flat(x)
+    kw = dict(cfg.tiles)
+    if cfg.impl == "tpu":
+        y = _tpu.int4_matmul_tpu(x2, codes, scales, zeros, cfg.group_size, interpret=cfg.interpret, **kw)
+    elif cfg.impl == "gpu":
+        y = _gpu.int4_matmul_gpu(x2, codes, scales, zeros, cfg.group_size, interpret=cfg.interpret, **kw)
+    else:
+        y = _ref.int4_matmul_reference(x2, codes, scales, zeros, cfg.group_size,
+                                       compute_dtype=_xla_compute_dtype(x.dtype))
+    return y.reshape(*lead, y.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _int4(x, codes, scales, zeros, cfg):
+    return _int4_fwd_impl(x, codes, scales, zeros, cfg)
+
+
+def _int4_fwd(x, codes, scales, zeros, cfg):
+    return _int4_fwd_impl(x, codes, scales, zeros, cfg), (codes, scales, zeros)
+
+
+def _int4_bwd(cfg, res, dy):
+    codes, scales, zeros = res
+    w = _ref.dequantize_int4(codes, scales, zeros, cfg.group_size)  # [K, N] f32
+    dx = jnp.dot(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+    # The quantized base is frozen: no gradient flows to codes / scales / zeros.
+    return (dx.astype(dy.dtype), _int_zero_cotangent(codes), _float_or_int_zero(scales),
+            _float_or_int_zero(zeros))
+
+
+_int4.defvjp(_int4_fwd, _int4_bwd)
+
+
+# ---------------------------------------------------------------------------------------- int8
+def _int8_fwd_impl(x, codes, scales, zeros, cfg: _Cfg):
+    lead = x.shape[:-1]
+    x2 = _flat(x)
+    kw = dict(cfg.tiles)
+    if cfg.impl == "tpu":
+        y = _tpu.int8_matmul_tpu(x2, codes, scales, zeros, interpret=cfg.interpret, **kw)
+    elif cfg.impl == "gpu":
+        y = _gpu.int8_matmul_gpu(x2, codes, scales, zeros, interpret=cfg.interpret, **kw)
+    else:
+        y = _ref.int8_matmul_reference(x2, codes, scales, zeros,
+                                       compute_dtype=_xla_compute_dtype(x.dtype))
+    return y.reshape(*lead, y.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _int8(x, codes, scales, zeros, cfg):
+    return _int8_fwd_impl(x, codes, scales, zeros, cfg)
+
+
+def _int8_fwd(x, codes, scales, zeros, cfg):
+    return _int8_fwd_impl(x, codes, scales, zeros, cfg), (codes, scales, zeros)
+
+
+def _int8_bwd(cfg, res, dy):
+    codes, scales, zeros = res
+    w = _ref.dequantize_int8(codes, scales, zeros)
+    dx = jnp.dot(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+    return (dx.astype(dy.dtype), _int_zero_cotangent(codes), _float_or_int_zero(scales),
+            _float_or_int_zero(zeros))
+
+
+_int8.defvjp(_int8_fwd, _int8_bwd)
+
+
+# ----------------------------------------------------------------------------------------- nf4
+def _nf4_fwd_impl(x, codes, absmax, cfg: _Cfg):
+    lead = x.shape[:-1]
+    x2 = _flat(x)
+    kw = dict(cfg.tiles)
+    bs = cfg.group_size
+    if cfg.impl == "tpu":
+        y = _tpu.nf4_matmul_tpu(x2, codes, absmax, bs, interpret=cfg.interpret, **kw)
+    elif cfg.impl == "gpu":
+        y = _gpu.nf4_matmul_gpu(x2, codes, absmax, bs, interpret=cfg.interpret, **kw)
+    else:
+        y = _ref.nf4_matmul_reference(x2, codes, absmax, bs, compute_dtype=_xla_compute_dtype(x.dtype))
+    return y.reshape(*lead, y.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _nf4(x, codes, absmax, cfg):
+    return _nf4_fwd_impl(x, codes, absmax, cfg)
+
+
+def _nf4_fwd(x, codes, absmax, cfg):
+    return _nf4_fwd_impl(x, codes, absmax, cfg), (codes, absmax)
+
+
+def _nf4_bwd(cfg, res, dy):
+    codes, absmax = res
+    w_t = _ref.dequantize_nf4(codes, absmax, cfg.group_size)  # [N, K]
+    dx = jnp.dot(dy.astype(jnp.float32), w_t, precision=jax.lax.Precision.HIGHEST)
+    return dx.astype(dy.dtype), _int_zero_cotangent(codes), _float_or_int_zero(absmax)
+
+
+_nf4.defvjp(_nf4_fwd, _nf4_bwd)
+
+
+# ------------------------------------------------------------------------------------- public
+def _tiles(kw) -> tuple:
+    allowed = {"block_m", "block_n", "block_k", "splits", "num_warps", "num_stages"}
+    bad = set(kw) - allowed
+    if bad:
+        raise TypeError(f"unexpected keyword arguments {sorted(bad)}")
+    return tuple(sorted((k, v) for k, v in kw.items() if v is not None))
+
+
+def _gpu_supported(unit: int | None) -> bool:
+    return unit is None or (unit & -unit) >= 32
+
+
+def int4_matmul(x, codes, scales, zeros, group_size=None, *, impl="auto", interpret=None,
+                **tiles):
+    """y[..., N] = x[..., K] @ dequant_int4(codes[K/2, N], scales[K/g, N], zeros[K/g, N]).
+
+    Codes: element 2i in the low nibble, 2i+1 in the high nibble; w = (q - z) * s.
+    `group_size` may be None (implied by scales' rows); tile overrides: block_m/n/k, splits,
+    num_warps, num_stages (the last three GPU only). Differentiable w.r.t. x only."""
+    k = x.shape[-1]
+    g = group_size or k // scales.shape[0]
+    impl_r, interp = resolve_impl(impl, interpret)
+    if impl == "auto" and impl_r == "gpu" and not (_gpu_supported(g) or scales.shape[0] == 1):
+        impl_r, interp = "xla", False
+    if impl_r != "gpu":
+        tiles = {k_: v for k_, v in tiles.items() if k_ not in ("splits", "num_warps", "num_stages")}
+    return _int4(x, codes, scales, zeros, _Cfg(impl_r, interp, g, _tiles(tiles)))
+
+
+def int8_matmul(x, codes, scales, zeros, *, impl="auto", interpret=None, **tiles):
+    """y[..., N] = x[..., K] @ ((codes[K, N] - zeros) * scales), scales/zeros [1 or K/g, N]."""
+    impl_r, interp = resolve_impl(impl, interpret)
+    g = x.shape[-1] // scales.shape[0]
+    if impl == "auto" and impl_r == "gpu" and scales.shape[0] > 1 and (g & -g) < 16:
+        impl_r, interp = "xla", False
+    if impl_r != "gpu":
+        tiles = {k_: v for k_, v in tiles.items() if k_ not in ("splits", "num_warps", "num_stages")}
+    return _int8(x, codes, scales, zeros, _Cfg(impl_r, interp, None, _tiles(tiles)))
+
+
+def nf4_matmul(x, codes, absmax, block_size: int = 64, *, impl="auto", interpret=None, **tiles):
+    """y[..., N] = x[..., K] @ w_t.T, w_t[n, k] = NF4[code] * absmax[n, k // block_size].
+
+    codes uint8 [N, K/2] in bitsandbytes byte order (even k in the high nibble); absmax
+    [N, K/bs] or flat [N*K/bs] (already dequantized from double quant)."""
+    impl_r, interp = resolve_impl(impl, interpret)
+    if impl == "auto" and impl_r == "gpu" and not _gpu_supported(block_size):
+        impl_r, interp = "xla", False
+    if impl_r != "gpu":
+        tiles = {k_: v for k_, v in tiles.items() if k_ not in ("splits", "num_warps", "num_stages")}
+    return _nf4(x, codes, absmax, _Cfg(impl_r, interp, block_size, _tiles(tiles)))

@@ -1,0 +1,247 @@
+"""Pallas GPU (Triton backend) weight-only dequant-matmul kernels (int4, int8, NF4).
+
+Triton has no cross-program accumulator scratch, so each program owns one (bm, bn) output tile
+and runs the K reduction itself (`lax.fori_loop`, which Triton software-pipelines with
+`num_stages`). For decode shapes the (M/bm, N/bn) grid has too few programs to fill an H100/H200
+(132 SMs), so the K range is optionally split over a third grid axis ("split-K"); each split
+writes an f32 partial [S, M, N] that the wrapper sums.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ._common import cdiv, nf4_lookup, pad_to, round_up, split_even_odd
+
+try:  # the Triton backend module moved between releases
+    from jax.experimental.pallas import triton as _pltriton
+except ImportError:  # pragma: no cover - pre-0.4.31 layout
+    from jax.experimental.pallas import gpu as _pltriton
+
+_HI = jax.lax.Precision.HIGHEST
+_TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200
+
+
+def _compiler_params(num_warps, num_stages):
+    cls = getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "TritonCompilerParams")
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    bm: int
+    bn: int
+    bk: int
+    splits: int
+    mp: int
+    np_: int
+    kp: int
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(v, 1).bit_length() - 1)
+
+
+def choose_tiles(m: int, k: int, n: int, *, k_unit: int, block_m=None, block_n=None,
+                 block_k=None, splits=None) -> Tiles:
+    """Triton tensors must have power-of-two shapes and tl.dot needs every dim >= 16.
+
+    `k_unit` is the format's largest legal K step (the group / block size, so one scale row per
+    step); bk is a power of two dividing it."""
+    bm = block_m or max(16, min(64, 1 << (max(m, 1) - 1).bit_length()))
+    bn = block_n or (64 if m <= 16 else 128)
+    bk = block_k or min(_pow2_floor(k_unit), 128 if m > 64 else 256)
+    mp, np_ = round_up(m, bm), round_up(n, bn)
+    kp = round_up(k, bk)
+    nk = kp // bk
+    if splits is None:
+        programs = (mp // bm) * (np_ // bn)
+        want = max(1, min(cdiv(_TARGET_PROGRAMS, programs), nk // 4 or 1))
+        splits = max(s for s in range(1, want + 1) if nk % s == 0)
+    if nk % splits:
+        raise ValueError(f"splits={splits} must divide the {nk} K steps")
+    return Tiles(bm, bn, bk, splits, mp, np_, kp)
+
+
+def _cdt(dtype):
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+
+
+def _dot(a, b, cdt, transpose_b=False):
+    # f32 inputs: IEEE (Triton would otherwise be free to use TF32).
+    prec = _HI if cdt == jnp.float32 else None
+    dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _call(kernel, t: Tiles, in_specs, args, out_dtype, m, n, name, num_warps=4, num_stages=3,
+          interpret=False):
+    partial = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((t.splits, t.mp, t.np_), jnp.float32),
+        grid=(t.mp // t.bm, t.np_ // t.bn, t.splits),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, t.bm, t.bn), lambda i, j, s: (s, i, j)),
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+    out = partial[0] if t.splits == 1 else partial.sum(axis=0)
+    return out[:m, :n].astype(out_dtype)
+
+
+def _steps(t: Tiles):
+    """(first K step, number of K steps) of this program's split."""
+    per = (t.kp // t.bk) // t.splits
+    return pl.program_id(2) * per, per
+
+
+# ---------------------------------------------------------------------------------------- int4
+def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, *, t: Tiles, g, cdt):
+    h = t.bk // 2
+    first, count = _steps(t)
+
+    def body(step, acc):
+        kk = first + step
+        off = pl.multiple_of(kk * h, h)
+        row = 0 if g is None else (kk * t.bk) // g  # bk divides g: one scale row per step
+        s = s_ref[pl.ds(row, 1), :].astype(jnp.float32)  # [1, bn]
+        z = z_ref[pl.ds(row, 1), :].astype(jnp.float32)
+        c = c_ref[pl.ds(off, h), :].astype(jnp.int32)  # [bk/2, bn]
+        w_even = (((c & 0xF).astype(jnp.float32) - z) * s).astype(cdt)
+        w_odd = (((c >> 4).astype(jnp.float32) - z) * s).astype(cdt)
+        acc += _dot(xe_ref[:, pl.ds(off, h)].astype(cdt), w_even, cdt)
+        acc += _dot(xo_ref[:, pl.ds(off, h)].astype(cdt), w_odd, cdt)
+        return acc
+
+    acc = jax.lax.fori_loop(0, count, body, jnp.zeros((t.bm, t.bn), jnp.float32))
+    o_ref[...] = acc
+
+
+def int4_matmul_gpu(x, codes, scales, zeros, group_size, *, interpret=False, block_m=None,
+                    block_n=None, block_k=None, splits=None, num_warps=4, num_stages=3):
+    m, k = x.shape
+    n = codes.shape[1]
+    ng = scales.shape[0]
+    if codes.shape[0] * 2 != k or k % ng:
+        raise ValueError(f"int4: codes {codes.shape} / scales {scales.shape} do not match K={k}")
+    g = k // ng
+    if group_size is not None and group_size != g:
+        raise ValueError(f"int4: group_size={group_size} but scales imply {g}")
+    per_channel = ng == 1
+    if not per_channel and (g & -g) < 32:
+        raise NotImplementedError(f"int4 GPU kernel needs a group size divisible by 32, got {g}")
+    t = choose_tiles(m, k, n, k_unit=256 if per_channel else (g & -g), block_m=block_m,
+                     block_n=block_n, block_k=block_k, splits=splits)
+    if not per_channel and g % t.bk:
+        raise ValueError(f"int4: block_k={t.bk} must divide group_size={g}")
+    xe, xo = split_even_odd(pad_to(x, (t.mp, t.kp)))
+    codes = pad_to(codes, (t.kp // 2, t.np_))
+    sg = 1 if per_channel else t.kp // g
+    scales, zeros = pad_to(scales, (sg, t.np_)), pad_to(zeros, (sg, t.np_))
+    kernel = functools.partial(_int4_kernel, t=t, g=None if per_channel else g, cdt=_cdt(x.dtype))
+    in_specs = [
+        pl.BlockSpec((t.bm, t.kp // 2), lambda i, j, s: (i, 0)),
+        pl.BlockSpec((t.bm, t.kp // 2), lambda i, j, s: (i, 0)),
+        pl.BlockSpec((t.kp // 2, t.bn), lambda i, j, s: (0, j)),
+        pl.BlockSpec((sg, t.bn), lambda i, j, s: (0, j)),
+        pl.BlockSpec((sg, t.bn), lambda i, j, s: (0, j)),
+    ]
+    return _call(kernel, t, in_specs, (xe, xo, codes, scales, zeros), x.dtype, m, n,
+                 "lrmq_int4_matmul_gpu", num_warps, num_stages, interpret)
+
+
+# ---------------------------------------------------------------------------------------- int8
+def _int8_kernel(x_ref, c_ref, s_ref, z_ref, o_ref, *, t: Tiles, g, cdt):
+    first, count = _steps(t)
+
+    def body(step, acc):
+        kk = first + step
+        off = pl.multiple_of(kk * t.bk, t.bk)
+        row = 0 if g is None else (kk * t.bk) // g
+        s = s_ref[pl.ds(row, 1), :].astype(jnp.float32)
+        z = z_ref[pl.ds(row, 1), :].astype(jnp.float32)
+        w = ((c_ref[pl.ds(off, t.bk), :].astype(jnp.float32) - z) * s).astype(cdt)
+        return acc + _dot(x_ref[:, pl.ds(off, t.bk)].astype(cdt), w, cdt)
+
+    o_ref[...] = jax.lax.fori_loop(0, count, body, jnp.zeros((t.bm, t.bn), jnp.float32))
+
+
+def int8_matmul_gpu(x, codes, scales, zeros, *, interpret=False, block_m=None, block_n=None,
+                    block_k=None, splits=None, num_warps=4, num_stages=3):
+    m, k = x.shape
+    n = codes.shape[1]
+    ng = scales.shape[0]
+    if codes.shape[0] != k or k % ng:
+        raise ValueError(f"int8: codes {codes.shape} / scales {scales.shape} do not match K={k}")
+    g = k // ng
+    per_channel = ng == 1
+    if not per_channel and (g & -g) < 16:
+        raise NotImplementedError(f"int8 GPU kernel needs a group size divisible by 16, got {g}")
+    t = choose_tiles(m, k, n, k_unit=128 if per_channel else (g & -g), block_m=block_m,
+                     block_n=block_n, block_k=block_k, splits=splits)
+    if not per_channel and g % t.bk:
+        raise ValueError(f"int8: block_k={t.bk} must divide group_size={g}")
+    xp = pad_to(x, (t.mp, t.kp))
+    codes = pad_to(codes, (t.kp, t.np_))
+    sg = 1 if per_channel else t.kp // g
+    scales, zeros = pad_to(scales, (sg, t.np_)), pad_to(zeros, (sg, t.np_))
+    kernel = functools.partial(_int8_kernel, t=t, g=None if per_channel else g, cdt=_cdt(x.dtype))
+    in_specs = [
+        pl.BlockSpec((t.bm, t.kp), lambda i, j, s: (i, 0)),
+        pl.BlockSpec((t.kp, t.bn), lambda i, j, s: (0, j)),
+        pl.BlockSpec((sg, t.bn), lambda i, j, s: (0, j)),
+        pl.BlockSpec((sg, t.bn), lambda i, j, s: (0, j)),
+    ]
+    return _call(kernel, t, in_specs, (xp, codes, scales, zeros), x.dtype, m, n,
+                 "lrmq_int8_matmul_gpu", num_warps, num_stages, interpret)
+
+
+# ----------------------------------------------------------------------------------------- nf4
+def _nf4_kernel(xe_ref, xo_ref, c_ref, a_ref, o_ref, *, t: Tiles, bs, cdt):
+    h = t.bk // 2
+    first, count = _steps(t)
+
+    def body(step, acc):
+        kk = first + step
+        off = pl.multiple_of(kk * h, h)
+        a = a_ref[:, pl.ds((kk * t.bk) // bs, 1)].astype(jnp.float32)  # [bn, 1]
+        c = c_ref[:, pl.ds(off, h)].astype(jnp.int32)  # [bn, bk/2] torch orientation
+        w_even = (nf4_lookup(c >> 4) * a).astype(cdt)  # bnb: even k in the high nibble
+        w_odd = (nf4_lookup(c & 0xF) * a).astype(cdt)
+        acc += _dot(xe_ref[:, pl.ds(off, h)].astype(cdt), w_even, cdt, transpose_b=True)
+        acc += _dot(xo_ref[:, pl.ds(off, h)].astype(cdt), w_odd, cdt, transpose_b=True)
+        return acc
+
+    o_ref[...] = jax.lax.fori_loop(0, count, body, jnp.zeros((t.bm, t.bn), jnp.float32))
+
+
+def nf4_matmul_gpu(x, codes, absmax, block_size: int = 64, *, interpret=False, block_m=None,
+                   block_n=None, block_k=None, splits=None, num_warps=4, num_stages=3):
+    m, k = x.shape
+    n = codes.shape[0]
+    if codes.shape[1] * 2 != k or k % block_size:
+        raise ValueError(f"nf4: codes {codes.shape} / block_size {block_size} vs K={k}")
+    if (block_size & -block_size) < 32:
+        raise NotImplementedError(f"nf4 GPU kernel needs block_size divisible by 32, got {block_size}")
+    t = choose_tiles(m, k, n, k_unit=block_size & -block_size, block_m=block_m, block_n=block_n,
+                     block_k=block_k, splits=splits)
+    if block_size % t.bk:
+        raise ValueError(f"nf4: block_k={t.bk} must divide block_size={block_size}")
+    xe, xo = split_even_odd(pad_to(x, (t.mp, t.kp)))
+    codes = pad_to(codes, (t.np_, t.kp // 2))
+    nbp = t.kp // block_size
+    absmax = pad_to(absmax.reshape(n, k // block_size).astype(jnp.float32), (t.np_, nbp))
+    kernel = functools.partial(_nf4_kernel, t=t, bs=block_size, cdt=_cdt(x.dtype))
+    in_specs = [
+        pl.BlockSpec((t.bm, t.kp // 2), lambda i, j, s: (i, 0)),
+        pl.BlockSpec((t.bm, t.kp // 2), lambda i, j, s: (i, 0)),
+        pl.BlockSpec((t.bn, t.kp // 2), lambda i, j, s: (j, 0)),
+        pl.BlockSpec((t.bn, nbp), lambda i, j, s: (j, 0)),
+    ]
+    return _call(kernel, t, in_specs, (xe, xo, codes, absmax), x.dtype, m, n,
+                 "lrmq_nf4_matmul_gpu", num_warps, num_stages, interpret)
