@@ -52,7 +52,7 @@ def choose_tiles(m: int, k: int, n: int, *, k_unit: int, block_m=None, block_n=N
 
     `k_unit` is the format's largest legal K step (the group / block size, so one scale row per
     step); bk is a power of two dividing it."""
-    bm = block_m or max(16, min(64, 1 << (max(m, 1) - 1).bit_length()))
+    bm = block_m or max(16, min(128 if m >= 128 else 64, 1 << (max(m, 1) - 1).bit_length()))
     bn = block_n or (64 if m <= 16 else 128)
     bk = block_k or min(_pow2_floor(k_unit), 128 if m > 64 else 256)
     mp, np_ = round_up(m, bm), round_up(n, bn)
@@ -78,8 +78,10 @@ def _dot(a, b, cdt, transpose_b=False):
     return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _call(kernel, t: Tiles, in_specs, args, out_dtype, m, n, name, num_warps=4, num_stages=3,
+def _call(kernel, t: Tiles, in_specs, args, out_dtype, m, n, name, num_warps=None, num_stages=3,
           interpret=False):
+    if num_warps is None:  # a 128x128 f32 accumulator needs 8 warps to stay in registers
+        num_warps = 8 if t.bm * t.bn >= 128 * 128 else 4
     partial = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t.splits, t.mp, t.np_), jnp.float32),
@@ -123,7 +125,7 @@ def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, *, t: Tiles, g, cdt
 
 
 def int4_matmul_gpu(x, codes, scales, zeros, group_size, *, interpret=False, block_m=None,
-                    block_n=None, block_k=None, splits=None, num_warps=4, num_stages=3):
+                    block_n=None, block_k=None, splits=None, num_warps=None, num_stages=3):
     m, k = x.shape
     n = codes.shape[1]
     ng = scales.shape[0]
@@ -172,7 +174,7 @@ def _int8_kernel(x_ref, c_ref, s_ref, z_ref, o_ref, *, t: Tiles, g, cdt):
 
 
 def int8_matmul_gpu(x, codes, scales, zeros, *, interpret=False, block_m=None, block_n=None,
-                    block_k=None, splits=None, num_warps=4, num_stages=3):
+                    block_k=None, splits=None, num_warps=None, num_stages=3):
     m, k = x.shape
     n = codes.shape[1]
     ng = scales.shape[0]
@@ -221,7 +223,7 @@ def _nf4_kernel(xe_ref, xo_ref, c_ref, a_ref, o_ref, *, t: Tiles, bs, cdt):
 
 
 def nf4_matmul_gpu(x, codes, absmax, block_size: int = 64, *, interpret=False, block_m=None,
-                   block_n=None, block_k=None, splits=None, num_warps=4, num_stages=3):
+                   block_n=None, block_k=None, splits=None, num_warps=None, num_stages=3):
     m, k = x.shape
     n = codes.shape[0]
     if codes.shape[1] * 2 != k or k % block_size:

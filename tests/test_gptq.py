@@ -133,12 +133,14 @@ def _gptq_loop_reference(w, H, bits, gs, percdamp=0.01):
 def test_against_loop_reimplementation():
     x, w = _layer(4, K=64, N=12, T=400)
     H, _ = hessian_accumulate(None, 0, x)
-    ours = gptq_quantize(w, H, bits=4, group_size=16, block_size=8).w_q
     ref = _gptq_loop_reference(w, H, 4, 16)
-    # a rounding tie may flip one code between float32 and float64; require near-total agreement
-    close = np.isclose(ours, ref, atol=1e-5, rtol=0)
-    assert close.mean() > 0.995, close.mean()
-    np.testing.assert_allclose(np.sort(np.abs(ours - ref).ravel())[: int(0.995 * ours.size)], 0, atol=1e-5)
+    for bs in (8, 16):  # group starts fall on block starts: lazy updates change nothing
+        ours = gptq_quantize(w, H, bits=4, group_size=16, block_size=bs).w_q
+        np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
+    # reference quirk kept: a group starting mid-block takes its params from weights that lack the
+    # current block's lazy updates, so block 64 > group 16 differs from the unblocked algorithm
+    stale = gptq_quantize(w, H, bits=4, group_size=16, block_size=64).w_q
+    assert np.abs(stale - ref).max() > 1e-3
 
 
 def test_errors():

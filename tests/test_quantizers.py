@@ -141,7 +141,8 @@ def test_per_tensor():
     assert fq.dtype == w.dtype
     # floor 1e-6 for an all-zero tensor; a given scale clips to [-128, 127]
     np.testing.assert_allclose(per_tensor_scale(jnp.zeros((2, 2))), 1e-6)
-    np.testing.assert_array_equal(fake_quant_per_tensor(jnp.array([[-10.0, 10.0]]), scale=0.01), [[-1.28, 1.27]])
+    s = np.float32(0.01)
+    np.testing.assert_array_equal(fake_quant_per_tensor(jnp.array([[-10.0, 10.0]]), scale=s), [[-128 * s, 127 * s]])
 
 
 def test_registry():

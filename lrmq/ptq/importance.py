@@ -50,7 +50,15 @@ def abs_delta(w_ft, w_base, *, name: str = "weight") -> np.ndarray:
     b = np.asarray(w_base)
     if a.shape != b.shape:
         raise ValueError(f"{name}: fine-tuned shape {a.shape} != base shape {b.shape}")
-    return np.abs(a.astype(np.float32) - b.astype(np.float32))
+    d = to_float32(a) - to_float32(b)
+    return np.abs(d, out=d)
+
+
+def to_float32(a: np.ndarray) -> np.ndarray:
+    """float32 copy/view of an array; bfloat16 (ml_dtypes) widened by a 16-bit shift (exact, fast)."""
+    if a.dtype.name == "bfloat16":
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
 
 
 def zero_mask(dw_abs: np.ndarray, precision: str = "fp16") -> np.ndarray:

@@ -28,6 +28,9 @@ Where bnb's own kernels differ in corner cases (documented, not reproduced):
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -178,23 +181,29 @@ def nf4_codes(w, block_size: int = 64):
     return q.astype(jnp.uint8), absmax
 
 
+@partial(jax.jit, static_argnums=(1, 2))
+def _nf4_quant_impl(w, block_size, double_quant):
+    K, N = w.shape
+    q, absmax = nf4_codes(w, block_size)
+    codes = pack_nibbles_high_first(q.reshape(N, K))
+    if not double_quant:
+        return codes, absmax, {}
+    offset = pairwise_mean_f32(absmax)
+    a_codes, a_scales = quantize_dynamic_blockwise(absmax - offset, NESTED_BLOCK_SIZE)
+    scales = dequantize_dynamic_blockwise(a_codes, a_scales, NESTED_BLOCK_SIZE) + offset
+    return codes, scales, dict(absmax_codes=a_codes, absmax_scales=a_scales, absmax_offset=offset)
+
+
 def nf4_quantize(w, block_size: int = 64, double_quant: bool = True):
     """Quantize lrmq [K, N] to a bitsandbytes NF4 `QuantizedWeight`."""
     from lrmq.quant.qweight import QuantizedWeight  # local: qweight imports this module
 
-    K, N = w.shape if w.ndim == 2 else (None, None)
-    q, absmax = nf4_codes(w, block_size)
-    codes = pack_nibbles_high_first(q.reshape(N, K))
-    extra = {}
-    scales = absmax
-    if double_quant:
-        offset = pairwise_mean_f32(absmax)
-        a_codes, a_scales = quantize_dynamic_blockwise(absmax - offset, NESTED_BLOCK_SIZE)
-        scales = dequantize_dynamic_blockwise(a_codes, a_scales, NESTED_BLOCK_SIZE) + offset
-        extra = dict(absmax_codes=a_codes, absmax_scales=a_scales, absmax_offset=offset.astype(jnp.float32))
+    _check_weight(w, block_size)
+    K, N = w.shape
+    codes, scales, extra = _nf4_quant_impl(w, int(block_size), bool(double_quant))
     return QuantizedWeight(
         codes=codes,
-        scales=scales.astype(jnp.float32),
+        scales=scales,
         fmt="nf4",
         bits=4,
         group_size=0,
@@ -221,13 +230,18 @@ def nf4_dequantize(qw):
     K, N = qw.shape
     if tuple(qw.codes.shape) != (N, K // 2):
         raise ValueError(f"NF4 codes shape {tuple(qw.codes.shape)} != {(N, K // 2)} for weight shape {(K, N)}")
-    q = unpack_nibbles_high_first(qw.codes).reshape(-1).astype(jnp.int32)
+    # scales == nf4_absmax(qw): the double-quant absmax is stored dequantized
+    return _nf4_dequant_impl(qw.codes, qw.scales, qw.block_size, jnp.dtype(qw.dtype))
+
+
+@partial(jax.jit, static_argnums=(2, 3))
+def _nf4_dequant_impl(codes, absmax, bs, dtype):
+    N, K = codes.shape[0], codes.shape[1] * 2
+    q = unpack_nibbles_high_first(codes).reshape(-1).astype(jnp.int32)
     n = q.shape[0]
-    absmax = qw.scales.astype(jnp.float32)  # == nf4_absmax(qw): stored dequantized
     vals = jnp.asarray(NF4_CODE)[q]
-    bs = qw.block_size
-    w = (_pad_to(vals, bs).reshape(-1, bs) * absmax[:, None]).reshape(-1)[:n]
-    return w.astype(qw.dtype).reshape(N, K).T
+    w = (_pad_to(vals, bs).reshape(-1, bs) * absmax.astype(jnp.float32)[:, None]).reshape(-1)[:n]
+    return w.astype(dtype).reshape(N, K).T
 
 
 def nf4_fake_quant(w, block_size: int = 64, double_quant: bool = True):

@@ -11,6 +11,8 @@ fake_quant is literally that composition.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +81,12 @@ def compute_qparams(w, bits: int, group_size: int, symmetric: bool):
     bits = check_bits(bits)
     _check_float("w", w)
     g = resolve_group_size(w.shape, group_size)
+    return _qparams_impl(w, bits, g, bool(symmetric))
+
+
+# Jitted cores: one compile per (shape, bits, group, mode) instead of one per primitive in eager use.
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _qparams_impl(w, bits, g, symmetric):
     wg = _grouped(w, g)
     if symmetric:
         absmax = jnp.max(jnp.abs(wg), axis=1)
@@ -106,6 +114,11 @@ def quantize_codes(w, scales, zeros, bits: int, group_size: int):
     _check_float("w", w)
     g = resolve_group_size(w.shape, group_size)
     _check_qparams(w.shape, scales, zeros, g)
+    return _codes_impl(w, scales, zeros, bits, g)
+
+
+@partial(jax.jit, static_argnums=(3, 4))
+def _codes_impl(w, scales, zeros, bits, g):
     wg = _grouped(w, g)
     s = scales.astype(jnp.float32)[:, None, :]
     z = zeros.astype(jnp.float32)[:, None, :]
@@ -120,6 +133,11 @@ def dequantize_codes(codes, scales, zeros, group_size: int, dtype=jnp.float32):
         raise ValueError(f"codes must be 2-D [K, N], got shape {tuple(codes.shape)}")
     g = resolve_group_size(codes.shape, group_size)
     _check_qparams(codes.shape, scales, zeros, g)
+    return _dequant_impl(codes, scales, zeros, g, jnp.dtype(dtype))
+
+
+@partial(jax.jit, static_argnums=(3, 4))
+def _dequant_impl(codes, scales, zeros, g, dtype):
     K, N = codes.shape
     q = codes.astype(jnp.float32).reshape(K // g, g, N)
     w = (q - zeros.astype(jnp.float32)[:, None, :]) * scales.astype(jnp.float32)[:, None, :]
