@@ -6,13 +6,20 @@ differ by at most 2*gamma_K*sum|x*w|. For bf16 activations the kernels (and the 
 round the dequantized weight to bf16 (relative 2^-9 per term -> 2^-9 * sum|x*w|) and both round
 the output to bf16 (half an ulp each -> 2^-8 * |y|).
 """
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels as pk
+# The package's public API lives in dispatch (re-exported by __init__, checked below). Import it
+# directly: a stale editable install can register pallas_kernels as a namespace package, in
+# which case __init__ is not run under pytest.
+from pallas_kernels import dispatch as pk
 from pallas_kernels import gpu as pk_gpu
 from pallas_kernels import reference as ref
 from pallas_kernels import tpu as pk_tpu
@@ -264,6 +271,15 @@ def test_no_gradient_into_frozen_quantized_base():
     xn, cn, an, _ = _nf4_inputs(3, 256, 128, jnp.float32)
     ga = jax.grad(lambda a: jnp.sum(pk.nf4_matmul(xn, cn, a)))(an)
     assert not np.any(np.asarray(ga))
+
+
+def test_package_reexports_public_api():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import pallas_kernels as p, pallas_kernels.dispatch as d\n"
+            "assert p.__file__ and p.int4_matmul is d.int4_matmul and p.nf4_matmul is d.nf4_matmul\n"
+            "assert p.int8_matmul is d.int8_matmul and 'lrmq' not in __import__('sys').modules\n")
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 # ------------------------------------------------------------- real-backend lowering (no device)

@@ -152,7 +152,8 @@ def test_score_completions_checks_config():
 
 
 def test_adversarial_inputs_are_bounded():
-    get_verify_pool().verify_many([("1", "2")], 1.0)  # worker start-up is not part of the bound
+    pool = get_verify_pool()
+    pool.verify_many([("1", "2")] * pool.num_workers, 1.0)  # worker start-up is not part of the bound
     comps = [
         r"\boxed{9^{9^{9^{9^9}}}}",
         r"\boxed{(10^{10^{10}})!}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
+import uuid
 
 
 @contextlib.contextmanager
@@ -15,7 +15,15 @@ def atomic_dir(path: str, *, overwrite: bool = False):
         raise FileExistsError(f"output directory {path} already exists (pass overwrite to replace it)")
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    # Not tempfile.mkdtemp: its 0700 mode would survive the rename and hide shared checkpoints from
+    # other users; os.mkdir applies the umask like any ordinary directory.
+    while True:
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(tmp)
+            break
+        except FileExistsError:
+            continue
     try:
         yield tmp
     except BaseException:
@@ -33,7 +41,9 @@ def atomic_dir(path: str, *, overwrite: bool = False):
 def atomic_write_text(path: str, text: str) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    # 0o666 minus the umask, as open() would give (mkstemp's 0600 would survive the replace).
+    tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

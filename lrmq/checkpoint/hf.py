@@ -177,6 +177,7 @@ def hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, 
 def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tokenizer_from: str | None = None,
                   max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> str:
     """Write model.safetensors (sharded with an index past max_shard_bytes) + config.json, atomically."""
+    _check_float_model(model)
     cfg = model.cfg
     hf_cfg = cfg.to_hf_dict()
     export_dtype = dtype or _hf_dtype(hf_cfg) or cfg.param_dtype
@@ -211,6 +212,14 @@ def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tok
         if tokenizer_from:
             copy_tokenizer_files(tokenizer_from, tmp)
     return out_dir
+
+
+def _check_float_model(model: nnx.Module) -> None:
+    """Packed (QuantizedKernel) weights are not Params: without this check export would silently drop them."""
+    odd = [".".join(str(p) for p in path) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.RngState)))
+           if not isinstance(v, nnx.Param)]
+    if odd:
+        raise CheckpointError("save_hf_model exports float parameters only; dequantize these first: " + ", ".join(odd))
 
 
 def _hf_dtype(hf_cfg: dict) -> str | None:

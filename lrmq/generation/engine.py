@@ -51,7 +51,8 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tupl
 
 def _generate_fn(graphdef, state, tokens, mask, key, *, max_new: int, cfg: SamplingConfig, eos: tuple[int, ...],
                  pad_id: int):
-    model: Decoder = nnx.merge(graphdef, state)
+    states = state if isinstance(state, tuple) else (state,)  # (trainable, rest) splits merge too
+    model: Decoder = nnx.merge(graphdef, *states)
     b, p = tokens.shape
     cache = KVCache.create(model.cfg, b, p + max_new)
     positions = positions_from_mask(mask)
@@ -86,10 +87,12 @@ def _generate_fn(graphdef, state, tokens, mask, key, *, max_new: int, cfg: Sampl
 class Generator:
     """Holds the compiled generate function for a model; reuse it across calls (rollouts)."""
 
-    def __init__(self, model: Decoder, *, eos_ids: Sequence[int], pad_id: int, mesh=None, min_bucket: int = 16):
+    def __init__(self, model: Decoder, *, eos_ids: Sequence[int], pad_id: int, mesh=None, min_bucket: int = 16,
+                 graphdef=None):
         if not eos_ids:
             raise ValueError("eos_ids is empty: generation needs at least one stop token")
-        self.graphdef, _ = nnx.split(model)
+        # graphdef: pass the one from an `nnx.split(model, filter, ...)` to generate from split states
+        self.graphdef = graphdef if graphdef is not None else nnx.split(model)[0]
         self.eos = tuple(int(e) for e in eos_ids)
         self.pad_id = int(pad_id)
         self.mesh = mesh

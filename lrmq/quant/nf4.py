@@ -155,6 +155,20 @@ def dequantize_dynamic_blockwise(codes, absmax, block: int = NESTED_BLOCK_SIZE):
     return (_pad_to(vals, block).reshape(-1, block) * absmax[:, None]).reshape(-1)[:n]
 
 
+_dequantize_dynamic_jit = jax.jit(dequantize_dynamic_blockwise, static_argnums=2)
+
+
+def double_quant_absmax(absmax_codes, absmax_scales, absmax_offset):
+    """absmax = f32(code[c] * s2[block // 256]) + offset, the product rounded before the add as in bnb.
+
+    XLA CPU/GPU contract a multiply feeding an add into one FMA inside a compiled computation (an
+    optimization_barrier does not stop it), so the product and the add run as separate computations.
+    Under an enclosing jit they fuse again and may differ from bnb by 1 ulp.
+    """
+    prod = _dequantize_dynamic_jit(absmax_codes, absmax_scales, NESTED_BLOCK_SIZE)
+    return prod + absmax_offset
+
+
 def _check_weight(w, block_size):
     if w.ndim != 2:
         raise ValueError(f"NF4 weight must be 2-D [K, N], got shape {tuple(w.shape)}")
@@ -190,8 +204,7 @@ def _nf4_quant_impl(w, block_size, double_quant):
         return codes, absmax, {}
     offset = pairwise_mean_f32(absmax)
     a_codes, a_scales = quantize_dynamic_blockwise(absmax - offset, NESTED_BLOCK_SIZE)
-    scales = dequantize_dynamic_blockwise(a_codes, a_scales, NESTED_BLOCK_SIZE) + offset
-    return codes, scales, dict(absmax_codes=a_codes, absmax_scales=a_scales, absmax_offset=offset)
+    return codes, absmax, dict(absmax_codes=a_codes, absmax_scales=a_scales, absmax_offset=offset)
 
 
 def nf4_quantize(w, block_size: int = 64, double_quant: bool = True):
@@ -201,6 +214,8 @@ def nf4_quantize(w, block_size: int = 64, double_quant: bool = True):
     _check_weight(w, block_size)
     K, N = w.shape
     codes, scales, extra = _nf4_quant_impl(w, int(block_size), bool(double_quant))
+    if double_quant:  # outside the jit above: see double_quant_absmax
+        scales = double_quant_absmax(extra["absmax_codes"], extra["absmax_scales"], extra["absmax_offset"])
     return QuantizedWeight(
         codes=codes,
         scales=scales,
@@ -219,7 +234,7 @@ def nf4_quantize(w, block_size: int = 64, double_quant: bool = True):
 def nf4_absmax(qw):
     """Per-block absmax used for dequantization (recomputed from the double-quant state if present)."""
     if qw.double_quant:
-        return dequantize_dynamic_blockwise(qw.absmax_codes, qw.absmax_scales, NESTED_BLOCK_SIZE) + qw.absmax_offset
+        return double_quant_absmax(qw.absmax_codes, qw.absmax_scales, qw.absmax_offset)
     return qw.scales
 
 

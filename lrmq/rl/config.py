@@ -49,7 +49,10 @@ class AlgoSection:
     policy_loss: str = "grpo"
     eps_low: float = 0.2
     eps_high: float = 0.2
-    num_iterations: int = 1  # mu: inner updates per rollout batch (old log-probs = rollout log-probs)
+    num_iterations: int = 1  # mu: inner updates per rollout batch
+    # old log-probs of the importance ratio: "rollout" (the sampler's, as Tunix's default) or "recompute"
+    # (one extra forward with the pre-update policy: the ratio starts at exactly 1, as TRL)
+    old_logprobs: Literal["rollout", "recompute"] = "rollout"
     beta: float = 0.0  # KL coefficient; 0 creates no reference model at all (paper 1)
     kl_estimator: str = "k3"
     reward: str = "boxed_math"

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import re
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -228,6 +228,10 @@ def _worker_main(equal) -> None:
     except ImportError:
         pass
 
+    try:
+        equal("1", "1")  # warm lazy imports and parser caches off the item clock too
+    except Exception:
+        pass
     out.write('{"ready": true}\n')
     for line in sys.stdin:
         job = json.loads(line)
@@ -260,7 +264,7 @@ class _Worker:
         self.dead = False
 
     def lines(self) -> list[dict]:
-        """Complete protocol messages available now (call after select says readable)."""
+        """Complete protocol messages available now (call when the fd is readable)."""
         try:
             chunk = os.read(self.fd, 65536)
         except OSError:
@@ -336,7 +340,11 @@ class VerifyPool:
                 deadlines = [w.job[1] for w in self.workers if w.job]
                 deadlines += [w.started + WORKER_START_TIMEOUT_S for w in self.workers if not w.ready]
                 wait = max(0.0, min(deadlines) - now) if deadlines else 0.0
-                readable, _, _ = select.select([w.fd for w in self.workers], [], [], wait)
+                # selectors (poll/epoll), not select.select: a big process can hold fds >= 1024.
+                with selectors.DefaultSelector() as sel:
+                    for w in self.workers:
+                        sel.register(w.fd, selectors.EVENT_READ)
+                    readable = {key.fd for key, _ in sel.select(wait)}
                 now = time.monotonic()
                 for k, w in enumerate(self.workers):
                     dead = w.dead

@@ -1,0 +1,164 @@
+"""PTQ benchmarks on synthetic checkpoints with real model shapes (CPU).
+
+Sections (each a function taking the written checkpoint pair and returning a dict of figures):
+* ``importance``: the QuantLRM importance pass (global exact median + per-channel importance over
+  q/o/gate/down) versus the floor of merely reading both checkpoints once; reports wall time, ratio
+  and the pass's peak RSS (measured in a fresh child process).
+More sections (e.g. ``--awq-gptq`` layer timings) are added to ``SECTIONS`` and get their own flag.
+
+    python benchmarks/quantize.py --quick          # 2 layers of Qwen3-0.6B shapes, seconds
+    python benchmarks/quantize.py                  # Qwen3-0.6B and Qwen2.5-1.5B shapes, 28 layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# (layers, hidden, intermediate, q heads, kv heads, head dim)
+SHAPES = {
+    "qwen3-0.6b": (28, 1024, 3072, 16, 8, 128),
+    "qwen2.5-1.5b": (28, 1536, 8960, 12, 2, 128),
+}
+
+
+def layer_shapes(hidden, inter, nq, nkv, hd) -> dict[str, tuple[int, int]]:
+    """HF/torch ``[out, in]`` shapes of one decoder layer's projections."""
+    return {
+        "self_attn.q_proj": (nq * hd, hidden),
+        "self_attn.k_proj": (nkv * hd, hidden),
+        "self_attn.v_proj": (nkv * hd, hidden),
+        "self_attn.o_proj": (hidden, nq * hd),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return x.astype(ml_dtypes.bfloat16)
+
+
+def write_pair(root: str, model: str, layers: int, seed: int = 0) -> tuple[str, str]:
+    """bf16 safetensors base / fine-tuned checkpoints, one file per layer; ~25% of entries unchanged."""
+    from safetensors.numpy import save_file
+
+    n_layers, hidden, inter, nq, nkv, hd = SHAPES[model]
+    shapes = layer_shapes(hidden, inter, nq, nkv, hd)
+    dirs = [os.path.join(root, model, k) for k in ("base", "ft")]
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(min(layers, n_layers)):
+        base, ft = {}, {}
+        for p, shape in shapes.items():
+            b = rng.standard_normal(shape, dtype=np.float32) * 0.02
+            delta = rng.standard_normal(shape, dtype=np.float32) * 2e-4
+            delta[rng.random(shape, dtype=np.float32) < 0.25] = 0
+            name = f"model.layers.{i}.{p}.weight"
+            base[name], ft[name] = _bf16(b), _bf16(b + delta)
+        for d, t in zip(dirs, (base, ft)):
+            save_file(t, os.path.join(d, f"layer{i:03d}.safetensors"))
+    return dirs[0], dirs[1]
+
+
+def _files(d):
+    return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
+
+
+def read_floor(base_dir: str, ft_dir: str) -> float:
+    """Seconds to load every tensor of both checkpoints once (the importance pass's lower bound)."""
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    total = 0
+    for d in (base_dir, ft_dir):
+        for path in _files(d):
+            with safe_open(path, "np") as f:
+                for k in f.keys():
+                    total += int(f.get_tensor(k).view(np.uint16)[-1, -1])  # touch
+    return time.perf_counter() - t0
+
+
+def checkpoint_pairs(base_dir: str, ft_dir: str):
+    """Callable for ``importance_for_model``: lazy (name, w_ft, w_base) in lrmq ``[K, N]`` orientation."""
+    from safetensors import safe_open
+
+    def gen():
+        for pb, pf in zip(_files(base_dir), _files(ft_dir)):
+            with safe_open(pb, "np") as fb, safe_open(pf, "np") as ff:
+                for k in fb.keys():
+                    name = k.removesuffix(".weight")
+                    yield name, (lambda ff=ff, k=k: ff.get_tensor(k).T), (lambda fb=fb, k=k: fb.get_tensor(k).T)
+
+    return gen
+
+
+def _importance_child(base_dir, ft_dir, q):
+    from lrmq.ptq.importance import global_stats, importance_for_model
+
+    pairs = checkpoint_pairs(base_dir, ft_dir)
+    t0 = time.perf_counter()
+    stats = global_stats(pairs)
+    t1 = time.perf_counter()
+    res = importance_for_model(pairs, stats=stats)
+    t2 = time.perf_counter()
+    q.put({"stats_s": t1 - t0, "importance_s": t2 - t1, "total_s": t2 - t0, "n_matrices": len(res),
+           "positives": stats.count, "median": stats.median,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def bench_importance(base_dir: str, ft_dir: str) -> dict:
+    read_floor(base_dir, ft_dir)  # warm the page cache so both figures see the same storage state
+    floor = min(read_floor(base_dir, ft_dir) for _ in range(2))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_importance_child, args=(base_dir, ft_dir, q))
+    p.start()
+    out = q.get()
+    p.join()
+    out["read_floor_s"] = floor
+    out["ratio"] = out["total_s"] / floor
+    return out
+
+
+SECTIONS = {"importance": bench_importance}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 layers of Qwen3-0.6B shapes")
+    ap.add_argument("--models", nargs="*", default=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
+    ap.add_argument("--dir", default=None, help="where to write the synthetic checkpoints (temp dir)")
+    a = ap.parse_args(argv)
+    models = ["qwen3-0.6b"] if a.quick else a.models
+    layers = a.layers or (2 if a.quick else None)
+    with tempfile.TemporaryDirectory(dir=a.dir) as root:
+        for model in models:
+            n = layers or SHAPES[model][0]
+            t0 = time.perf_counter()
+            base_dir, ft_dir = write_pair(root, model, n)
+            size = sum(os.path.getsize(f) for d in (base_dir, ft_dir) for f in _files(d)) / 2**20
+            print(f"[{model}] {n} layers, both checkpoints {size:.0f} MiB bf16 "
+                  f"(written in {time.perf_counter() - t0:.1f}s)", flush=True)
+            for sec in a.sections:
+                r = SECTIONS[sec](base_dir, ft_dir)
+                print(f"[{model}] {sec}: " + ", ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

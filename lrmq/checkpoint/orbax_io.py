@@ -1,0 +1,272 @@
+"""The lrmq checkpoint format: a directory that restores straight onto a mesh.
+
+    config.json       the Hugging Face config dict (ModelConfig.to_hf_dict()) plus an "lrmq" sub-dict
+                      {"format_version", "dtype", "param_dtype"} for what HF has no field for
+    lrmq_state.json   one entry per saved variable: type, shape/dtype of each array, logical axes and,
+                      for packed weights, the QuantizedWeight static fields
+    params/           an orbax StandardCheckpointer tree: every non-RNG variable of the model
+    tokenizer files   copied from `tokenizer_from` when present
+
+The manifest (not orbax metadata, whose layout changes between orbax releases) is what `load_lrmq`
+builds its abstract target from: shapes are checked before any byte is read, and every array is
+restored directly with its `NamedSharding` on the requested mesh (any mesh shape, not the saving one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from lrmq.checkpoint.atomic import atomic_dir
+from lrmq.checkpoint.hf import CheckpointError, copy_tokenizer_files
+from lrmq.model.config import ModelConfig
+from lrmq.model.decoder import Decoder
+from lrmq.model.params import LOGICAL_AXES_KEY
+from lrmq.sharding import state_shardings
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+STATE_FILE = "lrmq_state.json"
+PARAMS_DIR = "params"
+
+
+# ----------------------------------------------------------------------------- state <-> flat paths
+def _path_str(path) -> str:
+    return ".".join(str(getattr(p, "key", p)) for p in path)
+
+
+def _savable_vars(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """'layers.0.attn.q_proj.kernel' -> Variable for all variables except RNG state."""
+    state = nnx.state(model, nnx.Not(nnx.RngState))
+    return {_path_str(p): v for p, v in nnx.to_flat_state(state)}
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted paths -> nested dict with str keys (orbax stores keys as str; ints would not round trip)."""
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = out
+        *head, last = path.split(".")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return out
+
+
+def _lookup(tree, path: str):
+    for k in path.split("."):
+        tree = tree[k] if k in tree else tree[int(k)]  # nnx State keeps list indices as ints
+    return tree
+
+
+def _quant_types():
+    """(QuantizedKernel, QuantizedWeight), imported lazily: plain float checkpoints never need lrmq.quant."""
+    from lrmq.quant.qweight import QuantizedKernel, QuantizedWeight
+
+    return QuantizedKernel, QuantizedWeight
+
+
+def _is_quantized_value(v) -> bool:
+    return hasattr(v, "codes") and hasattr(v, "static") and hasattr(v, "arrays")
+
+
+def _array_desc(a) -> list:
+    return [list(int(d) for d in a.shape), jnp.dtype(a.dtype).name]
+
+
+# ----------------------------------------------------------------------------- save
+def _manifest(model: Decoder) -> dict[str, dict[str, Any]]:
+    """Describe every variable, refusing ones `load_lrmq` could not rebuild (they'd be silently lost)."""
+    cfg = model.cfg
+    base = {k for k, v in _savable_vars(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))).items()}
+    out, problems = {}, []
+    for path, var in _savable_vars(model).items():
+        value = var.get_value()
+        axes = var.get_metadata().get(LOGICAL_AXES_KEY)
+        entry: dict[str, Any] = {"logical_axes": list(axes) if axes is not None else None}
+        if _is_quantized_value(value) and type(var).__name__ == "QuantizedKernel":
+            if path not in base or not path.endswith(".kernel"):
+                problems.append(f"{path}: packed weight where the decoder has no Linear kernel")
+                continue
+            entry.update(type="QuantizedKernel", static=_json_static(value.static()),
+                         arrays={k: _array_desc(a) for k, a in value.arrays().items()})
+        elif type(var) is nnx.Param and path in base and hasattr(value, "shape"):
+            entry.update(type="Param", array=_array_desc(value))
+        else:
+            problems.append(f"{path}: {type(var).__name__}")
+        out[path] = entry
+    missing = sorted(base - set(out))
+    if missing:
+        problems.append("missing from the model: " + ", ".join(missing))
+    if problems:
+        raise CheckpointError("save_lrmq can store the decoder's float parameters and packed QuantizedKernel "
+                              "weights only (merge LoRA adapters first); cannot store:\n  " + "\n  ".join(problems))
+    return out
+
+
+def _json_static(static: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in static.items()}
+
+
+def _hf_config_for(cfg: ModelConfig) -> dict[str, Any]:
+    hf = cfg.to_hf_dict()
+    # config.json describes the stored weights: keep its dtype field in step with param_dtype.
+    key = "torch_dtype" if "torch_dtype" in hf and "dtype" not in hf else "dtype"
+    if str(hf.get(key, "")).replace("torch.", "") != cfg.param_dtype:
+        hf[key] = cfg.param_dtype
+    hf["lrmq"] = {"format_version": FORMAT_VERSION, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+    return hf
+
+
+def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, overwrite: bool = False) -> str:
+    """Write an lrmq checkpoint atomically (nothing at `path` unless every file was written)."""
+    manifest = _manifest(model)
+    flat = {p: v.get_value() for p, v in _savable_vars(model).items()}
+    hf = _hf_config_for(model.cfg)
+    with atomic_dir(path, overwrite=overwrite) as tmp:
+        ckptr = ocp.StandardCheckpointer()
+        try:
+            ckptr.save(os.path.join(tmp, PARAMS_DIR), _nest(flat))
+            ckptr.wait_until_finished()  # the save is async; the rename below must see finished files
+        finally:
+            ckptr.close()
+        with open(os.path.join(tmp, STATE_FILE), "w") as f:
+            json.dump({"format_version": FORMAT_VERSION, "variables": manifest}, f, indent=1)
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(hf, f, indent=2)
+        if tokenizer_from:
+            copy_tokenizer_files(tokenizer_from, tmp)
+    return path
+
+
+# ----------------------------------------------------------------------------- load
+def is_lrmq_checkpoint(path: str) -> bool:
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not (os.path.isfile(cfg_path) and os.path.isdir(os.path.join(path, PARAMS_DIR))
+            and os.path.isfile(os.path.join(path, STATE_FILE))):
+        return False
+    try:
+        with open(cfg_path) as f:
+            return isinstance(json.load(f).get("lrmq"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_lrmq_config(path: str, *, dtype: str | None = None, param_dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig of an lrmq checkpoint (with its saved compute / param dtypes unless overridden)."""
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no config.json at {cfg_path}")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    meta = hf.pop("lrmq", None)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{cfg_path}: no 'lrmq' section; this is not an lrmq checkpoint")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: lrmq format_version {meta.get('format_version')!r} is not supported "
+                              f"(this lrmq reads {FORMAT_VERSION})")
+    return ModelConfig.from_hf_dict(hf, source=cfg_path, dtype=dtype or meta.get("dtype"),
+                                    param_dtype=param_dtype or meta.get("param_dtype"))
+
+
+def _read_manifest(path: str) -> dict[str, dict[str, Any]]:
+    p = os.path.join(path, STATE_FILE)
+    try:
+        with open(p) as f:
+            return json.load(f)["variables"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{p}: missing; {path} is not a complete lrmq checkpoint") from None
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{p}: not a valid lrmq state manifest ({e})") from None
+
+
+def _install_quantized(abstract: Decoder, path: str, entry: dict[str, Any]) -> None:
+    """Swap the abstract float kernel at `path` for an abstract QuantizedKernel of the saved layout."""
+    QuantizedKernel, QuantizedWeight = _quant_types()
+    *mod_path, attr = path.split(".")
+    module = abstract
+    for k in mod_path:
+        module = module[int(k)] if k.isdigit() else getattr(module, k)
+    static = dict(entry["static"])
+    static["shape"] = tuple(static["shape"])
+    arrays = {k: jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for k, (s, d) in entry["arrays"].items()}
+    axes = entry.get("logical_axes")
+    meta = {LOGICAL_AXES_KEY: tuple(axes)} if axes is not None else {}
+    setattr(module, attr, QuantizedKernel(QuantizedWeight(**arrays, **static), **meta))
+
+
+def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None) -> Decoder:
+    """Restore an lrmq checkpoint; with `mesh`, every array lands directly on its logical-axis sharding.
+
+    `dtype` overrides the compute dtype; `param_dtype` casts the float parameters after the restore
+    (packed weights keep their stored dtypes).
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no lrmq checkpoint at {path}")
+    cfg = read_lrmq_config(path, dtype=dtype)  # build with the saved param dtype; cast after the restore
+    manifest = _read_manifest(path)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    problems = []
+    for p, entry in manifest.items():
+        if entry.get("type") == "QuantizedKernel":
+            try:
+                _install_quantized(abstract, p, entry)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+                problems.append(f"{p}: cannot rebuild the packed weight ({e})")
+    state = nnx.state(abstract, nnx.Not(nnx.RngState))
+    variables = {_path_str(p): v for p, v in nnx.to_flat_state(state)}
+    problems += [f"missing variable {p}" for p in sorted(set(variables) - set(manifest))]
+    problems += [f"unexpected variable {p}" for p in sorted(set(manifest) - set(variables))]
+    for p in sorted(set(variables) & set(manifest)):
+        entry = manifest[p]
+        if entry.get("type") == "Param":
+            want = tuple(variables[p].get_value().shape)
+            if tuple(entry["array"][0]) != want:
+                problems.append(f"wrong shape for {p}: the config needs {want}, the checkpoint has "
+                                f"{tuple(entry['array'][0])}")
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
+
+    if mesh is not None:
+        shardings = state_shardings(state, mesh)
+        sharding_of = lambda p: _lookup(shardings, p)
+    else:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding_of = lambda p: jax.tree.map(lambda _: one, variables[p].get_value())
+
+    def target(p):
+        entry, value = manifest[p], variables[p].get_value()
+        if entry["type"] == "Param":
+            shape, dt = entry["array"]
+            return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt), sharding=sharding_of(p))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), value, sharding_of(p))
+
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        restored = ckptr.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)),
+                                 _nest({p: target(p) for p in variables}))
+    except Exception as e:  # orbax/tensorstore raise many types; name the checkpoint and the cause
+        raise CheckpointError(f"{os.path.join(path, PARAMS_DIR)}: cannot restore ({type(e).__name__}: {e})") from e
+    finally:
+        ckptr.close()
+
+    cast = jnp.dtype(param_dtype) if param_dtype else None
+    for p, var in variables.items():
+        value = _lookup(restored, p)
+        if cast is not None and manifest[p]["type"] == "Param" and jnp.issubdtype(value.dtype, jnp.floating):
+            value = value.astype(cast)  # elementwise: keeps the sharding
+        var.set_value(value)
+    nnx.update(abstract, state)  # no-op where nnx.state shares Variables with the module; needed where it copies
+    if cast is not None:
+        abstract.cfg = cfg.replace(param_dtype=jnp.dtype(cast).name)
+    return abstract

@@ -1,0 +1,342 @@
+"""The GRPO / Dr.GRPO training loop: rollouts -> rewards -> advantages -> jitted updates.
+
+Multi-host: every process iterates the same global prompt batch; generation and the update run
+sharded over the global mesh; completions are gathered so each host scores all of them (rewards are
+cheap next to generation) and then places its own shards of the train batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lrmq.configlib import ConfigError, dump_config, save_config
+from lrmq.generation.engine import Generator, left_pad
+from lrmq.generation.sampling import SamplingConfig
+from lrmq.rl.advantages import compute_advantages
+from lrmq.rl.batch import build_batch, truncate_left
+from lrmq.rl.config import TrainConfig
+from lrmq.rl.rewards import score_completions
+from lrmq.rl.run_state import RunCheckpointer
+from lrmq.rl.step import make_optimizer, make_ref_logprobs, make_train_step
+from lrmq.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
+
+log = logging.getLogger("lrmq.train")
+
+TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
+
+
+def resolve_checkpoint(path: str) -> str:
+    return TINY_MODEL_DIR if path == "tiny" else path
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_datasets(cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
+    d = cfg.data
+    if not d.train_files:
+        from lrmq.data.synthetic import make_splits
+
+        train, held = make_splits(d.synthetic_train_size, d.synthetic_eval_size, seed=d.synthetic_seed)
+        strip = lambda rows: [{"problem": r["problem"], "answer": str(r["answer"])} for r in rows]
+        return strip(train), strip(held)
+    from lrmq.data.prompts import load_prompt_dataset
+
+    kw = dict(problem_field=d.problem_field, answer_field=d.answer_field, solution_field=d.solution_field)
+    train = load_prompt_dataset(d.train_files, **kw)
+    if d.max_train_examples:
+        train = train.select(range(min(d.max_train_examples, len(train))))
+    train = [dict(r) for r in train]
+    held = [dict(r) for r in load_prompt_dataset(d.eval_files, **kw)] if d.eval_files else []
+    return train, held
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def trainable_filter(cfg: TrainConfig):
+    return nnx.LoRAParam if cfg.quant.mode == "qlora" else nnx.Param
+
+
+def build_model(cfg: TrainConfig, mesh):
+    from lrmq.checkpoint.load import load_model
+
+    model = load_model(resolve_checkpoint(cfg.model.checkpoint), mesh=mesh, dtype=cfg.model.dtype,
+                       param_dtype=cfg.model.param_dtype)
+    if cfg.quant.mode != "none":
+        from lrmq.quant.training import prepare_for_training
+
+        model = prepare_for_training(model, cfg.quant, seed=cfg.run.seed, mesh=mesh)
+    return model
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: TrainConfig, *, writer_factory=None):
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(cfg.run.out_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
+        self._check_mesh()
+        from lrmq.tokenizer import Tokenizer
+
+        ckpt = resolve_checkpoint(cfg.model.checkpoint)
+        self.tokenizer = Tokenizer.from_dir(ckpt)
+        self.train_rows, self.eval_rows = load_datasets(cfg)
+        with jax.set_mesh(self.mesh):
+            model = build_model(cfg, self.mesh)
+        self.model_cfg = model.cfg
+        self.graphdef, self.trainable, self.rest = nnx.split(model, trainable_filter(cfg), ...)
+        self.tx, self.schedule = make_optimizer(cfg)
+        with jax.set_mesh(self.mesh):
+            self.opt_state = jax.jit(self.tx.init)(self.trainable)
+        tr_sh = jax.tree.map(lambda x: x.sharding, self.trainable)
+        opt_sh = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self.train_step = make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh))
+        self.ref_trainable = None
+        if cfg.algo.beta != 0.0 or cfg.algo.old_logprobs == "recompute":
+            self.logprob_fn = make_ref_logprobs(self.graphdef, cfg)
+        if cfg.algo.beta != 0.0:
+            self.ref_trainable = self._reference_params()
+        self.generator = Generator(model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
+                                   graphdef=self.graphdef)
+        from lrmq.data.pipeline import PromptPipeline
+
+        self.pipeline = PromptPipeline(self.train_rows, batch_size=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
+                                       process_index=0, process_count=1)
+        self.ckpt = RunCheckpointer(os.path.join(self.run_dir, "checkpoints"), keep=cfg.run.keep_checkpoints)
+        self.step = 0
+        self._stop_signal = None
+        self.writer = (writer_factory or _tb_writer)(os.path.join(self.run_dir, "tb"))
+        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+
+    # ------------------------------------------------------------------ setup helpers
+    def _check_mesh(self):
+        seqs = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        div = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        mb = self.cfg.optim.micro_batch_size or seqs
+        if seqs % div or mb % div:
+            raise ConfigError(f"{seqs} sequences per step (micro-batch {mb}) do not divide over the "
+                              f"{div} data-parallel devices of mesh {dict(self.mesh.shape)}")
+
+    def _reference_params(self):
+        """The frozen KL reference: a copy of the initial policy, or for QLoRA the base without adapters."""
+        if self.cfg.quant.mode == "qlora":
+            return jax.tree.map(jnp.zeros_like, self.trainable)  # zero adapters = the frozen base, no copy
+        return jax.tree.map(jnp.copy, self.trainable)
+
+    def states(self):
+        return (self.trainable, self.rest)
+
+    # ------------------------------------------------------------------ rollout
+    def _encode_prompts(self, problems: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+        from lrmq.data.prompts import format_prompt
+
+        ids, truncated = [], 0
+        for p in problems:
+            t = self.tokenizer.encode(format_prompt(self.cfg.data.template, p, self.tokenizer))
+            truncated += len(t) > self.cfg.rollout.max_prompt_len
+            ids.append(truncate_left(t, self.cfg.rollout.max_prompt_len))
+        tokens, mask = left_pad(ids, self.cfg.rollout.max_prompt_len, self.tokenizer.pad_id)
+        return tokens, mask, truncated
+
+    def _generate(self, tokens, mask, key, sampling: SamplingConfig, max_new: int):
+        sh = batch_sharding(self.mesh)
+        with jax.set_mesh(self.mesh):
+            out = self.generator.generate_padded(
+                self.states(), jax.device_put(tokens, sh), jax.device_put(mask, sh), key,
+                max_new_tokens=max_new, sampling=sampling)
+        return [np.asarray(jax.device_get(x)) for x in out]
+
+    def rollout(self, batch: dict[str, list], key) -> tuple[Any, dict[str, float]]:
+        r, a = self.cfg.rollout, self.cfg.algo
+        g = r.group_size
+        problems = [p for p in batch["problem"] for _ in range(g)]
+        answers = [str(x) for x in batch["answer"] for _ in range(g)]
+        tokens, mask, truncated = self._encode_prompts(problems)
+        t0 = time.perf_counter()
+        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        comp, logp, lengths = self._generate(tokens, mask, key, sampling, r.max_new_tokens)
+        t_gen = time.perf_counter() - t0
+        texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(problems))]
+        rewards, info = score_completions(texts, answers, a.reward, timeout_s=a.reward_timeout_s)
+        adv = np.asarray(compute_advantages(a.advantage, jnp.asarray(rewards), g, eps=a.adv_eps,
+                                            std_ddof=a.std_ddof))
+        rb = build_batch(tokens, mask, comp, lengths, logp, adv, rewards)
+        stats = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/accuracy": float(np.mean(info["correct"])),
+            "reward/format_rate": float(np.mean(info["formatted"])),
+            "completion/length_mean": float(lengths.mean()),
+            "completion/truncated_rate": float(np.mean(lengths >= r.max_new_tokens)),
+            "prompt/truncated": float(truncated),
+            "perf/rollout_tokens_per_s": float(lengths.sum() / max(t_gen, 1e-9)),
+            "perf/rollout_s": t_gen,
+        }
+        return rb, stats
+
+    # ------------------------------------------------------------------ update
+    def update(self, rb) -> dict[str, float]:
+        sh = batch_sharding(self.mesh)
+        with jax.set_mesh(self.mesh):
+            arrays = {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in rb.arrays().items()}
+            ref_logp = None
+            if self.cfg.algo.beta != 0.0:
+                ref_logp = self.logprob_fn(self.ref_trainable, self.rest, arrays["tokens"], arrays["mask"],
+                                           arrays["completion"])
+            if self.cfg.algo.old_logprobs == "recompute":
+                arrays["old_logp"] = self.logprob_fn(self.trainable, self.rest, arrays["tokens"], arrays["mask"],
+                                                     arrays["completion"]) * arrays["completion_mask"]
+            t0 = time.perf_counter()
+            metrics = {}
+            for _ in range(self.cfg.algo.num_iterations):
+                self.trainable, self.opt_state, m = self.train_step(self.trainable, self.rest, self.opt_state,
+                                                                    arrays, ref_logp)
+                metrics = m
+            metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+        dt = time.perf_counter() - t0
+        n_tok = float(rb.mask.sum()) * self.cfg.algo.num_iterations
+        metrics["perf/train_tokens_per_s"] = n_tok / max(dt, 1e-9)
+        metrics["perf/update_s"] = dt
+        del sh
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, limit: int | None = None) -> dict[str, float]:
+        rows = self.eval_rows[: (limit or self.cfg.run.eval_size)]
+        if not rows:
+            return {}
+        div = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        rows = rows[: max(div, len(rows) // div * div)]
+        tokens, mask, _ = self._encode_prompts([r["problem"] for r in rows])
+        sampling = SamplingConfig(greedy=True) if self.cfg.run.eval_greedy else SamplingConfig(
+            temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p)
+        comp, _, lengths = self._generate(tokens, mask, jax.random.key(self.cfg.run.seed + 7919), sampling,
+                                          self.cfg.rollout.max_new_tokens)
+        texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(rows))]
+        rewards, info = score_completions(texts, [str(r["answer"]) for r in rows], self.cfg.algo.reward,
+                                          timeout_s=self.cfg.algo.reward_timeout_s)
+        return {"eval/accuracy": float(np.mean(info["correct"])), "eval/reward_mean": float(rewards.mean()),
+                "eval/format_rate": float(np.mean(info["formatted"]))}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self):
+        self.ckpt.save(self.step, {"trainable": self.trainable, "rest": self.rest, "opt": self.opt_state},
+                       {"step": self.step, "data": self.pipeline.get_state()})
+
+    def maybe_restore(self) -> bool:
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            return False
+        with jax.set_mesh(self.mesh):
+            tree, meta = self.ckpt.restore(latest, {"trainable": self.trainable, "rest": self.rest,
+                                                    "opt": self.opt_state})
+        self.trainable, self.rest, self.opt_state = tree["trainable"], tree["rest"], tree["opt"]
+        self.pipeline.set_state(meta["data"])
+        self.step = int(meta["step"])
+        log.info("resumed from step %d (%s)", self.step, self.ckpt.directory)
+        return True
+
+    def export_policy(self, out_dir: str):
+        from lrmq.checkpoint.hf import save_hf_model
+
+        model = nnx.merge(self.graphdef, self.trainable, self.rest)
+        if self.cfg.quant.mode != "none":
+            from lrmq.quant.training import export_float_model
+
+            model = export_float_model(model)
+        save_hf_model(model, out_dir, tokenizer_from=resolve_checkpoint(self.cfg.model.checkpoint), overwrite=True)
+
+    # ------------------------------------------------------------------ loop
+    def _on_signal(self, signum, frame):
+        self._stop_signal = signum
+        log.warning("signal %d received: finishing this step, saving a checkpoint, then exiting", signum)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]):
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def train(self, stop_after: int | None = None) -> dict[str, float]:
+        cfg = self.cfg
+        save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+        resumed = self.maybe_restore()
+        if not resumed:
+            if self.cfg.run.export_hf and jax.process_index() == 0:
+                self.export_policy(os.path.join(self.run_dir, "initial_policy"))  # W_before for QuantLRM
+            if os.path.exists(self.metrics_path):
+                os.remove(self.metrics_path)
+            ev = self.evaluate()
+            if ev:
+                self.log_metrics(0, ev)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        bar = _progress(cfg.run.steps, self.step, enabled=cfg.run.progress)
+        last: dict[str, float] = {}
+        base_key = jax.random.key(cfg.run.seed)
+        ran = 0
+        try:
+            while self.step < cfg.run.steps:
+                t0 = time.perf_counter()
+                batch = next(self.pipeline)
+                rb, stats = self.rollout(batch, jax.random.fold_in(base_key, self.step))
+                m = self.update(rb)
+                self.step += 1
+                ran += 1
+                m.update(stats)
+                m["optim/lr"] = float(self.schedule(max(self.step - 1, 0) * cfg.algo.num_iterations))
+                m["perf/step_s"] = time.perf_counter() - t0
+                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.steps:
+                    m.update(self.evaluate())
+                self.log_metrics(self.step, m)
+                last = m
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['reward/accuracy']:.2f}",
+                                len=f"{m['completion/length_mean']:.0f}", kl=f"{m.get('train/kl', 0):.3g}")
+                if self.step % cfg.run.save_every == 0 or self.step == cfg.run.steps:
+                    self.save()
+                if self._stop_signal is not None or (stop_after and ran >= stop_after):
+                    if self.step % cfg.run.save_every and self.step != cfg.run.steps:
+                        self.save()
+                    self.ckpt.wait()
+                    return last
+            self.ckpt.wait()
+            final = self.evaluate()
+            if final:
+                self.log_metrics(self.step, final)
+                last.update(final)
+            if cfg.run.export_hf and jax.process_index() == 0:
+                self.export_policy(os.path.join(self.run_dir, "final_policy"))
+            return last
+        finally:
+            bar.close()
+            for s, h in old.items():
+                signal.signal(s, h)
+            self.writer.flush()
+
+
+def _tb_writer(path: str):
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(path)
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="grpo", unit="step", dynamic_ncols=True)
