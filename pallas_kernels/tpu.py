@@ -124,7 +124,7 @@ def _accumulate(acc_ref, o_ref, partial):
 def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *, rpg, cdt):
     c = c_ref[...].astype(jnp.int32)  # [bk/2, bn]; byte i = (k=2i low, k=2i+1 high)
     s, z = s_ref[...], z_ref[...]
-    w_even = _affine_dequant(c & 0xF, s, z * 0, rpg, cdt)
+    w_even = _affine_dequant(c & 0xF, s, z, rpg, cdt)
     w_odd = _affine_dequant(c >> 4, s, z, rpg, cdt)
     part = _dot(xe_ref[...].astype(cdt), w_even, cdt) + _dot(xo_ref[...].astype(cdt), w_odd, cdt)
     _accumulate(acc_ref, o_ref, part)

@@ -35,7 +35,7 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
 def completion_logprobs(model, tokens, mask, completion, temperature: float):
     """Log-probs [S, N] of the completion tokens (and their entropies) under the policy at `temperature`."""
     positions = positions_from_mask(mask)
-    logits = model(tokens, jnp.maximum(positions, 0))
+    logits = model(tokens, positions)  # padding keeps position -1: never attended to
     n = completion.shape[1]
     logits = logits[:, -n - 1:-1].astype(jnp.float32) / temperature  # position t predicts token t+1
     return token_logprobs(logits, completion), token_entropy(logits)

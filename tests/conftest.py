@@ -1,0 +1,50 @@
+"""Shared fixtures. Keep this small: tiny HF checkpoints and a many-device subprocess runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """hf_checkpoint(variant, dtype="float32") -> (dir, torch model); saved once per session."""
+    cache: dict = {}
+
+    def make(variant: str, dtype: str = "float32"):
+        key = (variant, dtype)
+        if key not in cache:
+            import torch
+            from hf_fixtures import save_hf_model_dir
+
+            path = str(tmp_path_factory.mktemp(f"hf_{variant}_{dtype}"))
+            model = save_hf_model_dir(variant, path, dtype=getattr(torch, dtype))
+            cache[key] = (path, model)
+        return cache[key]
+
+    return make
+
+
+def run_with_devices(script: str, *args: str, n_devices: int = 8, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run tests/<script> in a fresh interpreter with `n_devices` forced CPU devices.
+
+    XLA reads the flag once at backend start, so it cannot be set inside the (1-device) pytest process.
+    """
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, TESTS_DIR, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, os.path.join(TESTS_DIR, script), *args], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def multi_device_run():
+    """The `run_with_devices` helper as a fixture (tests need not import conftest)."""
+    return run_with_devices
