@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     from lrmq.rl.config import TrainConfig
 
     try:

@@ -48,3 +48,25 @@ def run_with_devices(script: str, *args: str, n_devices: int = 8, timeout: float
 def multi_device_run():
     """The `run_with_devices` helper as a fixture (tests need not import conftest)."""
     return run_with_devices
+
+
+TINY_MODEL_DIR = os.path.join(REPO_ROOT, "lrmq", "assets", "tiny")
+
+
+def tiny_train_config(out_dir: str, **sections):
+    """A small, fast TrainConfig on the shipped tiny model (sections override dotted groups)."""
+    from lrmq.configlib import config_from_dict
+    from lrmq.rl.config import TrainConfig
+
+    d = {
+        "model": {"checkpoint": os.environ.get("LRMQ_TEST_TINY", TINY_MODEL_DIR)},
+        "data": {"synthetic_train_size": 256, "synthetic_eval_size": 16},
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_prompt_len": 32, "max_new_tokens": 40},
+        "algo": {"reward": "boxed_exact"},
+        "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
+        "run": {"out_dir": out_dir, "steps": 4, "save_every": 2, "eval_size": 16, "export_hf": False,
+                "progress": False},
+    }
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    return config_from_dict(TrainConfig, d)

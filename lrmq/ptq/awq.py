@@ -1,0 +1,352 @@
+"""AWQ (mit-han-lab/llm-awq ``pre_quant.run_awq`` + ``pseudo_quantize_model_weight``), model level.
+
+Per decoder layer (driven by :func:`lrmq.ptq.layerwise.run_layerwise`, inputs of layer i+1 = FP
+outputs of layer i computed before scaling):
+
+1. capture every Linear's input on the FP layer;
+2. for each scale group (``prev_op -> linears``, inspected module) search
+   ``s = clamp(stat^alpha, 1e-4)`` [``/ sqrt(max(s) min(s))``] over ``alpha = i / n_grid``,
+   ``i = 0..n_grid-1``, scoring ``mean((f(X) - f_q(X))^2)`` where ``f_q`` has every Linear of the group
+   replaced by ``Q(W diag(s)) diag(s)^-1``; all groups are searched on the unscaled layer (as llm-awq);
+3. fold the chosen scales: ``prev_op /= s`` (RMSNorm scale, or output columns + bias of the previous
+   Linear), ``W *= s`` (input rows), captured inputs ``/= s``;
+4. auto-clip every Linear except q/k: per (group, output column) ``max_val = m0 (1 - i/n_grid)`` for
+   ``i < max_shrink * n_grid``, error = mean over sampled tokens of ``(x_g . (w_g - Q(clip(w_g))))^2``;
+5. quantize all seven Linears with the llm-awq quantizer (``lrmq.quant.quantizers``); the packed
+   ``QuantizedWeight`` and the fake-quant float weight come from the same codes (bit-identical).
+
+Scale groups: pre-norm families (Llama/Qwen) ``attn_norm -> q,k,v`` (inspect attention incl. o_proj,
+RoPE, q/k norms, causal mask), ``v_proj -> o_proj`` (inspect o_proj; only when the v and o weights
+have the same shape -- llm-awq skips it for GQA -- unless ``gqa_vo="downsample"``, QuantLRM's
+variant), ``mlp_norm -> gate,up`` (inspect MLP), ``up_proj -> down_proj`` (inspect down_proj).
+Olmo-3 (post-norm) has only the groups with a Linear before them: ``v_proj -> o_proj`` and
+``up_proj -> down_proj`` (as llm-compressor and QuantLRM).
+
+The per-channel statistic is a pluggable function: AWQ's is ``mean_tokens |x|``; QuantLRM passes its
+fine-tuning importance (see :mod:`lrmq.ptq.quantlrm`) with ``normalize=False``.
+
+Differences from the reference, all options: computation in float32 (llm-awq: fp16 model);
+``symmetric=True`` uses lrmq's symmetric quantizer (llm-awq is asymmetric only); when there are fewer
+than ``n_sample_token`` calibration tokens the clip search uses all of them (llm-awq's stride would be 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lrmq.ptq import layerwise as lw
+from lrmq.quant.quantizers import exact_div, fake_quant
+from lrmq.quant.qweight import QuantizedWeight, dequantize, quantize_weight
+
+
+@dataclasses.dataclass(frozen=True)
+class AWQOptions:
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = False  # llm-awq: asymmetric (zero point) only
+    n_grid: int = 20  # alpha = i / n_grid, i = 0..n_grid-1
+    normalize: bool = True  # s / sqrt(max(s) * min(s)) (AWQ); QuantLRM: False
+    scale: bool = True  # False: no scale search (clip + quantize only)
+    clip: bool = True
+    max_shrink: float = 0.5
+    n_sample_token: int = 512
+    gqa_vo: str = "skip"  # skip (llm-awq) | downsample (QuantLRM) v->o scaling for GQA / shape mismatch
+    oc_batch: int = 1024  # output columns per clip-search chunk (memory bound)
+    propagate: str = "fp"  # fp (llm-awq) | quantized
+    batch_size: int = 8  # calibration blocks per forward chunk
+
+    def __post_init__(self):
+        if self.gqa_vo not in ("skip", "downsample"):
+            raise ValueError(f"gqa_vo must be 'skip' or 'downsample', got {self.gqa_vo!r}")
+        if self.n_grid < 1:
+            raise ValueError(f"n_grid must be >= 1, got {self.n_grid}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleGroup:
+    name: str  # attn_in | attn_out | mlp_in | mlp_out
+    prev: str  # attn_norm | v_proj | mlp_norm | up_proj
+    linears: tuple[str, ...]
+    inp: str  # capture key of the linears' input
+    inspect: str  # attn | o_proj | mlp | down_proj
+    source: str  # the Linear whose QuantLRM importance feeds this group
+
+
+ATTN_IN = ScaleGroup("attn_in", "attn_norm", ("q_proj", "k_proj", "v_proj"), "attn_in", "attn", "q_proj")
+ATTN_OUT = ScaleGroup("attn_out", "v_proj", ("o_proj",), "o_in", "o_proj", "o_proj")
+MLP_IN = ScaleGroup("mlp_in", "mlp_norm", ("gate_proj", "up_proj"), "mlp_in", "mlp", "gate_proj")
+MLP_OUT = ScaleGroup("mlp_out", "up_proj", ("down_proj",), "down_in", "down_proj", "down_proj")
+
+
+def scale_groups(spec: lw.LayerSpec) -> list[ScaleGroup]:
+    if spec.post_norm:
+        return [ATTN_OUT, MLP_OUT]
+    return [ATTN_IN, ATTN_OUT, MLP_IN, MLP_OUT]
+
+
+@dataclasses.dataclass
+class PTQResult:
+    """What a model-level PTQ run produced (the model itself holds the fake-quant float weights)."""
+
+    method: str
+    packed: dict[str, QuantizedWeight]  # "layers.3.attn.q_proj" -> packed weight (same codes as the model)
+    info: dict = dataclasses.field(default_factory=dict)  # per-layer search results, timings
+    g_idx: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # GPTQ act-order only
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = False
+
+
+# ----------------------------------------------------------------------------- statistics
+
+StatFn = Callable[[lw.LayerContext, ScaleGroup, jax.Array], "np.ndarray | None"]
+
+
+@jax.jit
+def _mean_abs(x):
+    return jnp.mean(jnp.abs(x.reshape(-1, x.shape[-1])), axis=0)
+
+
+def activation_stat(ctx: lw.LayerContext, group: ScaleGroup, x) -> np.ndarray:
+    """llm-awq ``get_act_scale``: per input channel mean over tokens of |x|."""
+    return _mean_abs(x)
+
+
+# ----------------------------------------------------------------------------- scale search
+
+
+def _inspect(kind: str, p, spec, x, pos):
+    if kind == "attn":
+        return lw.attn_block(p, spec, x, pos)
+    if kind == "mlp":
+        return lw.mlp_block(p, x)
+    return lw.linear(p, kind, x)
+
+
+@partial(jax.jit, static_argnames=("kind", "spec"))
+def _inspect_jit(p, kind, spec, x, pos):
+    return _inspect(kind, p, spec, x, pos)
+
+
+@partial(jax.jit, static_argnames=("kind", "spec"))
+def _sq_err(p, kind, spec, x, pos, y):
+    d = _inspect(kind, p, spec, x, pos) - y
+    return jnp.sum(d * d)
+
+
+@partial(jax.jit, static_argnames=("bits", "group_size", "symmetric"))
+def scaled_fake_quant(w, s, bits, group_size, symmetric):
+    """``Q(W diag(s)) diag(s)^-1`` on an lrmq ``[K, N]`` weight (s scales the K input rows)."""
+    ws = w * s[:, None]
+    q = fake_quant(ws, bits, group_size, symmetric)
+    return exact_div(q, s[:, None])
+
+
+@partial(jax.jit, static_argnames=("normalize",))
+def grid_scales(stat, ratio, normalize):
+    s = jnp.maximum(jnp.power(stat.astype(jnp.float32), ratio), 1e-4)
+    if normalize:
+        s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
+    return s
+
+
+def _inspect_kind(group: ScaleGroup) -> str:
+    return group.inspect
+
+
+def search_scale(ctx: lw.LayerContext, group: ScaleGroup, x, stat, opts: AWQOptions):
+    """Grid search of one group's scales; returns (best_scales [K], best_ratio, loss history)."""
+    p0 = ctx.params
+    kind = _inspect_kind(group)
+    bs = ctx.batch_size
+    pos = ctx.positions
+    ys = [_inspect_jit(p0, kind, ctx.spec, x[s:s + bs], pos[s:s + bs]) for s in range(0, x.shape[0], bs)]
+    count = sum(int(np.prod(y.shape)) for y in ys)
+    stat = jnp.asarray(stat, jnp.float32)
+    best, best_ratio, best_scales, history = np.inf, -1.0, None, []
+    for i in range(opts.n_grid):
+        ratio = i * 1 / opts.n_grid
+        s = grid_scales(stat, jnp.float32(ratio), opts.normalize)
+        p = dict(p0)
+        for fc in group.linears:
+            p[fc] = scaled_fake_quant(p0[fc], s, opts.bits, opts.group_size, opts.symmetric)
+        tot = 0.0
+        for j, st in enumerate(range(0, x.shape[0], bs)):
+            tot += float(_sq_err(p, kind, ctx.spec, x[st:st + bs], pos[st:st + bs], ys[j]))
+        loss = tot / count
+        history.append(loss)
+        if loss < best:
+            best, best_ratio, best_scales = loss, ratio, s
+    if best_scales is None or not np.all(np.isfinite(np.asarray(best_scales))):
+        raise FloatingPointError(f"layer {ctx.index} group {group.name}: no finite scale found (losses {history})")
+    return best_scales, best_ratio, history
+
+
+def _vo_shapes_match(p) -> bool:
+    return tuple(p["v_proj"].shape) == tuple(p["o_proj"].shape)
+
+
+def downsample_vo(s, spec: lw.LayerSpec):
+    """QuantLRM GQA: o-input scales [H*D] -> v-output scales [KVH*D] (mean over the query heads
+    sharing each kv head). HF GQA maps query head h to kv head h // (H / KVH)."""
+    g = spec.num_heads // spec.num_kv_heads
+    return s.reshape(spec.num_kv_heads, g, spec.head_dim).mean(axis=1).reshape(-1)
+
+
+def upsample_vo(s_v, spec: lw.LayerSpec):
+    g = spec.num_heads // spec.num_kv_heads
+    return jnp.repeat(s_v.reshape(spec.num_kv_heads, 1, spec.head_dim), g, axis=1).reshape(-1)
+
+
+def apply_scale(p: dict, group: ScaleGroup, s_prev, s_fc, caps: dict) -> None:
+    """Fold: prev_op /= s_prev (norm scale, or output columns + bias of a Linear); W *= s_fc (rows);
+    the group's captured input /= s_fc. In place on the dicts."""
+    if group.prev in lw.LINEARS:
+        p[group.prev] = exact_div(p[group.prev], s_prev[None, :])
+        if group.prev + ".bias" in p:
+            p[group.prev + ".bias"] = exact_div(p[group.prev + ".bias"], s_prev)
+    else:
+        p[group.prev] = exact_div(p[group.prev], s_prev)
+    for fc in group.linears:
+        p[fc] = p[fc] * s_fc[:, None]
+    caps[group.inp] = exact_div(caps[group.inp], s_fc)
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+@partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "n_grid", "n_shrink"))
+def _clip_search(w, x, bits, group_size, symmetric, n_grid, n_shrink):
+    """llm-awq ``auto_clip_layer`` on w [K, N] (groups along K) with sampled inputs x [t, K]:
+    best max_val per (group, column), [K/g, N]."""
+    K, N = w.shape
+    G = K // group_size
+    wg = w.reshape(G, group_size, N)
+    xg = x.reshape(x.shape[0], G, group_size)
+    org_out = jnp.einsum("tGg,Ggn->tGn", xg, wg, preferred_element_type=jnp.float32)
+    org_max = jnp.max(jnp.abs(wg), axis=1)  # [G, N]
+    best = org_max
+    min_err = jnp.full(org_max.shape, 1e9, jnp.float32)
+    for i_s in range(n_shrink):
+        max_val = org_max * (1 - i_s / n_grid)
+        cur = jnp.clip(wg, -max_val[:, None, :], max_val[:, None, :])
+        q = fake_quant(cur.reshape(K, N), bits, group_size, symmetric).reshape(G, group_size, N)
+        out = jnp.einsum("tGg,Ggn->tGn", xg, q, preferred_element_type=jnp.float32)
+        err = jnp.mean((out - org_out) ** 2, axis=0)
+        better = err < min_err
+        min_err = jnp.where(better, err, min_err)
+        best = jnp.where(better, max_val, best)
+    return best
+
+
+def sample_tokens(x, n_sample_token: int):
+    """llm-awq: flatten to [tokens, K] and keep every (tokens // n_sample_token)-th token."""
+    x = x.reshape(-1, x.shape[-1])
+    step = x.shape[0] // n_sample_token
+    return x[::max(step, 1)]
+
+
+def auto_clip(w, x, opts: AWQOptions):
+    xs = sample_tokens(x, opts.n_sample_token)
+    N = w.shape[1]
+    n_shrink = int(opts.max_shrink * opts.n_grid)
+    parts = [_clip_search(w[:, s:s + opts.oc_batch], xs, opts.bits, opts.group_size, opts.symmetric, opts.n_grid,
+                          n_shrink) for s in range(0, N, opts.oc_batch)]
+    return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+@partial(jax.jit, static_argnames=("group_size",))
+def apply_clip(w, max_val, group_size):
+    K, N = w.shape
+    wg = w.reshape(K // group_size, group_size, N)
+    return jnp.clip(wg, -max_val[:, None, :], max_val[:, None, :]).reshape(K, N)
+
+
+CLIP_SKIP = ("q_", "k_", "query", "key", "Wqkv")
+
+
+# ----------------------------------------------------------------------------- per layer
+
+
+def quantize_linear(w, opts_bits: int, group_size: int, symmetric: bool):
+    """(fake-quant float32 weight, packed QuantizedWeight) from one set of codes."""
+    qw = quantize_weight(jnp.asarray(w, jnp.float32), bits=opts_bits, group_size=group_size, symmetric=symmetric)
+    return dequantize(qw), qw
+
+
+def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activation_stat, result: PTQResult = None):
+    """Scale search + fold + clip + quantize for one layer; returns the new float32 params."""
+    from lrmq.quant.quantizers import resolve_group_size
+
+    p = dict(ctx.params)
+    caps = dict(ctx.inputs())
+    layer_info = {"groups": {}}
+    searched = []
+    if opts.scale:
+        for group in scale_groups(ctx.spec):
+            downsample = False
+            if group.name == "attn_out" and not _vo_shapes_match(p):
+                if opts.gqa_vo == "skip":
+                    layer_info["groups"][group.name] = "skipped (v/o shapes differ)"
+                    continue
+                downsample = True
+            x = caps[group.inp]
+            stat = stat_fn(ctx, group, x)
+            if stat is None:
+                layer_info["groups"][group.name] = "skipped (no statistic)"
+                continue
+            s, ratio, hist = search_scale(ctx, group, x, stat, opts)
+            layer_info["groups"][group.name] = {"ratio": ratio, "loss": min(hist), "loss_rtn": hist[0]}
+            searched.append((group, s, downsample))
+        for group, s, downsample in searched:  # all searched on the unscaled layer, then applied
+            if downsample:
+                s_prev = downsample_vo(s, ctx.spec)
+                s_fc = upsample_vo(s_prev, ctx.spec)
+            else:
+                s_prev = s_fc = s
+            apply_scale(p, group, s_prev, s_fc, caps)
+    if opts.clip:
+        for name in lw.LINEARS:
+            if any(t in name for t in CLIP_SKIP):
+                continue
+            g = resolve_group_size(p[name].shape, opts.group_size)
+            mv = auto_clip(p[name], caps[lw.INPUT_OF[name]], dataclasses.replace(opts, group_size=g))
+            p[name] = apply_clip(p[name], mv, g)
+    for name in lw.LINEARS:
+        fq, qw = quantize_linear(p[name], opts.bits, opts.group_size, opts.symmetric)
+        p[name] = fq
+        if result is not None:
+            result.packed[lw.linear_path(ctx.index, name)] = qw
+    if result is not None:
+        result.info.setdefault("layers", {})[ctx.index] = layer_info
+    return p
+
+
+def awq_quantize_model(model, tokens, opts: AWQOptions = AWQOptions(), *, stat_fn: StatFn = activation_stat,
+                       method: str = "awq", progress: bool = True) -> PTQResult:
+    """Run AWQ (or QuantLRM with its ``stat_fn``) over ``model`` in place; ``tokens`` int [n_blocks, T]."""
+    result = PTQResult(method=method, packed={}, bits=opts.bits, group_size=opts.group_size,
+                       symmetric=opts.symmetric)
+    timings: list[float] = []
+    lw.run_layerwise(model, tokens, lambda ctx: awq_layer(ctx, opts, stat_fn, result), propagate=opts.propagate,
+                     batch_size=opts.batch_size, desc=method.upper(), progress=progress, timings=timings)
+    result.info["seconds_per_layer"] = timings
+    return result
+
+
+def rtn_quantize_model(model, *, bits: int = 4, group_size: int = 128, symmetric: bool = False) -> PTQResult:
+    """Plain round-to-nearest of the seven projections of every layer (AWQ's alpha=0, no clip)."""
+    result = PTQResult(method="rtn", packed={}, bits=bits, group_size=group_size, symmetric=symmetric)
+    for i, layer in enumerate(model.layers):
+        p = lw.get_layer_params(layer)
+        new = {}
+        for name in lw.LINEARS:
+            new[name], result.packed[lw.linear_path(i, name)] = quantize_linear(p[name], bits, group_size, symmetric)
+        lw.set_layer_params(layer, new)
+    return result

@@ -1,0 +1,210 @@
+"""Quantization-aware training in RL: swap each targeted `Linear`'s `dot_general`.
+
+Schemes (`QuantSection.qat_scheme`):
+
+* ``paper_int8`` - paper 1's QAFT/STE (rlquant `QuantizedLinear`): per-tensor symmetric absmax int8,
+  `S = max(max|W0| / 127, 1e-6)` computed **once from the base weights at load** and frozen,
+  `W_q = clip(round(W / S), -128, 127) * S`, identity backward (`W + stop_gradient(W_q - W)`).
+  Own code, not AQT: AQT recalibrates its scale from the current weight on every call.
+* ``int8`` / ``int4`` - AQT weight-only, symmetric, scale `absmax / (2^(b-1) - 1)` per output channel
+  (`qat_group_size=0`) or per group of `qat_group_size` input rows (AQT `tiled_dot_general`).
+* ``w8a8`` - AQT int8 weights (per output channel / group) and int8 activations (per token, i.e. per
+  row over the contraction axis).
+
+Gradients go straight through to the float master weights (AQT's STE; our stop_gradient STE).
+
+**Rollouts use the same quantized forward.** The dot_general is a static attribute of the module, so it
+lives in the graphdef that both the jitted train step and the `Generator` merge: sampling, log-probs
+and the update all see exactly the quantized policy (as paper 1, whose vLLM-free HF generate ran the
+fake-quantized `QuantizedLinear`s). No separate serving graph exists to drift from it.
+
+**Stochastic rounding** (`qat_stochastic_rounding=True`, AQT schemes only): as AQT's fully-quantized
+training, the incoming *gradient* of each backward dot_general is quantized to int8 with stochastic
+rounding (`set_stochastic_rounding(vjp_lhs=True)`); the forward (and therefore rollouts) is unchanged
+and deterministic. The PRNG key is `fold_in(fold_in(key(seed), crc32(module path)), hash(x))` where
+`hash(x)` is a position-weighted wrapping uint32 sum of the bits of the layer input. It needs no
+RNG state threaded through the (trainer-owned) jitted step, changes every step (the rollout batch and
+the weights change), differs per layer and per micro-batch, and is reproducible on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+import zlib
+
+import jax
+import jax.numpy as jnp
+
+from lrmq.model.linear import Linear, default_dot_general
+from lrmq.quant.quantizers import fake_quant_per_tensor, per_tensor_scale
+from lrmq.quant.transforms import DEFAULT_TARGETS, require_linears
+
+SCHEMES = ("paper_int8", "int8", "int4", "w8a8")
+
+
+def data_hash(x) -> jax.Array:
+    """A uint32 that changes with the values of x (position-weighted wrapping sum of its bits)."""
+    x = jax.lax.stop_gradient(x)
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    w = jax.lax.broadcasted_iota(jnp.uint32, x.shape, x.ndim - 1) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(bits * w, dtype=jnp.uint32)
+
+
+def data_key(seed: int, salt: int, x) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), salt), data_hash(x))
+
+
+def path_salt(path: str) -> int:
+    return zlib.crc32(path.encode()) & 0x7FFFFFFF
+
+
+# ----------------------------------------------------------------------------- paper_int8 (own STE)
+@dataclasses.dataclass(frozen=True)
+class PerTensorSTEDotGeneral:
+    """dot_general with a frozen per-tensor int8 scale and an identity backward for the weight.
+
+    Frozen and hashable (the scale is a Python float), so it lives in the graphdef.
+    """
+
+    scale: float
+    bits: int = 8
+
+    def quantize(self, w):
+        wq = fake_quant_per_tensor(w, self.bits, scale=jnp.float32(self.scale))
+        return w + jax.lax.stop_gradient(wq - w)  # forward W_q, backward identity (STE)
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
+        return jax.lax.dot_general(lhs, self.quantize(rhs), dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type)
+
+
+# ----------------------------------------------------------------------------- AQT schemes
+@functools.lru_cache(maxsize=None)
+def aqt_config(lhs_bits, rhs_bits: int, stochastic_rounding: bool):
+    """AQT DotGeneral config: symmetric int, scale absmax / (2^(b-1) - 1) (preserve_max_val)."""
+    from aqt.jax.v2 import config as aqt_cfg
+    from aqt.jax.v2.numerics import utils as numerics_utils
+
+    c = aqt_cfg.dot_general_make(lhs_bits=lhs_bits, rhs_bits=rhs_bits, bwd_bits=8 if stochastic_rounding else None)
+    c.fwd.dg_quantizer.rhs.numerics = numerics_utils.get_numerics(rhs_bits, preserve_max_val=True)
+    if lhs_bits:
+        c.fwd.dg_quantizer.lhs.numerics = numerics_utils.get_numerics(lhs_bits, preserve_max_val=True)
+    if stochastic_rounding:
+        aqt_cfg.set_stochastic_rounding(c, vjp_lhs_stochastic_rounding=True, vjp_rhs_stochastic_rounding=False,
+                                        implementation="jax.uniform")
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class AqtDotGeneral:
+    """Function-style AQT dot_general for a `Linear` (x [..., K] . w [K, N]); frozen and hashable."""
+
+    weight_bits: int
+    act_bits: int | None = None
+    group_size: int = 0  # 0: per output channel
+    stochastic_rounding: bool = False
+    seed: int = 0
+    salt: int = 0
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
+        (lc, rc), (lb, rb) = dimension_numbers
+        if tuple(lc) != (lhs.ndim - 1,) or tuple(rc) != (0,) or lb or rb:
+            raise ValueError(f"AqtDotGeneral supports x[..., K] . w[K, N] only, got {dimension_numbers}")
+        lead = lhs.shape[:-1]
+        x2 = lhs.reshape(-1, lhs.shape[-1])
+        cfg = aqt_config(self.act_bits, self.weight_bits, self.stochastic_rounding)
+        if self.stochastic_rounding:
+            from aqt.jax.v2 import config as aqt_cfg
+
+            cfg = aqt_cfg.set_context(cfg, data_key(self.seed, self.salt, x2), train_step=None)
+        dims = (((1,), (0,)), ((), ()))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)  # aqt: implicit dtype conversion
+            if self.group_size and self.group_size < rhs.shape[0]:
+                from aqt.jax.v2 import tiled_dot_general as tdg
+
+                tcfg = tdg.Cfg.from_einsum("mk,kn->mn", {"k": self.group_size})
+                y = tdg.tiled_dot_general(tcfg, x2, rhs, dims, dot_general=cfg)
+            else:
+                y = cfg(x2, rhs, dims)
+        y = y.reshape(*lead, rhs.shape[1])
+        return y.astype(preferred_element_type) if preferred_element_type is not None else y
+
+
+# ----------------------------------------------------------------------------- fake-quant references
+def fake_quant_weight(w, scheme: str, group_size: int = 0, scale=None):
+    """The weight the QAT forward multiplies by (for tests / exports of the fake-quantized model)."""
+    if scheme == "paper_int8":
+        return fake_quant_per_tensor(w, 8, scale=scale)
+    bits = {"int8": 8, "w8a8": 8, "int4": 4}[scheme]
+    return _sym_fake_quant(w, bits, group_size, axis=0)
+
+
+def _sym_fake_quant(a, bits: int, group_size: int, axis: int):
+    """Symmetric absmax fake-quant over `axis` (groups of `group_size` along it; 0 = whole axis)."""
+    a32 = a.astype(jnp.float32)
+    qmax = 2 ** (bits - 1) - 1
+    if axis == 0 and group_size and group_size < a.shape[0]:
+        k, n = a.shape
+        g = a32.reshape(k // group_size, group_size, n)
+        s = jnp.max(jnp.abs(g), axis=1, keepdims=True) / qmax
+        return (jnp.clip(jnp.round(g / s), -qmax, qmax) * s).reshape(k, n).astype(a.dtype)
+    s = jnp.max(jnp.abs(a32), axis=axis, keepdims=True) / qmax
+    return (jnp.clip(jnp.round(a32 / s), -qmax, qmax) * s).astype(a.dtype)
+
+
+def fake_quant_activations(x, bits: int = 8):
+    """w8a8's activation fake-quant: per token (row over the last axis)."""
+    return _sym_fake_quant(x, bits, 0, axis=x.ndim - 1)
+
+
+# ----------------------------------------------------------------------------- the transform
+def make_dot_general(scheme: str, w=None, *, group_size: int = 0, stochastic_rounding: bool = False, seed: int = 0,
+                     salt: int = 0):
+    if scheme == "paper_int8":
+        if stochastic_rounding:
+            raise ValueError("qat_stochastic_rounding is not defined for qat_scheme='paper_int8' (frozen-scale "
+                             "RTN, as the paper); use int8/int4/w8a8")
+        if group_size:
+            raise ValueError("qat_scheme='paper_int8' is per-tensor; qat_group_size must be 0")
+        return PerTensorSTEDotGeneral(scale=float(jax.device_get(per_tensor_scale(w, 8))))
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
+    bits = 4 if scheme == "int4" else 8
+    return AqtDotGeneral(weight_bits=bits, act_bits=8 if scheme == "w8a8" else None, group_size=int(group_size),
+                         stochastic_rounding=bool(stochastic_rounding), seed=int(seed), salt=salt)
+
+
+def apply_qat(model, scheme: str = "paper_int8", *, pattern: str = DEFAULT_TARGETS, group_size: int = 0,
+              stochastic_rounding: bool = False, seed: int = 0) -> list[str]:
+    """Set the QAT dot_general on every targeted Linear (in place). Returns the paths touched.
+
+    paper_int8 reads each base weight once here to fix its scale.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
+    touched = []
+    for path, lin in require_linears(model, pattern, "apply_qat"):
+        w = lin.kernel[...]
+        if not hasattr(w, "shape") or hasattr(w, "codes"):
+            raise ValueError(f"apply_qat: {path} holds a packed weight; QAT needs float master weights")
+        if group_size and w.shape[0] % group_size:
+            raise ValueError(f"apply_qat: qat_group_size={group_size} does not divide {path}'s K={w.shape[0]}")
+        lin.dot_general = make_dot_general(scheme, w, group_size=group_size, stochastic_rounding=stochastic_rounding,
+                                           seed=seed, salt=path_salt(path))
+        touched.append(path)
+    return touched
+
+
+def remove_qat(model) -> None:
+    """Restore the plain dot_general on every Linear."""
+    from lrmq.quant.transforms import iter_linears
+
+    for _, lin in iter_linears(model, None):
+        lin.dot_general = default_dot_general
+
+
+def is_qat(lin: Linear) -> bool:
+    return isinstance(lin.dot_general, (PerTensorSTEDotGeneral, AqtDotGeneral))
