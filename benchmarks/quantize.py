@@ -79,6 +79,7 @@ def _files(d):
 
 def read_floor(base_dir: str, ft_dir: str) -> float:
     """Seconds to load every tensor of both checkpoints once (the importance pass's lower bound)."""
+    import ml_dtypes  # noqa: F401
     from safetensors import safe_open
 
     t0 = time.perf_counter()
@@ -93,6 +94,7 @@ def read_floor(base_dir: str, ft_dir: str) -> float:
 
 def checkpoint_pairs(base_dir: str, ft_dir: str):
     """Callable for ``importance_for_model``: lazy (name, w_ft, w_base) in lrmq ``[K, N]`` orientation."""
+    import ml_dtypes  # noqa: F401  (registers numpy bfloat16 for safetensors)
     from safetensors import safe_open
 
     def gen():
@@ -126,7 +128,13 @@ def bench_importance(base_dir: str, ft_dir: str) -> dict:
     q = ctx.Queue()
     p = ctx.Process(target=_importance_child, args=(base_dir, ft_dir, q))
     p.start()
-    out = q.get()
+    while True:
+        try:
+            out = q.get(timeout=1.0)
+            break
+        except Exception:  # queue.Empty: keep waiting unless the child died
+            if not p.is_alive():
+                raise RuntimeError(f"importance child exited with code {p.exitcode}") from None
     p.join()
     out["read_floor_s"] = floor
     out["ratio"] = out["total_s"] / floor

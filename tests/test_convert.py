@@ -135,7 +135,7 @@ def _corrupt(kind: str, d: str) -> str:
         size = os.path.getsize(st)
         with open(st, "r+b") as f:
             f.truncate(size - 1000)
-        return "model.safetensors"
+        return "model.safetensors: file is truncated"
     if kind == "missing_tensor":
         tensors = load_file(st)
         del tensors["model.layers.1.mlp.up_proj.weight"]
@@ -160,8 +160,8 @@ def _assert_no_output(out_parent: str, dst: str):
     assert [n for n in os.listdir(out_parent) if n.startswith(".")] == []  # no leftover temp dirs
 
 
-@pytest.mark.parametrize("kind", ["truncated", "missing_tensor", "wrong_shape", "unknown_model_type"])
-@pytest.mark.parametrize("to", ["lrmq", "hf"])
+@pytest.mark.parametrize("kind,to", [("truncated", "lrmq"), ("missing_tensor", "hf"), ("wrong_shape", "lrmq"),
+                                     ("unknown_model_type", "hf")])
 def test_conversion_errors_name_the_problem_and_leave_nothing(kind, to, hf_checkpoint, tmp_path, capsys):
     src = str(tmp_path / "src")
     shutil.copytree(hf_checkpoint("qwen2")[0], src)
@@ -184,7 +184,7 @@ def test_cli_subprocess_error_exit_code(hf_checkpoint, tmp_path):
     r = subprocess.run([sys.executable, "-m", "lrmq.convert", "--to", "lrmq", src, dst], cwd=REPO_ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
-    assert needle in r.stderr and "truncated" in r.stderr
+    assert needle in r.stderr
     assert "Traceback" not in r.stderr
     assert not os.path.exists(dst)
 

@@ -276,3 +276,29 @@ def test_importance_errors():
         imp.importance_for_model(iter(pairs))
     with pytest.raises(ValueError, match="no tensor matched"):
         imp.importance_for_model(pairs, ("x_proj",), stats_targets=None)
+
+
+def test_round_to_fp16_matches_numpy_cast():
+    rng = np.random.default_rng(11)
+    q = np.concatenate([rng.uniform(1, 10, 100000),
+                        # exact float16 ties (half-way between neighbours) and values next to them
+                        (np.arange(1024, 2048) + 0.5) / 1024.0, (np.arange(1024, 2048) + 0.5) / 128.0,
+                        rng.uniform(2.0**-14, 65504, 1000)]).astype(np.float32)
+    q = np.concatenate([q, np.nextafter(q, np.float32(0)), np.nextafter(q, np.float32(1e9))])
+    q = q[(q >= 2.0**-14) & (q <= 65504)]
+    np.testing.assert_array_equal(imp.round_to_fp16(q), q.astype(np.float16).astype(np.float32))
+    small = np.float32([1e-9, 3.0])
+    np.testing.assert_array_equal(imp.round_to_fp16(small), small.astype(np.float16).astype(np.float32))
+
+
+def test_median_fast_path_zeros_subnormals_nan():
+    tiny = np.float32([1e-45, 2e-45, 0.0, 0.0])  # subnormals share bucket 0 with exact zeros
+    big = np.float32([np.inf, 3.0, 0.0])
+    _check([tiny, big, np.zeros(7, np.float32)])
+    _check([tiny, big], max_bucket=1)
+    # NaN is not positive: ignored like the reference's `flat > 0`
+    s = positive_stats(_stream_of([np.float32([np.nan, 1.0, 2.0, 0.0])]))
+    assert (s.count, s.median) == (2, 1.5)
+    # Fortran-ordered (transposed) chunks are read in memory order, same stats
+    a = np.random.default_rng(0).random((30, 40), dtype=np.float32)
+    _check([a.T, a[:, ::3]])

@@ -121,3 +121,20 @@ def test_cli_config_errors_exit_before_compiling(tmp_path):
                            timeout=120)
         assert r.returncode == 2, (extra, r.stderr[-2000:])
         assert needle in r.stderr, (needle, r.stderr[-2000:])
+
+
+def test_two_process_launch(tmp_path):
+    """launch/local_multiprocess.sh: 2 JAX processes x 4 CPU devices, one global (fsdp=8) mesh."""
+    out = tmp_path / "mp"
+    cmd = ["bash", os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh"), "2", "4", "--config",
+           os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={out}", "run.steps=1",
+           "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4", "run.export_hf=false",
+           "run.progress=false", "data.synthetic_train_size=256", "data.synthetic_eval_size=8"]
+    if os.environ.get("LRMQ_TEST_TINY"):
+        cmd.append(f"model.checkpoint={os.environ['LRMQ_TEST_TINY']}")
+    env = dict(os.environ, PYTHON=sys.executable)
+    r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("done: step 1") == 2, r.stdout[-3000:]
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 1]  # initial eval, step 1, final eval: written once, by process 0

@@ -71,7 +71,18 @@ def _names_in(path: str) -> list[str]:
         with safe_open(path, framework="numpy") as f:
             return list(f.keys())
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-        raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+        raise _read_error(path, e) from None
+
+
+def _read_error(path: str, e: Exception) -> CheckpointError:
+    """Prefer the plain 'truncated' diagnosis over safetensors' own wording when it applies."""
+    try:
+        _check_complete(path, os.path.getsize(path))
+    except CheckpointError as truncated:
+        return truncated
+    except Exception:  # header unreadable too: report the original error
+        pass
+    return CheckpointError(f"{path}: cannot read safetensors file ({e})")
 
 
 def _shapes(index: dict[str, str]) -> dict[str, tuple[int, ...]]:
@@ -87,7 +98,7 @@ def _shapes(index: dict[str, str]) -> dict[str, tuple[int, ...]]:
                     sl = f.get_slice(n)
                     shapes[n] = tuple(sl.get_shape())
         except Exception as e:
-            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+            raise _read_error(path, e) from None
         _check_complete(path, size)
     return shapes
 

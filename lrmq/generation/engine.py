@@ -56,7 +56,10 @@ def _generate_fn(graphdef, state, tokens, mask, key, *, max_new: int, cfg: Sampl
     b, p = tokens.shape
     cache = KVCache.create(model.cfg, b, p + max_new)
     positions = positions_from_mask(mask)
-    logits, cache = model(tokens, positions, cache, index=0)
+    # Prefill: only the last position's logits are needed (prompts are left-padded, so it is each row's last
+    # real token); projecting all P positions onto the vocabulary would cost ~P decode steps of lm_head.
+    h, cache = model.hidden(tokens, positions, cache, index=0)
+    logits = model.logits(h[:, -1:])
     next_pos = jnp.max(positions, axis=-1) + 1
     eos_arr = jnp.asarray(eos, jnp.int32)
 

@@ -15,7 +15,11 @@ from lrmq.model.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 @struct.dataclass
 class KVCache:
-    """Preallocated per-layer keys/values [B, S, KVH, D] and the position held by each slot (-1 = empty)."""
+    """Preallocated per-layer keys/values [B, KVH, S, D] and the position held by each slot (-1 = empty).
+
+    Heads-major so the decode-time attention dots read the cache in place: with [B, S, KVH, D] XLA:CPU
+    transposed every layer's whole K and V cache on every decode step.
+    """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -24,7 +28,7 @@ class KVCache:
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or jnp.dtype(cfg.dtype)
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    pos=jnp.full((batch, max_len), -1, jnp.int32))
@@ -91,32 +95,36 @@ class Attention(nnx.Module):
         if cache_kv is None:  # training / scoring: keys are this sequence
             keys, values, k_pos, new_kv = k, v, positions, None
         else:
-            ck, cv = cache_kv
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
-            keys, values, k_pos, new_kv = ck, cv, cache_pos, (ck, cv)
+            ck, cv = cache_kv  # [B, KVH, S, D]
+            ck = jax.lax.dynamic_update_slice(ck, k.swapaxes(1, 2).astype(ck.dtype), (0, 0, index, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.swapaxes(1, 2).astype(cv.dtype), (0, 0, index, 0))
+            out = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, cache_pos, self.window,
+                         kv_heads_first=True)
+            return self.o_proj(out.reshape(b, t, -1)), (ck, cv)
         out = attend(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, self.window)
         return self.o_proj(out.reshape(b, t, -1)), new_kv
 
 
-def attend(q, k, v, q_pos, k_pos, window):
+def attend(q, k, v, q_pos, k_pos, window, *, kv_heads_first: bool = False):
     """Grouped-query attention with masks from positions (-1 = padding/empty slot).
 
-    q [B, T, H, D], k/v [B, S, KVH, D], q_pos [B, T], k_pos [B, S]. Causality and sliding windows are
-    decided by positions, so left-padded prompts, caches and training batches share one code path.
+    q [B, T, H, D], k/v [B, S, KVH, D] ([B, KVH, S, D] with kv_heads_first, the KV-cache layout),
+    q_pos [B, T], k_pos [B, S]. Causality and sliding windows are decided by positions, so left-padded
+    prompts, caches and training batches share one code path.
     """
     b, t, h, d = q.shape
-    kvh = k.shape[2]
+    kvh = k.shape[1] if kv_heads_first else k.shape[2]
     g = h // kvh
+    kv = "bksd" if kv_heads_first else "bskd"
     qg = q.reshape(b, t, kvh, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
     qp, kp = q_pos[:, :, None], k_pos[:, None, :]
     allowed = (kp >= 0) & (kp <= qp)
     if window is not None:
         allowed &= (qp - kp) < window
     scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v)
     return out.reshape(b, t, h, d)
 
 

@@ -35,7 +35,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
-        w = self.kernel[...]
+        w = self.kernel.get_value()  # QuantizedKernel holds a pytree: not subscriptable
         if _is_quantized(w):
             from lrmq.quant.qmatmul import qmatmul  # packed weights: Pallas kernels / XLA fallback
             y = qmatmul(x, w)
@@ -50,7 +50,7 @@ class Linear(nnx.Module):
 
     def float_weight(self) -> jax.Array:
         """The [in, out] weight as float (dequantized if packed), without adapters."""
-        w = self.kernel[...]
+        w = self.kernel.get_value()  # QuantizedKernel holds a pytree: not subscriptable
         if _is_quantized(w):
             from lrmq.quant.qweight import dequantize
             return dequantize(w)

@@ -41,8 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lrmq.ptq import layerwise as lw
-from lrmq.quant.quantizers import exact_div, fake_quant
-from lrmq.quant.qweight import QuantizedWeight, dequantize, quantize_weight
+from lrmq.quant import packing
+from lrmq.quant.quantizers import (compute_qparams, dequantize_codes, exact_div, fake_quant, quantize_codes,
+                                   resolve_group_size)
+from lrmq.quant.qweight import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,17 +131,6 @@ def _inspect(kind: str, p, spec, x, pos):
     return lw.linear(p, kind, x)
 
 
-@partial(jax.jit, static_argnames=("kind", "spec"))
-def _inspect_jit(p, kind, spec, x, pos):
-    return _inspect(kind, p, spec, x, pos)
-
-
-@partial(jax.jit, static_argnames=("kind", "spec"))
-def _sq_err(p, kind, spec, x, pos, y):
-    d = _inspect(kind, p, spec, x, pos) - y
-    return jnp.sum(d * d)
-
-
 @partial(jax.jit, static_argnames=("bits", "group_size", "symmetric"))
 def scaled_fake_quant(w, s, bits, group_size, symmetric):
     """``Q(W diag(s)) diag(s)^-1`` on an lrmq ``[K, N]`` weight (s scales the K input rows)."""
@@ -156,36 +147,55 @@ def grid_scales(stat, ratio, normalize):
     return s
 
 
-def _inspect_kind(group: ScaleGroup) -> str:
-    return group.inspect
+def chunk_size(n: int, batch_size: int) -> int:
+    """Largest divisor of n that is <= batch_size (the grid search scans equal chunks)."""
+    return max(d for d in range(1, max(1, min(batch_size, n)) + 1) if n % d == 0)
+
+
+@partial(jax.jit, static_argnames=("group", "spec", "n_grid", "normalize", "bits", "group_size", "symmetric", "bs"))
+def _grid_losses(p0, stat, x, pos, *, group, spec, n_grid, normalize, bits, group_size, symmetric, bs):
+    """Loss mean((f(X) - f_q(X))^2) for every alpha = i / n_grid (one compiled program per group kind)."""
+    n = x.shape[0]
+    xc = x.reshape(n // bs, bs, *x.shape[1:])
+    pc = pos.reshape(n // bs, bs, *pos.shape[1:])
+    ys = jax.lax.map(lambda a: _inspect(group.inspect, p0, spec, a[0], a[1]), (xc, pc))
+    count = ys.size
+
+    def one(ratio):
+        s = grid_scales(stat, ratio, normalize)
+        p = dict(p0)
+        for fc in group.linears:
+            p[fc] = scaled_fake_quant(p0[fc], s, bits, group_size, symmetric)
+
+        def body(acc, a):
+            d = _inspect(group.inspect, p, spec, a[0], a[1]) - a[2]
+            return acc + jnp.sum(d * d), None
+
+        tot, _ = jax.lax.scan(body, jnp.float32(0), (xc, pc, ys))
+        return tot / count
+
+    # llm-awq: ratio = i * 1 / n_grid as a python float, used as a float32 exponent
+    ratios = np.asarray([i * 1 / n_grid for i in range(n_grid)], np.float32)
+    return jax.lax.map(one, jnp.asarray(ratios))
 
 
 def search_scale(ctx: lw.LayerContext, group: ScaleGroup, x, stat, opts: AWQOptions):
     """Grid search of one group's scales; returns (best_scales [K], best_ratio, loss history)."""
-    p0 = ctx.params
-    kind = _inspect_kind(group)
-    bs = ctx.batch_size
-    pos = ctx.positions
-    ys = [_inspect_jit(p0, kind, ctx.spec, x[s:s + bs], pos[s:s + bs]) for s in range(0, x.shape[0], bs)]
-    count = sum(int(np.prod(y.shape)) for y in ys)
     stat = jnp.asarray(stat, jnp.float32)
-    best, best_ratio, best_scales, history = np.inf, -1.0, None, []
-    for i in range(opts.n_grid):
-        ratio = i * 1 / opts.n_grid
-        s = grid_scales(stat, jnp.float32(ratio), opts.normalize)
-        p = dict(p0)
-        for fc in group.linears:
-            p[fc] = scaled_fake_quant(p0[fc], s, opts.bits, opts.group_size, opts.symmetric)
-        tot = 0.0
-        for j, st in enumerate(range(0, x.shape[0], bs)):
-            tot += float(_sq_err(p, kind, ctx.spec, x[st:st + bs], pos[st:st + bs], ys[j]))
-        loss = tot / count
-        history.append(loss)
-        if loss < best:
-            best, best_ratio, best_scales = loss, ratio, s
-    if best_scales is None or not np.all(np.isfinite(np.asarray(best_scales))):
-        raise FloatingPointError(f"layer {ctx.index} group {group.name}: no finite scale found (losses {history})")
-    return best_scales, best_ratio, history
+    bs = chunk_size(x.shape[0], ctx.batch_size)
+    losses = np.asarray(_grid_losses(ctx.params, stat, x, ctx.positions, group=group, spec=ctx.spec,
+                                     n_grid=opts.n_grid, normalize=opts.normalize, bits=opts.bits,
+                                     group_size=opts.group_size, symmetric=opts.symmetric, bs=bs))
+    history = [float(v) for v in losses]
+    finite = np.isfinite(losses)
+    if not finite.any():
+        raise FloatingPointError(f"layer {ctx.index} group {group.name}: no finite loss (losses {history})")
+    best_i = int(np.argmin(np.where(finite, losses, np.inf)))  # first minimum, as llm-awq's strict '<'
+    ratio = best_i * 1 / opts.n_grid
+    s = grid_scales(stat, jnp.float32(ratio), opts.normalize)
+    if not np.all(np.isfinite(np.asarray(s))):
+        raise FloatingPointError(f"layer {ctx.index} group {group.name}: non-finite scales at alpha={ratio}")
+    return s, ratio, history
 
 
 def _vo_shapes_match(p) -> bool:
@@ -204,9 +214,11 @@ def upsample_vo(s_v, spec: lw.LayerSpec):
     return jnp.repeat(s_v.reshape(spec.num_kv_heads, 1, spec.head_dim), g, axis=1).reshape(-1)
 
 
-def apply_scale(p: dict, group: ScaleGroup, s_prev, s_fc, caps: dict) -> None:
+@partial(jax.jit, static_argnames=("group",))
+def apply_scale(p: dict, caps: dict, s_prev, s_fc, group: ScaleGroup):
     """Fold: prev_op /= s_prev (norm scale, or output columns + bias of a Linear); W *= s_fc (rows);
-    the group's captured input /= s_fc. In place on the dicts."""
+    the group's captured input /= s_fc. Returns new (params, captures) dicts."""
+    p, caps = dict(p), dict(caps)
     if group.prev in lw.LINEARS:
         p[group.prev] = exact_div(p[group.prev], s_prev[None, :])
         if group.prev + ".bias" in p:
@@ -216,6 +228,7 @@ def apply_scale(p: dict, group: ScaleGroup, s_prev, s_fc, caps: dict) -> None:
     for fc in group.linears:
         p[fc] = p[fc] * s_fc[:, None]
     caps[group.inp] = exact_div(caps[group.inp], s_fc)
+    return p, caps
 
 
 # ----------------------------------------------------------------------------- clipping
@@ -231,17 +244,20 @@ def _clip_search(w, x, bits, group_size, symmetric, n_grid, n_shrink):
     xg = x.reshape(x.shape[0], G, group_size)
     org_out = jnp.einsum("tGg,Ggn->tGn", xg, wg, preferred_element_type=jnp.float32)
     org_max = jnp.max(jnp.abs(wg), axis=1)  # [G, N]
-    best = org_max
-    min_err = jnp.full(org_max.shape, 1e9, jnp.float32)
-    for i_s in range(n_shrink):
-        max_val = org_max * (1 - i_s / n_grid)
+    factors = jnp.asarray(np.asarray([1 - i_s / n_grid for i_s in range(n_shrink)], np.float32))
+
+    def body(carry, f):
+        best, min_err = carry
+        max_val = org_max * f
         cur = jnp.clip(wg, -max_val[:, None, :], max_val[:, None, :])
         q = fake_quant(cur.reshape(K, N), bits, group_size, symmetric).reshape(G, group_size, N)
         out = jnp.einsum("tGg,Ggn->tGn", xg, q, preferred_element_type=jnp.float32)
         err = jnp.mean((out - org_out) ** 2, axis=0)
         better = err < min_err
-        min_err = jnp.where(better, err, min_err)
-        best = jnp.where(better, max_val, best)
+        return (jnp.where(better, max_val, best), jnp.where(better, err, min_err)), None
+
+    init = (org_max, jnp.full(org_max.shape, 1e9, jnp.float32))
+    (best, _), _ = jax.lax.scan(body, init, factors)
     return best
 
 
@@ -274,16 +290,28 @@ CLIP_SKIP = ("q_", "k_", "query", "key", "Wqkv")
 # ----------------------------------------------------------------------------- per layer
 
 
-def quantize_linear(w, opts_bits: int, group_size: int, symmetric: bool):
-    """(fake-quant float32 weight, packed QuantizedWeight) from one set of codes."""
-    qw = quantize_weight(jnp.asarray(w, jnp.float32), bits=opts_bits, group_size=group_size, symmetric=symmetric)
-    return dequantize(qw), qw
+@partial(jax.jit, static_argnames=("bits", "group_size", "symmetric"))
+def _quantize_jit(w, bits, group_size, symmetric):
+    scales, zeros = compute_qparams(w, bits, group_size, symmetric)
+    codes = quantize_codes(w, scales, zeros, bits, group_size)
+    return dequantize_codes(codes, scales, zeros, group_size, jnp.float32), codes, scales, zeros
+
+
+def quantize_linear(w, bits: int, group_size: int, symmetric: bool):
+    """(fake-quant float32 weight, packed QuantizedWeight) from one set of codes: the packed weight
+    dequantizes to exactly the fake-quant weight (same functions as ``quantize_weight``)."""
+    w = jnp.asarray(w, jnp.float32)
+    g = resolve_group_size(w.shape, group_size)
+    packing.packed_rows(w.shape[0], bits)
+    fq, codes, scales, zeros = _quantize_jit(w, bits, g, symmetric)
+    qw = QuantizedWeight(codes=jnp.asarray(packing.pack(np.asarray(codes), bits)), scales=scales, zeros=zeros,
+                         fmt="int", bits=bits, group_size=g, shape=tuple(int(d) for d in w.shape), dtype="float32",
+                         symmetric=bool(symmetric), double_quant=False)
+    return fq, qw
 
 
 def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activation_stat, result: PTQResult = None):
     """Scale search + fold + clip + quantize for one layer; returns the new float32 params."""
-    from lrmq.quant.quantizers import resolve_group_size
-
     p = dict(ctx.params)
     caps = dict(ctx.inputs())
     layer_info = {"groups": {}}
@@ -310,7 +338,7 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
                 s_fc = upsample_vo(s_prev, ctx.spec)
             else:
                 s_prev = s_fc = s
-            apply_scale(p, group, s_prev, s_fc, caps)
+            p, caps = apply_scale(p, caps, s_prev, s_fc, group)
     if opts.clip:
         for name in lw.LINEARS:
             if any(t in name for t in CLIP_SKIP):

@@ -57,7 +57,9 @@ def abs_delta(w_ft, w_base, *, name: str = "weight") -> np.ndarray:
 def to_float32(a: np.ndarray) -> np.ndarray:
     """float32 copy/view of an array; bfloat16 (ml_dtypes) widened by a 16-bit shift (exact, fast)."""
     if a.dtype.name == "bfloat16":
-        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        u = a.view(np.uint16).astype(np.uint32)
+        u <<= np.uint32(16)
+        return u.view(np.float32)
     return a.astype(np.float32, copy=False)
 
 
@@ -80,17 +82,23 @@ def _dens(stats: Stats) -> tuple[np.float32, np.float32, np.float32]:
 
 
 def _signed_position(x: np.ndarray, stats: Stats) -> np.ndarray:
-    """u in [-1, 1]: -1 at x_min, 0 at the median, +1 at x_max (two linear halves, clipped)."""
+    """u in [-1, 1]: -1 at x_min, 0 at the median, +1 at x_max (two linear halves, clipped).
+
+    ``min(d, 0)/left + max(d, 0)/right`` (d = x - mid) is exactly the reference's branch value (the
+    other term is +-0), and -((mid - x)/left) on the left, so u^2 equals the reference's z^2 bit for bit.
+    """
     mid, left, right = _dens(stats)
     d = x - mid
-    # (x - mid) / -left == -((mid - x) / left) exactly, so u^2 is the reference's z^2
-    u = d / np.where(x <= mid, left, right)
+    u = np.minimum(d, 0) / left
+    u += np.maximum(d, 0, out=d) / right
     return np.clip(u, -1, 1, out=u)
 
 
-def _finish(q: np.ndarray, x: np.ndarray) -> np.ndarray:
-    q[x == 0] = 1.0  # zero updates map to 1 for every mapping
-    return q
+def _finish(t: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """1 + t, with zero updates mapped to 1 (t * 0 == 0 exactly, cheaper than masked assignment)."""
+    t *= x != 0
+    t += np.float32(1)
+    return t
 
 
 @MAPPINGS.register("u_shape")
@@ -101,7 +109,9 @@ def u_shape(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
     """
     x = np.asarray(x, np.float32)
     u = _signed_position(x, stats)
-    return _finish(np.float32(1) + np.float32(R - 1) * (u * u), x)
+    u *= u
+    u *= np.float32(R - 1)
+    return _finish(u, x)
 
 
 @MAPPINGS.register("inverted_u")
@@ -109,7 +119,7 @@ def inverted_u(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
     """Ablation: 1 + (R-1)(1 - z^2): R at the median, 1 at both ends (protects the middle)."""
     x = np.asarray(x, np.float32)
     u = _signed_position(x, stats)
-    return _finish(np.float32(1) + np.float32(R - 1) * (np.float32(1) - u * u), x)
+    return _finish(np.float32(R - 1) * (np.float32(1) - u * u), x)
 
 
 @MAPPINGS.register("increasing")
@@ -117,7 +127,7 @@ def increasing(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
     """Ablation: 1 + (R-1)(u+1)/2: 1 at x_min, (1+R)/2 at the median, R at x_max (protects big updates)."""
     x = np.asarray(x, np.float32)
     u = _signed_position(x, stats)
-    return _finish(np.float32(1) + np.float32((R - 1) / 2) * (u + np.float32(1)), x)
+    return _finish(np.float32((R - 1) / 2) * (u + np.float32(1)), x)
 
 
 @MAPPINGS.register("decreasing")
@@ -125,7 +135,7 @@ def decreasing(x: np.ndarray, stats: Stats, R: float = 10.0) -> np.ndarray:
     """Ablation: 1 + (R-1)(1-u)/2: R at x_min, (1+R)/2 at the median, 1 at x_max (protects small updates)."""
     x = np.asarray(x, np.float32)
     u = _signed_position(x, stats)
-    return _finish(np.float32(1) + np.float32((R - 1) / 2) * (np.float32(1) - u), x)
+    return _finish(np.float32((R - 1) / 2) * (np.float32(1) - u), x)
 
 
 @MAPPINGS.register("constant")
@@ -170,11 +180,24 @@ def channel_importance(
     else:
         count = (z + zero_chunks).astype(np.float32) / np.float32(zero_chunks)
     if precision == "fp16":
-        mean = q.astype(np.float16).mean(axis=1, dtype=np.float64).astype(np.float16)
+        mean = (round_to_fp16(q).sum(axis=1, dtype=np.float64) / x.shape[1]).astype(np.float16)
         with np.errstate(over="ignore"):
             prod = mean.astype(np.float32) * count.astype(np.float16).astype(np.float32)
             return prod.astype(np.float16).astype(np.float32)
     return (q.mean(axis=1, dtype=np.float64) * count).astype(np.float32)
+
+
+def round_to_fp16(q: np.ndarray) -> np.ndarray:
+    """float32 -> nearest float16 value (half to even), kept as float32; for values in float16's
+    normal range [2^-14, 65504] (all mappings give [1, R]).  Same values as ``astype(float16)``,
+    ~6x faster than numpy's conversion.  Out-of-range input falls back to the numpy cast."""
+    q = np.asarray(q, np.float32)
+    if q.size and not (q.min() >= 2.0**-14 and q.max() <= 65504.0):
+        return q.astype(np.float16).astype(np.float32)
+    b = q.view(np.uint32)
+    r = b + (np.uint32(0x0FFF) + ((b >> 13) & np.uint32(1)))
+    r &= np.uint32(0xFFFFE000)
+    return r.view(np.float32)
 
 
 # ----------------------------------------------------------------------------------------------

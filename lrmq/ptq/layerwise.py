@@ -191,15 +191,16 @@ _layer_forward_jit = jax.jit(layer_forward, static_argnames=("spec", "capture"))
 def chunked(fn: Callable, *arrays, batch_size: int):
     """Apply ``fn`` to chunks of ``batch_size`` along axis 0 of every array and concatenate outputs
     (pytrees of arrays)."""
+    arrays = [np.asarray(a) for a in arrays]  # host slicing: no per-shape XLA slice programs
     n = arrays[0].shape[0]
     outs = [fn(*(a[s:s + batch_size] for a in arrays)) for s in range(0, n, batch_size)]
     if len(outs) == 1:
-        return outs[0]
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)
+        return jax.tree.map(np.asarray, outs[0])
+    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(v) for v in xs], axis=0), *outs)
 
 
-def positions_for(n: int, t: int) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+def positions_for(n: int, t: int) -> np.ndarray:
+    return np.broadcast_to(np.arange(t, dtype=np.int32), (n, t))
 
 
 @dataclasses.dataclass
@@ -238,8 +239,8 @@ def linear_path(i: int, name: str) -> str:
 
 
 def embed_tokens(model, tokens) -> jax.Array:
-    emb = model.embed.embedding[...]
-    return jnp.take(emb, jnp.asarray(tokens), axis=0).astype(jnp.float32)
+    emb = np.asarray(model.embed.embedding[...])
+    return emb[np.asarray(tokens)].astype(np.float32)
 
 
 def run_layerwise(model, tokens, process_layer: Callable[[LayerContext], dict[str, jax.Array]], *,
@@ -275,7 +276,6 @@ def run_layerwise(model, tokens, process_layer: Callable[[LayerContext], dict[st
             x = x_fp
         else:
             x = ctx.forward(new_p)
-        x = jax.block_until_ready(x)
         del ctx
         if timings is not None:
             timings.append(time.perf_counter() - t0)

@@ -36,27 +36,64 @@ class Stats(NamedTuple):
     count: int
 
 
+def _as_f32_1d(chunk) -> np.ndarray:
+    # order="K": no transposing copy for Fortran-ordered views (e.g. a transposed checkpoint tensor)
+    return np.ascontiguousarray(np.asarray(chunk, dtype=np.float32).ravel(order="K"))
+
+
 def positive_bits(chunk) -> np.ndarray:
     """uint32 bit patterns of the strictly positive float32 values of one chunk (NaN dropped)."""
-    x = np.asarray(chunk, dtype=np.float32).ravel()
+    x = _as_f32_1d(chunk)
     return x[x > 0].view(np.uint32)
+
+
+def _high16(bits: np.ndarray) -> np.ndarray:
+    # the top half-word as a strided uint16 view is cheaper to histogram than `bits >> 16`
+    if np.little_endian:
+        return bits.view(np.uint16)[1::2]
+    return bits.view(np.uint16)[0::2]
+
+
+def _chunk_hist(x: np.ndarray) -> tuple[np.ndarray, int, int] | None:
+    """(histogram, min bits, max bits) of the positives of ``x`` float32 1-D; None if none."""
+    b = x.view(np.uint32)
+    h = np.bincount(_high16(b), minlength=_NBINS)
+    if h[0x8000:].any() or (h[0x7F80:0x8000].any() and np.isnan(x).any()):
+        # negatives or NaN present: filter explicitly (slower, rare for |dW|)
+        p = b[x > 0]
+        if p.size == 0:
+            return None
+        return np.bincount(p >> 16, minlength=_NBINS), int(p.min()), int(p.max())
+    zeros = int(np.count_nonzero(b == 0))
+    h[0] -= zeros  # exact zeros share bucket 0 with the tiniest subnormals
+    if zeros == b.size:
+        return None
+    # zeros wrap to 0xFFFFFFFF, so the smallest (bits - 1) belongs to the smallest positive
+    return h, int((b - np.uint32(1)).min()) + 1, int(b.max())
 
 
 def _pass1(make_stream) -> tuple[np.ndarray, float, float]:
     hist = np.zeros(_NBINS, np.int64)
     bmin, bmax = None, None
     for chunk in make_stream():
-        b = positive_bits(chunk)
-        if b.size == 0:
+        r = _chunk_hist(_as_f32_1d(chunk))
+        if r is None:
             continue
-        hist += np.bincount(b >> 16, minlength=_NBINS)
-        # min/max of the bit patterns are the bit patterns of min/max
-        lo, hi = int(b.min()), int(b.max())
-        bmin = lo if bmin is None else min(bmin, lo)
-        bmax = hi if bmax is None else max(bmax, hi)
+        hist += r[0]
+        bmin = r[1] if bmin is None else min(bmin, r[1])
+        bmax = r[2] if bmax is None else max(bmax, r[2])
     if bmin is None:
         return hist, np.nan, np.nan
     return hist, float(np.uint32(bmin).view(np.float32)), float(np.uint32(bmax).view(np.float32))
+
+
+def _bucket_values(x: np.ndarray, bucket: int) -> np.ndarray:
+    """Bit patterns of the positive values of ``x`` whose top 16 bits equal ``bucket``."""
+    b = x.view(np.uint32)
+    sel = b[_high16(b) == bucket]
+    if bucket == 0 or bucket >= 0x7F80:  # zeros / NaN share these buckets with positives
+        sel = sel[sel.view(np.float32) > 0]
+    return sel
 
 
 def _pass2(make_stream, wanted: dict[int, list[int]], hist: np.ndarray, max_bucket: int) -> dict:
@@ -65,10 +102,9 @@ def _pass2(make_stream, wanted: dict[int, list[int]], hist: np.ndarray, max_buck
     filled = dict.fromkeys(small, 0)
     large = {b: np.zeros(_NBINS, np.int64) for b in wanted if hist[b] > max_bucket}
     for chunk in make_stream():
-        bits = positive_bits(chunk)
-        hi = bits >> 16
+        x = _as_f32_1d(chunk)
         for b in wanted:
-            sel = bits[hi == b]
+            sel = _bucket_values(x, b)
             if b in small:
                 n = filled[b]
                 if n + sel.size > small[b].size:

@@ -159,7 +159,7 @@ class GRPOTrainer:
             out = self.generator.generate_padded(
                 self.states(), jax.device_put(tokens, sh), jax.device_put(mask, sh), key,
                 max_new_tokens=max_new, sampling=sampling)
-        return [np.asarray(jax.device_get(x)) for x in out]
+        return [to_host(x) for x in out]
 
     def rollout(self, batch: dict[str, list], key) -> tuple[Any, dict[str, float]]:
         r, a = self.cfg.rollout, self.cfg.algo
@@ -267,6 +267,8 @@ class GRPOTrainer:
         log.warning("signal %d received: finishing this step, saving a checkpoint, then exiting", signum)
 
     def log_metrics(self, step: int, metrics: dict[str, float]):
+        if jax.process_index() != 0:  # every process holds the same (global) metrics
+            return
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
@@ -280,7 +282,7 @@ class GRPOTrainer:
         if not resumed:
             if self.cfg.run.export_hf and jax.process_index() == 0:
                 self.export_policy(os.path.join(self.run_dir, "initial_policy"))  # W_before for QuantLRM
-            if os.path.exists(self.metrics_path):
+            if os.path.exists(self.metrics_path) and jax.process_index() == 0:
                 os.remove(self.metrics_path)
             ev = self.evaluate()
             if ev:
@@ -328,6 +330,15 @@ class GRPOTrainer:
             for s, h in old.items():
                 signal.signal(s, h)
             self.writer.flush()
+
+
+def to_host(x) -> np.ndarray:
+    """Global array -> numpy on every process (gathers shards held by other hosts)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _tb_writer(path: str):
