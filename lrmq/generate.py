@@ -68,7 +68,6 @@ def main(argv=None) -> int:
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
     ids = [tok.encode(t) for t in texts]
     gen = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
-    gen.generate(model, ids[:1], max_new_tokens=1, sampling=sampling)  # compile-free timing below excludes this
     t0 = time.perf_counter()
     res = gen.generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     dt = time.perf_counter() - t0

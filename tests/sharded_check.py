@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,11 @@ from lrmq.checkpoint.hf import load_hf_model
 from lrmq.checkpoint.orbax_io import load_lrmq, save_lrmq
 from lrmq.model.decoder import positions_from_mask
 from lrmq.sharding import batch_sharding, make_mesh
+
+
+@nnx.jit  # one compile per model instead of one per eager op on 8 devices
+def forward(model, tokens, positions):
+    return model(tokens, positions)
 
 
 def flat(model):
@@ -35,7 +41,7 @@ def check(work: str, hf_dir: str) -> None:
     mask = np.ones_like(tokens)
     mask[1, :4] = mask[3, :7] = 0  # left padding
     positions = positions_from_mask(jnp.asarray(mask))
-    ref_logits = np.asarray(ref(jnp.asarray(tokens), positions))
+    ref_logits = np.asarray(forward(ref, jnp.asarray(tokens), positions))
     real = mask.astype(bool)
 
     mesh = make_mesh((2, 2, 2))
@@ -45,7 +51,7 @@ def check(work: str, hf_dir: str) -> None:
         assert tuple(q.sharding.spec) == ("fsdp", "tensor"), (name, q.sharding.spec)
         assert is_sharded(q) and len(q.sharding.device_set) == 8, name
         assert is_sharded(model.embed.embedding.get_value()), name
-        logits = model(jax.device_put(jnp.asarray(tokens), batch_sharding(mesh)),
+        logits = forward(model, jax.device_put(jnp.asarray(tokens), batch_sharding(mesh)),
                        jax.device_put(positions, batch_sharding(mesh)))
     err = np.abs(np.asarray(logits) - ref_logits)[real].max()
     assert err <= 1e-5, (name, "(2,2,2) logits differ", err)
@@ -59,7 +65,7 @@ def check(work: str, hf_dir: str) -> None:
         emb = restored.embed.embedding.get_value()
         assert tuple(emb.sharding.spec) == (None, "fsdp") and emb.sharding.mesh.shape == mesh2.shape, emb.sharding
         assert is_sharded(emb), name
-        logits2 = restored(jnp.asarray(tokens), positions)
+        logits2 = forward(restored, jnp.asarray(tokens), positions)
     want, got = flat(ref), flat(restored)
     assert sorted(want) == sorted(got), name
     for k in want:
@@ -71,11 +77,12 @@ def check(work: str, hf_dir: str) -> None:
 
 
 def main() -> None:
+    t0 = time.time()
     assert len(jax.devices()) == 8, f"expected 8 forced CPU devices, got {jax.devices()}"
     work, *hf_dirs = sys.argv[1:]
     for d in hf_dirs:
         check(work, d)
-    print("OK")
+    print(f"OK ({time.time() - t0:.1f}s)")
 
 
 if __name__ == "__main__":

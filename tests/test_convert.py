@@ -266,3 +266,11 @@ def test_quantized_kernels_round_trip(hf_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="layers.0.attn.q_proj.kernel"):
         save_hf_model(restored, str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf")
+
+
+def test_docs_name_map_table_is_current():
+    from lrmq.checkpoint.hf_names import NAME_MAP
+
+    doc = open(os.path.join(REPO_ROOT, "docs", "checkpoints.md")).read()
+    for hf, ours, tr in NAME_MAP:
+        assert f"| `{hf}` | `{ours}` | {'transpose' if tr == 'T' else 'copy'} |" in doc, (hf, ours)

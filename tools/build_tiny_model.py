@@ -193,7 +193,7 @@ def make_train_step(graphdef):
 
 
 def train(model: Decoder, toks: np.ndarray, mask: np.ndarray, *, steps: int, batch_size: int, lr: float,
-          warmup: int, weight_decay: float, seed: int, log_every: int, eval_fn=None, eval_every: int = 0):
+          warmup: int, weight_decay: float, seed: int, log_every: int, pad_id: int, eval_fn=None, eval_every: int = 0):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
@@ -213,12 +213,8 @@ def train(model: Decoder, toks: np.ndarray, mask: np.ndarray, *, steps: int, bat
             order, cursor = rng.permutation(n), 0
         idx = order[cursor : cursor + batch_size]
         cursor += batch_size
-        bt, bm = toks[idx], mask[idx]
-        # Trim the batch to its longest row (rounded up to 8) so short batches cost less.
-        real = (bm.sum(0) > 0).nonzero()[0]
-        tlen = min(toks.shape[1], int(math.ceil((real[-1] + 2) / 8) * 8))
-        params, opt_state, loss, gnorm = jstep(params, rest, opt_state, jnp.asarray(bt[:, :tlen]), jnp.asarray(bm[:, :tlen]))
-        window_tokens += batch_size * tlen
+        params, opt_state, loss, gnorm = jstep(params, rest, opt_state, jnp.asarray(toks[idx]), jnp.asarray(mask[idx]))
+        window_tokens += int((toks[idx] != pad_id).sum())  # real (non-pad) tokens
         if s % log_every == 0 or s == 1 or s == steps:
             loss = float(loss)
             now = time.perf_counter()
@@ -339,7 +335,7 @@ def main(argv=None) -> None:
     ap.add_argument("--n-eval", type=int, default=500)
     ap.add_argument("--eval-samples", type=int, default=4, help="T=1.0 samples per held-out problem")
     ap.add_argument("--eval-every", type=int, default=0, help="greedy held-out eval every N steps (tuning)")
-    ap.add_argument("--seq-len", type=int, default=96)
+    ap.add_argument("--seq-len", type=int, default=128, help="max tokens per row (batches use the longest row)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--no-save", action="store_true", help="train and evaluate only (tuning)")
     a = ap.parse_args(argv)
@@ -360,6 +356,9 @@ def main(argv=None) -> None:
     train_rows, eval_rows = make_splits(a.n_train, a.n_eval, a.seed, difficulty)
     toks, mask = encode_rows(tok, train_rows, a.seq_len)
     lens = (toks != tok.pad_id).sum(1) + 1
+    # One static shape for the jitted step: the longest row rounded up to 8.
+    seq_len = int(math.ceil(lens.max() / 8) * 8)
+    toks, mask = toks[:, :seq_len], mask[:, :seq_len]
     print(f"data: {len(train_rows)} train / {len(eval_rows)} held-out; {difficulty}; "
           f"max train length {int(lens.max())} tokens", flush=True)
     ex = train_rows[0]
@@ -382,7 +381,7 @@ def main(argv=None) -> None:
               f"T=1 {s['accuracy']:.3f} {s['accuracy_by_num_ops']}", flush=True)
 
     train_s, history = train(model, toks, mask, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup,
-                             weight_decay=a.weight_decay, seed=a.seed, log_every=25,
+                             weight_decay=a.weight_decay, seed=a.seed, log_every=25, pad_id=tok.pad_id,
                              eval_fn=quick_eval, eval_every=a.eval_every)
     print(f"training: {a.steps} steps in {train_s:.1f}s", flush=True)
 

@@ -197,25 +197,34 @@ def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tok
     else:
         hf_cfg["dtype"] = export_dtype
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        shards: list[dict[str, np.ndarray]] = [{}]
+        # Each shard goes to disk as soon as it is full (host memory: one shard, not the model); the
+        # "-of-N" names are only known at the end, so shards are renamed then.
+        meta = {"format": "pt"}
+        written: list[tuple[str, list[str], int]] = []  # (temp file, tensor names, bytes)
+        shard: dict[str, np.ndarray] = {}
         size = 0
+
+        def flush():
+            part = os.path.join(tmp, f".shard-{len(written):05d}.part")
+            save_file(shard, part, metadata=meta)
+            written.append((part, list(shard), size))
+
         for name, arr in hf_tensors(model, export_dtype):
             if size and size + arr.nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = arr
+                flush()
+                shard, size = {}, 0
+            shard[name] = arr
             size += arr.nbytes
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata=meta)
+        flush()
+        if len(written) == 1:
+            os.rename(written[0][0], os.path.join(tmp, "model.safetensors"))
         else:
             weight_map, total = {}, 0
-            for i, sh in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(sh, os.path.join(tmp, fname), metadata=meta)
-                for n, a in sh.items():
-                    weight_map[n] = fname
-                    total += a.nbytes
+            for i, (part, names, nbytes) in enumerate(written):
+                fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+                os.rename(part, os.path.join(tmp, fname))
+                weight_map.update((n, fname) for n in names)
+                total += nbytes
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -1,0 +1,121 @@
+"""`python -m lrmq.perplexity --checkpoint DIR --text-file F [--window 2048] [--max-windows N]`.
+
+WikiText-2 protocol (GPTQ / llm-awq ``eval``): documents joined with ``"\\n\\n"``, tokenized once
+(no special tokens), cut into ``n = len // window`` non-overlapping windows (the tail is dropped);
+each window is scored independently (position t predicts token t+1, ``window - 1`` predictions per
+window); ``ppl = exp(mean NLL over all predicted tokens)`` (equal to the reference's
+``exp(sum_i mean_i * window / (n * window))``). Float, fake-quantized (``--fake-quant rtn_asym`` etc.,
+any ``lrmq.quant.QUANTIZERS`` entry applied to the seven projections) and packed lrmq checkpoints.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def read_text(path: str, text_field: str = "text") -> str:
+    """The evaluation text: a .txt file as is, or the ``text_field`` rows of jsonl/json/parquet joined by "\\n\\n"."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"text file not found: {path}")
+    if path.endswith(".txt"):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    from lrmq.ptq.calibration import load_documents
+
+    return "\n\n".join(str(t) for t in load_documents(path, text_field=text_field)["text"])
+
+
+def windows(ids, window: int, max_windows: int | None = None) -> np.ndarray:
+    ids = np.asarray(ids, np.int32)
+    n = len(ids) // window
+    if max_windows:
+        n = min(n, max_windows)
+    if n == 0:
+        raise ValueError(f"{len(ids)} tokens are fewer than one window of {window}")
+    return ids[: n * window].reshape(n, window)
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _window_nll(graphdef, state, tokens):
+    from flax import nnx
+
+    model = nnx.merge(graphdef, state)
+    logits = model(tokens).astype(jnp.float32)[:, :-1]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    tgt = tokens[:, 1:]
+    nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll, axis=1)
+
+
+def perplexity(model, blocks: np.ndarray, *, batch_size: int = 1) -> dict:
+    """Mean NLL and perplexity of ``model`` over int [n, window] blocks."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    total, count = 0.0, 0
+    for s in range(0, blocks.shape[0], batch_size):
+        b = jnp.asarray(blocks[s:s + batch_size])
+        total += float(jnp.sum(_window_nll(graphdef, state, b)))
+        count += b.shape[0] * (b.shape[1] - 1)
+    nll = total / count
+    return {"nll": nll, "ppl": math.exp(nll), "tokens": count, "windows": int(blocks.shape[0]),
+            "window": int(blocks.shape[1])}
+
+
+def apply_fake_quant(model, method: str, bits: int, group_size: int) -> None:
+    """Replace the seven projections' kernels by ``QUANTIZERS[method]`` fake-quant weights, in place."""
+    from lrmq.quant.quantizers import QUANTIZERS
+    from lrmq.quant.transforms import iter_linears
+
+    fn = QUANTIZERS.get(method)
+    for _, lin in iter_linears(model):
+        w = lin.kernel.get_value()
+        lin.kernel.set_value(fn(w, bits=bits, group_size=group_size).astype(w.dtype))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lrmq.perplexity", description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="HF or lrmq checkpoint (float, fake-quant or packed)")
+    ap.add_argument("--text-file", required=True, help=".txt, or .jsonl/.json/.parquet with a text field")
+    ap.add_argument("--text-field", default="text")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the checkpoint)")
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
+    ap.add_argument("--fake-quant", default=None, help="apply a QUANTIZERS entry (rtn_asym, rtn_sym, int8, nf4)")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=128)
+    a = ap.parse_args(argv)
+    from lrmq.checkpoint.hf import CheckpointError
+    from lrmq.checkpoint.load import load_model
+    from lrmq.tokenizer import Tokenizer
+
+    try:
+        text = read_text(a.text_file, a.text_field)
+        tok = Tokenizer.from_dir(a.tokenizer or a.checkpoint)
+        model = load_model(a.checkpoint, dtype=a.dtype)
+        if a.fake_quant:
+            apply_fake_quant(model, a.fake_quant, a.bits, a.group_size)
+        blocks = windows(tok.encode(text), a.window, a.max_windows)
+        res = perplexity(model, blocks, batch_size=a.batch_size)
+    except (FileNotFoundError, ValueError, KeyError, CheckpointError) as e:
+        print(f"lrmq.perplexity: error: {e}", file=sys.stderr)
+        return 2
+    res.update(checkpoint=a.checkpoint, text_file=a.text_file, fake_quant=a.fake_quant)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

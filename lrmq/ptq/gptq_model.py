@@ -1,0 +1,112 @@
+"""GPTQ over a whole model (IST-DASLab ``llama.py::llama_sequential`` structure).
+
+Per decoder layer, with ``true_sequential`` (the reference ``--true-sequential``) the Linears are
+quantized in four stages, re-running the layer on its inputs before each stage so every stage's
+Hessians see the already-quantized earlier stages::
+
+    [k_proj, v_proj, q_proj] -> [o_proj] -> [up_proj, gate_proj] -> [down_proj]
+
+without it, all seven Hessians come from one forward of the FP layer. For each Linear
+``H = 2/n_seq * sum_tokens x x^T`` (the reference's running average ends at exactly this; its scale
+does not change the result) and :func:`lrmq.ptq.gptq.gptq_quantize` quantizes the ``[K, N]`` weight
+(blocksize 128, percdamp 0.01, group 128, optional act-order / static groups).
+
+Propagation: the reference feeds layer i+1 with the outputs of the *quantized* layer i
+(``propagate="quantized"``, default); ``propagate="fp"`` uses the FP outputs instead.
+
+Packed weights: GPTQ's grids (min/max including 0) are representable as ``QuantizedWeight`` (unsigned
+zero in [0, 2^b-1]); the codes reproduce GPTQ's fake-quant weights exactly. With ``act_order`` and
+without ``static_groups`` a group is not a run of consecutive input rows (non-monotone ``g_idx``):
+such a result is kept as fake-quant weights plus ``g_idx``; packed lrmq/AutoAWQ exports refuse it
+(use ``static_groups=True``, as GPTQ's own fast kernels require too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lrmq.ptq import layerwise as lw
+from lrmq.ptq.awq import PTQResult
+from lrmq.ptq.gptq import gptq_codes, gptq_quantize
+from lrmq.quant import packing
+from lrmq.quant.qweight import QuantizedWeight
+
+TRUE_SEQUENTIAL = (("k_proj", "v_proj", "q_proj"), ("o_proj",), ("up_proj", "gate_proj"), ("down_proj",))
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQOptions:
+    bits: int = 4
+    group_size: int = 128  # -1: per output channel
+    symmetric: bool = False
+    block_size: int = 128
+    percdamp: float = 0.01
+    act_order: bool = False
+    static_groups: bool = False
+    true_sequential: bool = True
+    propagate: str = "quantized"  # quantized (reference) | fp
+    batch_size: int = 8
+
+
+@jax.jit
+def _xtx(x):
+    x = x.reshape(-1, x.shape[-1])
+    return jnp.einsum("tk,tl->kl", x, x, preferred_element_type=jnp.float32)
+
+
+def hessian(x) -> np.ndarray:
+    """``2/n_seq * X^T X`` over all tokens of x [n_seq, T, K] (the reference's H after n_seq batches)."""
+    x = np.asarray(x, np.float32)
+    return np.asarray(_xtx(x)) * np.float32(2.0 / x.shape[0])
+
+
+def _packed_from_result(res, bits: int, group_size: int, symmetric: bool) -> QuantizedWeight | None:
+    K, N = res.w_q.shape
+    natural = np.array_equal(res.g_idx, np.arange(K) // (K // res.scales.shape[0]))
+    if not natural:
+        return None
+    codes = gptq_codes(res, bits)
+    return QuantizedWeight(codes=jnp.asarray(packing.pack(codes, bits)), scales=jnp.asarray(res.scales, jnp.float32),
+                           zeros=jnp.asarray(res.zeros), fmt="int", bits=bits, group_size=K // res.scales.shape[0],
+                           shape=(K, N), dtype="float32", symmetric=bool(symmetric), double_quant=False)
+
+
+def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> dict:
+    p = dict(ctx.params)
+    stages = TRUE_SEQUENTIAL if opts.true_sequential else (tuple(n for s in TRUE_SEQUENTIAL for n in s),)
+    info = {}
+    for stage in stages:
+        caps = ctx.inputs(p if stage is not stages[0] else None)
+        hs = {name: hessian(caps[lw.INPUT_OF[name]]) for name in stage}
+        del caps
+        for name in stage:
+            res = gptq_quantize(np.asarray(p[name]), hs[name], bits=opts.bits,
+                                group_size=None if opts.group_size == -1 else opts.group_size,
+                                symmetric=opts.symmetric, block_size=opts.block_size, percdamp=opts.percdamp,
+                                act_order=opts.act_order, static_groups=opts.static_groups)
+            # the same float32 values the packed weight dequantizes to
+            p[name] = jnp.asarray(res.w_q, jnp.float32)
+            path = lw.linear_path(ctx.index, name)
+            qw = _packed_from_result(res, opts.bits, opts.group_size, opts.symmetric)
+            if qw is not None:
+                result.packed[path] = qw
+            else:
+                result.g_idx[path] = res.g_idx
+            info[name] = "packed" if qw is not None else "act-order g_idx (fake-quant only)"
+    result.info.setdefault("layers", {})[ctx.index] = info
+    return p
+
+
+def gptq_quantize_model(model, tokens, opts: GPTQOptions = GPTQOptions(), *, progress: bool = True) -> PTQResult:
+    """GPTQ the seven projections of every layer of ``model`` in place; ``tokens`` int [n_seq, T]."""
+    result = PTQResult(method="gptq", packed={}, bits=opts.bits, group_size=opts.group_size,
+                       symmetric=opts.symmetric)
+    timings: list[float] = []
+    lw.run_layerwise(model, tokens, lambda ctx: gptq_layer(ctx, opts, result), propagate=opts.propagate,
+                     batch_size=opts.batch_size, desc="GPTQ", progress=progress, timings=timings)
+    result.info["seconds_per_layer"] = timings
+    return result

@@ -1,0 +1,236 @@
+"""QuantLRM end to end (psunlpgroup/QuantLRM = llm-awq + fine-tuning-update importance).
+
+1. Inputs: the fine-tuned checkpoint and its pre-fine-tuning checkpoint -- any pair ``load_model``
+   reads (HF directories are streamed tensor by tensor with safetensors; lrmq checkpoints are loaded)
+   -- or a GRPO run directory (``final_policy/`` = after, ``initial_policy/`` = before).
+2. The two are checked first: same architecture fields and, tensor by tensor, the same shapes
+   (the error names the tensor and both shapes); identical weights (|dW| == 0 everywhere) are an error.
+3. Importance (:mod:`lrmq.ptq.importance`): global positive-only min / exact median / max of |dW| over
+   ``stats_targets``, the mapping (``u_shape`` = the reference; ``inverted_u``, ``increasing``,
+   ``decreasing``, ``constant`` for the hypothesis-validation ablation) and the per-input-channel
+   importance of each ``targets`` matrix. Defaults: pre-norm families (Qwen/Llama) targets
+   q/o/gate/down with stats over all seven projections (the reference's Qwen3-8B run); Olmo-3 targets
+   and stats over o/down only (the reference's OLMo run).
+4. The AWQ loop of :mod:`lrmq.ptq.awq` with the statistic swapped: group ``attn_in`` <- q_proj,
+   ``attn_out`` <- o_proj, ``mlp_in`` <- gate_proj, ``mlp_out`` <- down_proj importance;
+   ``normalize=False``; v->o kept for GQA by down/up-sampling (``gqa_vo="downsample"``). A group whose
+   source matrix is not a target is left unscaled. Clipping (activation based) and the quantizer are
+   AWQ's. The calibration activations are still needed (block-output loss, clipping).
+
+Which model is quantized: ``quantize="finetuned"`` (default; QuantLRM quantizes the fine-tuned LRM) or
+``"base"`` (pseudo-fine-tuning: the pair is (original, briefly fine-tuned) and the original is the one
+to quantize; see :mod:`lrmq.ptq.pseudo_ft`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from typing import Callable
+
+import numpy as np
+
+from lrmq.ptq import layerwise as lw
+from lrmq.ptq.awq import AWQOptions, PTQResult, ScaleGroup, awq_quantize_model
+from lrmq.ptq.importance import ALL_PROJ, importance_for_model, global_stats, plot_importance, save_importance_npz
+
+ARCH_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+               "num_kv_heads", "head_dim", "qk_norm", "norm_placement", "tie_word_embeddings")
+
+
+class QuantLRMError(ValueError):
+    """Unusable (fine-tuned, base) pair; the message names the checkpoints / tensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLRMOptions:
+    targets: tuple[str, ...] | None = None  # None: q/o/gate/down (pre-norm), o/down (Olmo-3)
+    stats_targets: tuple[str, ...] | None = None  # None: all seven (pre-norm), = targets (Olmo-3)
+    mapping: str = "u_shape"
+    R: float = 10.0
+    precision: str = "fp16"
+    zero_chunks: int = 1
+    quantize: str = "finetuned"  # finetuned | base
+
+    def resolved(self, cfg) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        olmo = cfg.norm_placement == "post"
+        targets = tuple(self.targets) if self.targets else (("o_proj", "down_proj") if olmo else
+                                                            ("q_proj", "o_proj", "gate_proj", "down_proj"))
+        stats = tuple(self.stats_targets) if self.stats_targets else (targets if olmo else ALL_PROJ)
+        return targets, stats
+
+
+def resolve_pair(finetuned: str | None = None, base: str | None = None, run_dir: str | None = None) -> tuple[str, str]:
+    """(fine-tuned dir, base dir) from explicit paths or a GRPO run dir."""
+    if run_dir:
+        if not os.path.isdir(run_dir):
+            raise FileNotFoundError(f"GRPO run directory not found: {run_dir}")
+        ft, b = os.path.join(run_dir, "final_policy"), os.path.join(run_dir, "initial_policy")
+        missing = [p for p in (ft, b) if not os.path.isdir(p)]
+        if missing:
+            raise QuantLRMError(f"{run_dir}: not a finished GRPO run directory, missing {missing} "
+                                "(the trainer writes initial_policy/ at start and final_policy/ at the end)")
+        return ft, b
+    if not finetuned or not base:
+        raise QuantLRMError("QuantLRM needs the fine-tuned checkpoint and the pre-fine-tuning (base) checkpoint, "
+                            "or a GRPO run directory (final_policy + initial_policy); for a model without a base "
+                            "checkpoint make one with lrmq.ptq.pseudo_ft")
+    for p in (finetuned, base):
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"checkpoint not found: {p}")
+    return finetuned, base
+
+
+# ----------------------------------------------------------------------------- tensor sources
+
+
+class TensorSource:
+    """Linear weights of a checkpoint in lrmq orientation [K, N], keyed by module path
+    ('layers.3.attn.q_proj'). HF directories are read lazily with safetensors; lrmq checkpoints are loaded."""
+
+    def __init__(self, path: str):
+        from flax import nnx
+
+        from lrmq.checkpoint.hf import flat_params, tensor_index
+        from lrmq.checkpoint.hf_names import expand
+        from lrmq.checkpoint.load import checkpoint_kind
+        from lrmq.model.config import ModelConfig
+        from lrmq.model.decoder import Decoder
+
+        self.path = path
+        self.kind = checkpoint_kind(path)
+        self._model = None
+        if self.kind == "hf":
+            self.cfg = ModelConfig.from_hf_file(path)
+            index = tensor_index(path)
+            abstract = nnx.eval_shape(lambda: Decoder(self.cfg, nnx.Rngs(0)))
+            self.entries = {}
+            for hf, (ours, tr) in expand(set(flat_params(abstract)), self.cfg).items():
+                if ours.endswith(".kernel") and any(f".{p}." in ours for p in ALL_PROJ):
+                    if hf not in index:
+                        raise QuantLRMError(f"{path}: tensor {hf} is missing")
+                    self.entries[ours[: -len(".kernel")]] = (hf, index[hf])
+        else:
+            from lrmq.checkpoint.load import load_model
+
+            self._model = load_model(path)
+            self.cfg = self._model.cfg
+            self.entries = {p: (p + ".kernel", None) for p in
+                            (f"layers.{i}.{lw.MODULE_OF[n]}.{n}" for i in range(self.cfg.num_layers) for n in lw.LINEARS)}
+
+    def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """module path -> (tensor name in the checkpoint, shape as stored)."""
+        out = {}
+        if self.kind == "hf":
+            from safetensors import safe_open
+
+            by_file: dict[str, list] = {}
+            for p, (hf, f) in self.entries.items():
+                by_file.setdefault(f, []).append((p, hf))
+            for f, items in by_file.items():
+                with safe_open(f, framework="numpy") as h:
+                    for p, hf in items:
+                        out[p] = (hf, tuple(h.get_slice(hf).get_shape()))
+        else:
+            from lrmq.quant.transforms import module_at
+
+            for p, (name, _) in self.entries.items():
+                out[p] = (name, tuple(module_at(self._model, p).float_weight().shape))
+        return out
+
+    def get(self, path: str) -> np.ndarray:
+        hf, f = self.entries[path]
+        if self.kind == "hf":
+            from safetensors import safe_open
+
+            with safe_open(f, framework="numpy") as h:
+                return h.get_tensor(hf).T
+        from lrmq.quant.transforms import module_at
+
+        return np.asarray(module_at(self._model, path).float_weight())
+
+
+def check_pair(ft: TensorSource, base: TensorSource) -> None:
+    """Same tensors with the same shapes, then the same architecture fields; else QuantLRMError."""
+    sf, sb = ft.shapes(), base.shapes()
+    problems = []
+    for p in sorted(set(sf) | set(sb), key=lambda s: (len(s), s)):
+        if p not in sb:
+            problems.append(f"tensor {sf[p][0]} is in the fine-tuned checkpoint but not in the base")
+        elif p not in sf:
+            problems.append(f"tensor {sb[p][0]} is in the base checkpoint but not in the fine-tuned one")
+        elif sf[p][1] != sb[p][1]:
+            problems.append(f"tensor {sf[p][0]}: fine-tuned shape {sf[p][1]} != base shape {sb[p][1]}")
+    for f in ARCH_FIELDS:
+        a, b = getattr(ft.cfg, f), getattr(base.cfg, f)
+        if a != b:
+            problems.append(f"config {f}: fine-tuned {a!r} != base {b!r}")
+    if problems:
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise QuantLRMError(f"the fine-tuned checkpoint {ft.path} and the base checkpoint {base.path} have different "
+                            "architectures:\n  " + "\n  ".join(problems[:8]) + more)
+
+
+def compute_importance(ft: TensorSource, base: TensorSource, opts: QuantLRMOptions):
+    """(importances {module path: [K] float32}, global Stats, targets, stats_targets)."""
+    targets, stats_targets = opts.resolved(ft.cfg)
+
+    def pairs():
+        for p in ft.entries:
+            yield p, (lambda p=p: ft.get(p)), (lambda p=p: base.get(p))
+
+    try:
+        stats = global_stats(pairs, stats_targets=stats_targets)
+    except ValueError as e:
+        raise QuantLRMError(f"{ft.path} vs {base.path}: {e}") from None
+    imps = importance_for_model(pairs, targets, stats=stats, mapping=opts.mapping, R=opts.R,
+                                zero_chunks=opts.zero_chunks, precision=opts.precision)
+    return imps, stats, targets, stats_targets
+
+
+def importance_stat_fn(importances: dict[str, np.ndarray]) -> Callable:
+    """AWQ statistic function: the group's source-matrix importance of this layer (None: skip group)."""
+
+    def stat(ctx: lw.LayerContext, group: ScaleGroup, x):
+        v = importances.get(lw.linear_path(ctx.index, group.source))
+        if v is None:
+            return None
+        v = np.asarray(v, np.float32)
+        if v.shape != (x.shape[-1],):
+            raise QuantLRMError(f"importance of {lw.linear_path(ctx.index, group.source)} has shape {v.shape}, "
+                                f"group {group.name} has {x.shape[-1]} input channels")
+        return v
+
+    return stat
+
+
+def quantlrm_awq_options(base: AWQOptions) -> AWQOptions:
+    """QuantLRM's AWQ settings: no normalization, GQA v->o via down/upsampling."""
+    return dataclasses.replace(base, normalize=False, gqa_vo="downsample")
+
+
+def quantlrm_quantize_model(model, tokens, importances, opts: AWQOptions, *, progress: bool = True) -> PTQResult:
+    return awq_quantize_model(model, tokens, opts, stat_fn=importance_stat_fn(importances), method="quantlrm",
+                              progress=progress)
+
+
+def importance_artifacts(ft: TensorSource, base: TensorSource, importances, stats, mapping: str, R: float,
+                         max_sample: int = 1 << 18) -> dict[str, bytes]:
+    """{'importance.npz': bytes, 'importance.png': bytes} for the output directory."""
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        npz = os.path.join(d, "importance.npz")
+        save_importance_npz(npz, importances)
+        first = next(iter(importances))
+        dw = np.abs(ft.get(first).astype(np.float32) - base.get(first).astype(np.float32)).ravel()
+        if dw.size > max_sample:
+            dw = dw[:: dw.size // max_sample]
+        png = os.path.join(d, "importance.png")
+        plot_importance(png, dw, stats, importances, mapping, R=R)
+        for name, p in (("importance.npz", npz), ("importance.png", png)):
+            with open(p, "rb") as f:
+                out[name] = f.read()
+    return out
