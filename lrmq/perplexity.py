@@ -45,7 +45,6 @@ def windows(ids, window: int, max_windows: int | None = None) -> np.ndarray:
     return ids[: n * window].reshape(n, window)
 
 
-@partial(jax.jit, static_argnums=(0,))
 def _window_nll(graphdef, state, tokens):
     from flax import nnx
 
@@ -62,10 +61,11 @@ def perplexity(model, blocks: np.ndarray, *, batch_size: int = 1) -> dict:
     from flax import nnx
 
     graphdef, state = nnx.split(model)
+    fn = jax.jit(partial(_window_nll, graphdef))  # graphdefs holding config dicts are not hashable
     total, count = 0.0, 0
     for s in range(0, blocks.shape[0], batch_size):
         b = jnp.asarray(blocks[s:s + batch_size])
-        total += float(jnp.sum(_window_nll(graphdef, state, b)))
+        total += float(jnp.sum(fn(state, b)))
         count += b.shape[0] * (b.shape[1] - 1)
     nll = total / count
     return {"nll": nll, "ppl": math.exp(nll), "tokens": count, "windows": int(blocks.shape[0]),

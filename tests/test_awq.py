@@ -124,13 +124,13 @@ def test_scale_groups_and_gqa(hf_checkpoint):
 
     d, _ = hf_checkpoint("qwen3")  # GQA: 4 heads, 2 kv heads
     toks = np.random.default_rng(1).integers(0, 128, (2, 32))
-    opts = AWQOptions(bits=4, group_size=24, n_grid=4, batch_size=2)
+    opts = AWQOptions(bits=4, group_size=32, n_grid=4, batch_size=2)
     r = awq_quantize_model(load_hf_model(d), toks, opts, progress=False)
     g = r.info["layers"][0]["groups"]
     assert set(g) == {"attn_in", "attn_out", "mlp_in", "mlp_out"}
     assert g["attn_out"].startswith("skipped")  # llm-awq skips v->o for GQA
     assert all(g[k]["loss"] <= g[k]["loss_rtn"] for k in ("attn_in", "mlp_in", "mlp_out"))
-    r2 = awq_quantize_model(load_hf_model(d), toks, AWQOptions(bits=4, group_size=24, n_grid=4, gqa_vo="downsample",
+    r2 = awq_quantize_model(load_hf_model(d), toks, AWQOptions(bits=4, group_size=32, n_grid=4, gqa_vo="downsample",
                                                                  batch_size=2), progress=False)
     assert isinstance(r2.info["layers"][0]["groups"]["attn_out"], dict)
     # olmo3 (post-norm): only the groups with a Linear before them
@@ -151,9 +151,9 @@ def test_scale_groups_and_gqa(hf_checkpoint):
 def test_scale_fold_preserves_function(hf_checkpoint):
     """Folding scales into the preceding op without quantizing leaves the layer function unchanged."""
     from lrmq.checkpoint.hf import load_hf_model
-    from lrmq.ptq.awq import ATTN_IN, ATTN_OUT, MLP_IN, MLP_OUT, apply_scale
+    from lrmq.ptq.awq import ATTN_IN, ATTN_OUT, MLP_IN, MLP_OUT, apply_scale, downsample_vo, upsample_vo
 
-    d, _ = hf_checkpoint("llama_linear")  # MHA, biases
+    d, _ = hf_checkpoint("llama_linear")  # GQA (4 heads, 2 kv heads), biases
     m = load_hf_model(d)
     spec = lw.layer_spec(m.cfg, 0)
     p = lw.get_layer_params(m.layers[0])
@@ -164,7 +164,11 @@ def test_scale_fold_preserves_function(hf_checkpoint):
     rng = np.random.default_rng(3)
     for grp, k in ((ATTN_IN, 64), (ATTN_OUT, 64), (MLP_IN, 64), (MLP_OUT, 96)):
         s = jnp.asarray(rng.uniform(0.5, 2.0, k), jnp.float32)
-        p, caps = apply_scale(p, {grp.inp: jnp.ones((1, k))}, s, s, grp)
+        s_prev = s_fc = s
+        if grp is ATTN_OUT:  # QuantLRM's GQA variant: v rows / downsampled, o columns * upsampled
+            s_prev = downsample_vo(s, spec)
+            s_fc = upsample_vo(s_prev, spec)
+        p, caps = apply_scale(p, {grp.inp: jnp.ones((1, k))}, s_prev, s_fc, grp)
     np.testing.assert_allclose(np.asarray(lw.layer_forward(p, spec, x, pos)), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 

@@ -71,7 +71,7 @@ BASE_CONFIG = {
     "model_type": "qwen3",
     "hidden_size": 128,
     "intermediate_size": 384,
-    "num_hidden_layers": 4,
+    "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
@@ -243,7 +243,19 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
     return toks, mask
 
 
-def make_generate(graphdef, cfg: ModelConfig, max_new: int, eos_ids: tuple[int, ...], pad_id: int, temperature: float):
+_GENERATE_CACHE: dict = {}
+
+
+def make_generate(owner, graphdef, cfg: ModelConfig, max_new: int, eos_ids: tuple[int, ...], pad_id: int,
+                  temperature: float):
+    """One compiled decoder per (model object, settings): repeated evaluations during training reuse it."""
+    key = (id(owner), max_new, tuple(eos_ids), pad_id, float(temperature))
+    if key not in _GENERATE_CACHE:
+        _GENERATE_CACHE[key] = _make_generate(graphdef, cfg, max_new, eos_ids, pad_id, temperature)
+    return _GENERATE_CACHE[key]
+
+
+def _make_generate(graphdef, cfg: ModelConfig, max_new: int, eos_ids: tuple[int, ...], pad_id: int, temperature: float):
     """Jitted KV-cached decoding: left-padded prompts [B, P] -> completion tokens [B, max_new] (pad after eos)."""
     eos_arr = jnp.asarray(eos_ids, jnp.int32)
 
@@ -280,7 +292,7 @@ def make_generate(graphdef, cfg: ModelConfig, max_new: int, eos_ids: tuple[int, 
 def evaluate(model: Decoder, tok: Tokenizer, rows: list[dict], *, temperature: float, samples: int, seed: int,
              max_new: int, batch_size: int = 512) -> dict:
     graphdef, state = nnx.split(model)
-    gen = make_generate(graphdef, model.cfg, max_new, tok.eos_ids, tok.pad_id, temperature)
+    gen = make_generate(model, graphdef, model.cfg, max_new, tok.eos_ids, tok.pad_id, temperature)
     prompts = tok.batch_encode([format_prompt(TEMPLATE, r["problem"], tok) for r in rows])
     key = jax.random.key(seed)
     correct = np.zeros((len(rows), samples), bool)
@@ -326,8 +338,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (replaced atomically)")
     ap.add_argument("--seed", type=int, default=0, help="seed for data splits, init, batch order and sampling")
-    ap.add_argument("--steps", type=int, default=400, help="SFT steps (stopped early on purpose: see docs)")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=800, help="SFT steps (stopped early on purpose: see docs)")
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -381,7 +393,7 @@ def main(argv=None) -> None:
               f"T=1 {s['accuracy']:.3f} {s['accuracy_by_num_ops']}", flush=True)
 
     train_s, history = train(model, toks, mask, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup,
-                             weight_decay=a.weight_decay, seed=a.seed, log_every=25, pad_id=tok.pad_id,
+                             weight_decay=a.weight_decay, seed=a.seed, log_every=50, pad_id=tok.pad_id,
                              eval_fn=quick_eval, eval_every=a.eval_every)
     print(f"training: {a.steps} steps in {train_s:.1f}s", flush=True)
 

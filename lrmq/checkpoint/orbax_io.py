@@ -67,7 +67,7 @@ def _lookup(tree, path: str):
 
 
 def _quant_types():
-    """(QuantizedKernel, QuantizedWeight), imported lazily: plain float checkpoints never need lrmq.quant."""
+    """(QuantizedKernel, QuantizedWeight); imported lazily: float checkpoints need no lrmq.quant stack."""
     from lrmq.quant.qweight import QuantizedKernel, QuantizedWeight
 
     return QuantizedKernel, QuantizedWeight
@@ -85,13 +85,13 @@ def _array_desc(a) -> list:
 def _manifest(model: Decoder) -> dict[str, dict[str, Any]]:
     """Describe every variable, refusing ones `load_lrmq` could not rebuild (they'd be silently lost)."""
     cfg = model.cfg
-    base = {k for k, v in _savable_vars(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))).items()}
+    base = set(_savable_vars(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))))
     out, problems = {}, []
     for path, var in _savable_vars(model).items():
         value = var.get_value()
         axes = var.get_metadata().get(LOGICAL_AXES_KEY)
         entry: dict[str, Any] = {"logical_axes": list(axes) if axes is not None else None}
-        if _is_quantized_value(value) and type(var).__name__ == "QuantizedKernel":
+        if _is_quantized_value(value) and isinstance(var, _quant_types()[0]):
             if path not in base or not path.endswith(".kernel"):
                 problems.append(f"{path}: packed weight where the decoder has no Linear kernel")
                 continue

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lrmq.ptq.median import NoPositiveValues, Stats, positive_stats
+from lrmq.ptq.median import BLOCK, NoPositiveValues, Stats, pmap, positive_stats
 from lrmq.registry import Registry
 
 ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -46,11 +46,22 @@ def abs_delta(w_ft, w_base, *, name: str = "weight") -> np.ndarray:
     The exact-zero test is *not* applied here: the reference computes the mapping on these float32
     values and zero-tests their float16 cast separately (see :func:`zero_mask`).
     """
+    a, b = _pair_arrays(w_ft, w_base, name)
+    return _absdiff(a, b)
+
+
+def _pair_arrays(w_ft, w_base, name: str) -> tuple[np.ndarray, np.ndarray]:
     a = np.asarray(w_ft)
     b = np.asarray(w_base)
     if a.shape != b.shape:
         raise ValueError(f"{name}: fine-tuned shape {a.shape} != base shape {b.shape}")
-    d = to_float32(a) - to_float32(b)
+    return a, b
+
+
+def _absdiff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    fa = to_float32(a)
+    # subtract in place when the widened copy is fresh (never into the caller's float32 array)
+    d = np.subtract(fa, to_float32(b), out=fa if a.dtype != np.float32 else None)
     return np.abs(d, out=d)
 
 
@@ -61,6 +72,17 @@ def to_float32(a: np.ndarray) -> np.ndarray:
         u <<= np.uint32(16)
         return u.view(np.float32)
     return a.astype(np.float32, copy=False)
+
+
+def _delta_blocks(a: np.ndarray, b: np.ndarray, rows: int | None = None):
+    """|dW| of a ``[K, N]`` pair as float32 C-ordered blocks ``[r, K]`` of the transposed pair (rows =
+    output channels, so the reduction of :func:`channel_importance` is over axis 0 of each block).
+    The transposed view is C-contiguous for checkpoint tensors (``[out, in]`` loaded, then ``.T``)."""
+    ta, tb = a.T, b.T
+    n, k = ta.shape
+    rows = rows or max(1, BLOCK // max(k, 1))
+    for i in range(0, n, rows):
+        yield _absdiff(ta[i : i + rows], tb[i : i + rows])
 
 
 def zero_mask(dw_abs: np.ndarray, precision: str = "fp16") -> np.ndarray:
@@ -175,16 +197,77 @@ def channel_importance(
     fn = MAPPINGS.get(mapping)
     q = fn(x, stats, R)
     z = zero_mask(x, precision).sum(axis=1)
+    if precision == "fp16":
+        return _combine(round_to_fp16(q).sum(axis=1, dtype=np.float64), z, x.shape[1], zero_chunks, precision)
+    return _combine(q.sum(axis=1, dtype=np.float64), z, x.shape[1], zero_chunks, precision)
+
+
+def _combine(qsum: np.ndarray, z: np.ndarray, n: int, zero_chunks: int, precision: str) -> np.ndarray:
+    """Importance from the float64 sums of the (float16-rounded) q and the zero counts per channel."""
     if zero_chunks == 1:
         count = (z + 1).astype(np.float32)
     else:
         count = (z + zero_chunks).astype(np.float32) / np.float32(zero_chunks)
     if precision == "fp16":
-        mean = (round_to_fp16(q).sum(axis=1, dtype=np.float64) / x.shape[1]).astype(np.float16)
+        mean = (qsum / n).astype(np.float16)
         with np.errstate(over="ignore"):
             prod = mean.astype(np.float32) * count.astype(np.float16).astype(np.float32)
             return prod.astype(np.float16).astype(np.float32)
-    return (q.mean(axis=1, dtype=np.float64) * count).astype(np.float32)
+    # np.mean(dtype=float64) is the float64 sum divided by n
+    return ((qsum / n) * count).astype(np.float32)
+
+
+def pair_importance(
+    w_ft,
+    w_base,
+    stats: Stats,
+    *,
+    name: str = "weight",
+    mapping: str = "u_shape",
+    R: float = 10.0,
+    zero_chunks: int = 1,
+    precision: str = "fp16",
+) -> np.ndarray:
+    """``channel_importance(abs_delta(w_ft, w_base), ...)`` bit for bit, computed in cache-sized blocks
+    of output channels without materialising |dW| (the model driver's per-matrix kernel).
+
+    Exactness of the blocked sums: every built-in mapping gives q in [1, R] (R >= 1), whose float16
+    roundings are multiples of 2^-10 (float32 q: of 2^-23), so the per-channel sums are exact in
+    float64 in any order while ``n * R < 2^29``; per block they are summed in float32, exact while
+    ``rows * R16 <= 2^14`` (else in float64).  Other cases fall back to the whole-matrix computation.
+    """
+    a, b = _pair_arrays(w_ft, w_base, name)
+    fn = MAPPINGS.get(mapping)
+    blocked = (a.ndim == 2 and a.size > 0 and _BUILTIN_MAPPINGS.get(mapping) is fn
+               and 1.0 <= R and a.shape[1] * R < 2.0**29)
+    if not blocked:
+        return channel_importance(_absdiff(a, b), stats, mapping=mapping, R=R, zero_chunks=zero_chunks,
+                                  precision=precision)
+    if zero_chunks < 1:
+        raise ValueError(f"zero_chunks must be >= 1, got {zero_chunks}")
+    k, n = a.shape
+    rows = max(1, BLOCK // k)
+    # float32 block sums of float16 values in [1, round16(R)] are exact while rows * round16(R) <= 2^14
+    r16 = float(np.float32(R).astype(np.float16)) if R <= 65504 else np.inf
+    f32_sum = precision == "fp16" and rows * r16 <= 2.0**14
+    if precision == "fp16" and not f32_sum and r16 <= 2.0**13:
+        rows, f32_sum = max(1, int(2.0**14 // r16)), True
+    acc = np.zeros(k, np.float64)
+    z = np.zeros(k, np.int64)
+    for x in _delta_blocks(a, b, rows):
+        z += zero_mask(x, precision).sum(axis=0)
+        q = fn(x, stats, R)
+        if precision == "fp16":
+            q = round_to_fp16(q)
+            acc += q.sum(axis=0) if f32_sum else q.sum(axis=0, dtype=np.float64)
+        else:
+            acc += q.sum(axis=0, dtype=np.float64)
+    return _combine(acc, z, n, zero_chunks, precision)
+
+
+# mappings with values in [1, R] (R >= 1), for which pair_importance's blocked sums are exact
+_BUILTIN_MAPPINGS = {"u_shape": u_shape, "inverted_u": inverted_u, "increasing": increasing,
+                     "decreasing": decreasing, "constant": constant}
 
 
 def round_to_fp16(q: np.ndarray) -> np.ndarray:
@@ -228,26 +311,36 @@ def _load(w):
     return w() if callable(w) else w
 
 
-def _deltas(make_pairs, targets) -> Iterable[tuple[str, str, np.ndarray]]:
+def _loaded(make_pairs, targets) -> Iterable[tuple[str, str, object, object]]:
+    """(name, target, w_ft, w_base) with the weights loaded, on the calling thread (lazy loaders may
+    hold file handles that are only valid while their iterator is at that item)."""
     for name, w_ft, w_base in make_pairs():
         t = matrix_type(name, targets)
         if t is not None:
-            yield name, t, abs_delta(_load(w_ft), _load(w_base), name=name)
+            yield name, t, _load(w_ft), _load(w_base)
 
 
-def global_stats(pairs, *, stats_targets: Sequence[str] = ALL_PROJ, max_bucket: int = 1 << 22) -> Stats:
-    """Global positive-only (min, exact median, max, count) of |dW| over every ``stats_targets`` matrix."""
+def global_stats(pairs, *, stats_targets: Sequence[str] = ALL_PROJ, max_bucket: int = 1 << 22,
+                 workers: int | None = None) -> Stats:
+    """Global positive-only (min, exact median, max, count) of |dW| over every ``stats_targets`` matrix.
+
+    The weights are loaded on the calling thread; |dW| is computed and summarised in blocks on
+    ``workers`` threads (default :func:`lrmq.ptq.median.default_workers`), a few matrices in flight."""
     make_pairs = _reiterable(pairs)
     seen = []
 
+    def item(name, w_ft, w_base):
+        a, b = _pair_arrays(w_ft, w_base, name)
+        return _delta_blocks(a, b) if a.ndim == 2 else [_absdiff(a, b)]
+
     def stream():
         seen.clear()
-        for name, _, dw in _deltas(make_pairs, stats_targets):
+        for name, _, w_ft, w_base in _loaded(make_pairs, stats_targets):
             seen.append(name)
-            yield dw
+            yield lambda name=name, w_ft=w_ft, w_base=w_base: item(name, w_ft, w_base)
 
     try:
-        return positive_stats(stream, max_bucket=max_bucket)
+        return positive_stats(stream, max_bucket=max_bucket, workers=workers)
     except NoPositiveValues:
         if not seen:
             raise ValueError(f"no tensor matched the targets {tuple(stats_targets)}") from None
@@ -268,6 +361,7 @@ def importance_for_model(
     zero_chunks: int | Mapping[str, int] = 1,
     precision: str = "fp16",
     max_bucket: int = 1 << 22,
+    workers: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Importance vectors ``{name: [K]}`` for every tensor whose name has a ``targets`` component.
 
@@ -276,16 +370,21 @@ def importance_for_model(
     Pass 1 (two streamed reads, :func:`global_stats`) takes the global stats over ``stats_targets``
     (default: all seven projections, as the reference's Qwen3-8B run; ``None`` = ``targets``, as its
     OLMo-3 run); pass 2 reads the ``targets`` matrices once more.  ``zero_chunks`` may be a dict
-    ``{target: chunks}`` (the 32B reference chunks gate/down by 5).
+    ``{target: chunks}`` (the 32B reference chunks gate/down by 5).  Weights are loaded on the calling
+    thread and processed by :func:`pair_importance` on ``workers`` threads, a few matrices in flight.
     """
     make_pairs = _reiterable(pairs)
     if stats is None:
-        stats = global_stats(make_pairs, stats_targets=stats_targets or targets, max_bucket=max_bucket)
-    out = {}
-    for name, t, dw in _deltas(make_pairs, targets):
+        stats = global_stats(make_pairs, stats_targets=stats_targets or targets, max_bucket=max_bucket,
+                             workers=workers)
+
+    def one(item):
+        name, t, w_ft, w_base = item
         chunks = zero_chunks.get(t, 1) if isinstance(zero_chunks, Mapping) else zero_chunks
-        out[name] = channel_importance(dw, stats, mapping=mapping, R=R, zero_chunks=chunks,
-                                       precision=precision)
+        return name, pair_importance(w_ft, w_base, stats, name=name, mapping=mapping, R=R,
+                                     zero_chunks=chunks, precision=precision)
+
+    out = dict(pmap(one, _loaded(make_pairs, targets), workers))
     if not out:
         raise ValueError(f"no tensor matched the targets {tuple(targets)}")
     return out

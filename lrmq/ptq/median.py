@@ -18,11 +18,17 @@ reference's dtype).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, NamedTuple
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
 _NBINS = 1 << 16
+# values per block: whole-matrix temporaries (tens of MB, page-faulted on every allocation) are
+# replaced by cache-sized blocks; also bounds np.bincount's int64 copy of its input
+BLOCK = 1 << 16
 
 
 class NoPositiveValues(ValueError):
@@ -72,16 +78,69 @@ def _chunk_hist(x: np.ndarray) -> tuple[np.ndarray, int, int] | None:
     return h, int((b - np.uint32(1)).min()) + 1, int(b.max())
 
 
-def _pass1(make_stream) -> tuple[np.ndarray, float, float]:
-    hist = np.zeros(_NBINS, np.int64)
-    bmin, bmax = None, None
-    for chunk in make_stream():
-        r = _chunk_hist(_as_f32_1d(chunk))
+def default_workers() -> int:
+    """Threads for the per-matrix work (numpy releases the GIL in its array loops)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pmap(fn: Callable, items: Iterable, workers: int | None = None) -> Iterator:
+    """``map(fn, items)`` in order on ``workers`` threads with at most ``workers`` items in flight
+    (bounded memory). ``items`` is consumed on the calling thread, so lazy loaders run where the
+    sequential code would run them."""
+    workers = default_workers() if workers is None else workers
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(workers) as ex:
+        pending: deque = deque()
+        try:
+            for it in items:
+                pending.append(ex.submit(fn, it))
+                if len(pending) >= workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+def blocks(item) -> Iterator[np.ndarray]:
+    """float32 1-D blocks (<= ``BLOCK`` values, memory order) of one stream item: an array, or a
+    zero-argument callable returning an array or an iterable of arrays (each split further)."""
+    if callable(item):
+        item = item()
+    parts = [item] if isinstance(item, np.ndarray) or not hasattr(item, "__iter__") else item
+    for part in parts:
+        x = _as_f32_1d(part)
+        for i in range(0, max(x.size, 1), BLOCK):
+            yield x[i : i + BLOCK]
+
+
+def _item_hist(item):
+    hist, bmin, bmax = None, None, None
+    for x in blocks(item):
+        r = _chunk_hist(x)
         if r is None:
             continue
-        hist += r[0]
+        if hist is None:
+            hist = r[0]
+        else:
+            hist += r[0]
         bmin = r[1] if bmin is None else min(bmin, r[1])
         bmax = r[2] if bmax is None else max(bmax, r[2])
+    return hist, bmin, bmax
+
+
+def _pass1(make_stream, workers=None) -> tuple[np.ndarray, float, float]:
+    hist = np.zeros(_NBINS, np.int64)
+    bmin, bmax = None, None
+    for h, lo, hi in pmap(_item_hist, make_stream(), workers):
+        if h is None:
+            continue
+        hist += h
+        bmin = lo if bmin is None else min(bmin, lo)
+        bmax = hi if bmax is None else max(bmax, hi)
     if bmin is None:
         return hist, np.nan, np.nan
     return hist, float(np.uint32(bmin).view(np.float32)), float(np.uint32(bmax).view(np.float32))
@@ -96,23 +155,39 @@ def _bucket_values(x: np.ndarray, bucket: int) -> np.ndarray:
     return sel
 
 
-def _pass2(make_stream, wanted: dict[int, list[int]], hist: np.ndarray, max_bucket: int) -> dict:
+def _pass2(make_stream, wanted: dict[int, list[int]], hist: np.ndarray, max_bucket: int,
+           workers=None) -> dict:
     """Exact values at within-bucket ranks: ``wanted`` maps bucket -> ranks inside that bucket."""
     small = {b: np.empty(int(hist[b]), np.uint32) for b in wanted if hist[b] <= max_bucket}
     filled = dict.fromkeys(small, 0)
     large = {b: np.zeros(_NBINS, np.int64) for b in wanted if hist[b] > max_bucket}
-    for chunk in make_stream():
-        x = _as_f32_1d(chunk)
-        for b in wanted:
-            sel = _bucket_values(x, b)
-            if b in small:
-                n = filled[b]
-                if n + sel.size > small[b].size:
-                    raise RuntimeError("the stream changed between passes (bucket count grew)")
-                small[b][n : n + sel.size] = sel
-                filled[b] = n + sel.size
-            else:
-                large[b] += np.bincount(sel & 0xFFFF, minlength=_NBINS)
+
+    def select(item):  # per item: {bucket: [bit patterns per block] (small) or [low-16 histogram]}
+        out = {b: [] for b in wanted}
+        for x in blocks(item):
+            for b in wanted:
+                sel = _bucket_values(x, b)
+                if not sel.size:
+                    continue
+                if b in small:
+                    out[b].append(sel)
+                elif out[b]:
+                    out[b][0] += np.bincount(sel & 0xFFFF, minlength=_NBINS)
+                else:
+                    out[b].append(np.bincount(sel & 0xFFFF, minlength=_NBINS))
+        return out
+
+    for got in pmap(select, make_stream(), workers):
+        for b, sels in got.items():
+            for sel in sels:
+                if b in small:
+                    n = filled[b]
+                    if n + sel.size > small[b].size:
+                        raise RuntimeError("the stream changed between passes (bucket count grew)")
+                    small[b][n : n + sel.size] = sel
+                    filled[b] = n + sel.size
+                else:
+                    large[b] += sel
     out = {}
     for b, ranks in wanted.items():
         if b in small:
@@ -132,16 +207,20 @@ def _pass2(make_stream, wanted: dict[int, list[int]], hist: np.ndarray, max_buck
 
 
 def positive_stats(
-    make_stream: Callable[[], Iterable[np.ndarray]], *, max_bucket: int = 1 << 22
+    make_stream: Callable[[], Iterable[np.ndarray]], *, max_bucket: int = 1 << 22,
+    workers: int | None = None,
 ) -> Stats:
     """Exact (min, median, max, count) over all strictly positive float32 values of ``make_stream()``.
 
-    ``make_stream`` is called twice (one call per pass) and must yield the same arrays each time.
+    ``make_stream`` is called twice (one call per pass) and must yield the same values each time.
+    An item may be an array, or a zero-argument callable returning an array or an iterable of arrays
+    (evaluated on a worker thread: ``workers`` threads, default :func:`default_workers`, at most
+    ``workers`` items in flight; each item is processed in blocks of ``BLOCK`` values).
     An even count's median is the mean of the two middle values computed in float32, exactly as the
     reference (``(mm[k1] + mm[k2]) / 2.0`` on float32 scalars) and ``np.median`` on float32 do.
     Raises NoPositiveValues (a ValueError) if there is no positive value.
     """
-    hist, vmin, vmax = _pass1(make_stream)
+    hist, vmin, vmax = _pass1(make_stream, workers)
     n = int(hist.sum())
     if n == 0:
         raise NoPositiveValues("no strictly positive values in the stream")
@@ -154,7 +233,7 @@ def positive_stats(
         within = r - (int(cum[b - 1]) if b else 0)
         where[r] = (b, within)
         wanted.setdefault(b, []).append(within)
-    vals = _pass2(make_stream, wanted, hist, max_bucket)
+    vals = _pass2(make_stream, wanted, hist, max_bucket, workers)
     lo, hi = vals[where[(n - 1) // 2]], vals[where[n // 2]]
     med = float((lo + hi) / np.float32(2)) if lo != hi else float(lo)
     return Stats(min=vmin, median=med, max=vmax, count=n)
