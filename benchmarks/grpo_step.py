@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 TINY_DIR = os.path.join(common.REPO, "lrmq", "assets", "tiny")
+# 100,936,448 parameters with the tiny vocabulary (320), tied embeddings
 ARCH_100M = dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
                  intermediate_size=2048)
 

@@ -63,7 +63,7 @@ def structured_model(tmp_path_factory) -> dict:
     seq = 128
     n = len(ids) // seq
     toks = np.asarray(ids[: n * seq], np.int32).reshape(n, seq)
-    sft(model, toks, np.ones_like(toks, np.float32), PseudoFTOptions(steps=250, lr=3e-3, batch_size=16, seq_len=seq))
+    sft(model, toks, np.ones_like(toks, np.float32), PseudoFTOptions(steps=150, lr=3e-3, batch_size=8, seq_len=seq))
     out = str(root / "hf")
     save_hf_model(model, out, dtype="float32", tokenizer_from=str(mdir))
     _CACHE.update(model=out, calib=calib, eval=eval_txt, root=str(root))

@@ -302,3 +302,42 @@ def test_median_fast_path_zeros_subnormals_nan():
     # Fortran-ordered (transposed) chunks are read in memory order, same stats
     a = np.random.default_rng(0).random((30, 40), dtype=np.float32)
     _check([a.T, a[:, ::3]])
+
+
+def test_pair_importance_blocked_matches_whole_matrix():
+    # the driver's blocked kernel == channel_importance(abs_delta(...)) bit for bit: bf16 in both
+    # memory orders, float32, every built-in mapping, fp32 precision, chunked counts, R edge cases
+    import ml_dtypes
+
+    from lrmq.ptq import median
+
+    rng = np.random.default_rng(5)
+    b = rng.standard_normal((300, 700), dtype=np.float32) * 0.02
+    d = rng.standard_normal(b.shape, dtype=np.float32) * 10.0 ** rng.uniform(-7, -2, b.shape).astype(np.float32)
+    d[rng.random(b.shape) < 0.3] = 0
+    d.flat[::97] = 2.0**-25
+    bf = lambda x: x.astype(ml_dtypes.bfloat16)  # noqa: E731
+    cases = [(b + d, b), (bf(b + d), bf(b)),
+             (np.ascontiguousarray(bf(b + d).T).T, np.ascontiguousarray(bf(b).T).T)]
+    st = positive_stats(_stream_of([imp.abs_delta(f, g) for f, g in cases]))
+    old_block = median.BLOCK
+    try:
+        for block in (old_block, 1000):  # many small blocks too
+            median.BLOCK = block
+            imp.BLOCK = block
+            for f, g in cases:
+                dw = imp.abs_delta(f, g)
+                for kw in [{}, {"precision": "fp32"}, {"mapping": "inverted_u", "zero_chunks": 5},
+                           {"mapping": "increasing", "R": 3.0}, {"mapping": "decreasing"},
+                           {"mapping": "constant"}, {"R": 1e4}, {"R": 0.5}]:
+                    got = imp.pair_importance(f, g, st, **kw)
+                    want = imp.channel_importance(dw, st, **kw)
+                    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), kw
+    finally:
+        median.BLOCK = old_block
+        imp.BLOCK = old_block
+    # stream items may be callables returning iterables of blocks; workers do not change the stats
+    chunks = [imp.abs_delta(f, g) for f, g in cases]
+    items = [lambda c=c: iter(np.array_split(c, 3)) for c in chunks]
+    for w in (1, 2, 3):
+        assert positive_stats(lambda: iter(items), workers=w) == st

@@ -338,7 +338,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (replaced atomically)")
     ap.add_argument("--seed", type=int, default=0, help="seed for data splits, init, batch order and sampling")
-    ap.add_argument("--steps", type=int, default=800, help="SFT steps (stopped early on purpose: see docs)")
+    ap.add_argument("--steps", type=int, default=500, help="SFT steps (stopped early on purpose: see docs)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=50)
@@ -440,6 +440,9 @@ def main(argv=None) -> None:
             with open(os.path.join(tmp, "build_info.json"), "w") as f:
                 json.dump(info, f, indent=2)
                 f.write("\n")
+            os.chmod(tmp, 0o755)  # temp files/dirs are created private; ship them world-readable
+            for name in os.listdir(tmp):
+                os.chmod(os.path.join(tmp, name), 0o644)
         check_reload(model, out, toks[:8])
         print(f"saved {out}", flush=True)
     print(f"done in {time.perf_counter() - t_start:.1f}s", flush=True)

@@ -61,9 +61,13 @@ def _high16(bits: np.ndarray) -> np.ndarray:
 
 
 def _chunk_hist(x: np.ndarray) -> tuple[np.ndarray, int, int] | None:
-    """(histogram, min bits, max bits) of the positives of ``x`` float32 1-D; None if none."""
+    """(histogram, min bits, max bits) of the positives of ``x`` float32 1-D; None if none.
+    The histogram may be shorter than 65536 bins (trailing empty bins omitted)."""
     b = x.view(np.uint32)
-    h = np.bincount(_high16(b), minlength=_NBINS)
+    if b.size == 0:
+        return None
+    # unpadded (length max+1): small blocks would otherwise pay a 65536-bin array each
+    h = np.bincount(_high16(b))
     if h[0x8000:].any() or (h[0x7F80:0x8000].any() and np.isnan(x).any()):
         # negatives or NaN present: filter explicitly (slower, rare for |dW|)
         p = b[x > 0]
@@ -124,9 +128,8 @@ def _item_hist(item):
         if r is None:
             continue
         if hist is None:
-            hist = r[0]
-        else:
-            hist += r[0]
+            hist = np.zeros(_NBINS, np.int64)
+        hist[: r[0].size] += r[0]
         bmin = r[1] if bmin is None else min(bmin, r[1])
         bmax = r[2] if bmax is None else max(bmax, r[2])
     return hist, bmin, bmax
