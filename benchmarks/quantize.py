@@ -168,5 +168,65 @@ def main(argv=None):
                     f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
 
 
+# ----------------------------------------------------------------------------- --awq-gptq (model-level PTQ)
+
+# ~100M Qwen3-shaped model: hidden 768, 12 layers, 12 heads, 4 kv heads, head_dim 64, intermediate 2048
+AWQ_GPTQ_CFG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
+                    num_kv_heads=4, head_dim=64)
+
+
+def bench_awq_gptq(layers: int | None = None, n_blocks: int = 16, block: int = 512, bits: int = 4,
+                   group_size: int = 128) -> dict:
+    """Seconds per decoder layer of AWQ (llm-awq: 20-point grid x 4 groups + clip) and GPTQ
+    (true-sequential, blocksize 128) on random weights of the ~100M Qwen3-shaped config, with
+    ``n_blocks`` x ``block`` calibration tokens. The first layer includes compilation; the steady
+    figure is the median of the remaining layers."""
+    from flax import nnx
+
+    from lrmq.model.config import ModelConfig, RopeConfig
+    from lrmq.model.decoder import Decoder
+    from lrmq.ptq.awq import AWQOptions, awq_quantize_model
+    from lrmq.ptq.gptq_model import GPTQOptions, gptq_quantize_model
+
+    c = dict(AWQ_GPTQ_CFG)
+    if layers:
+        c["num_layers"] = layers
+    cfg = ModelConfig(family="qwen3", qk_norm="head", layer_types=("full_attention",) * c["num_layers"],
+                      rope={"full_attention": RopeConfig(theta=1e6)}, **c)
+    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (n_blocks, block))
+    out = {"layers": cfg.num_layers, "params_M": cfg.num_params() / 1e6, "calib_tokens": n_blocks * block}
+    for name, run in (("awq", lambda m: awq_quantize_model(m, toks, AWQOptions(bits=bits, group_size=group_size),
+                                                           progress=False)),
+                      ("gptq", lambda m: gptq_quantize_model(m, toks, GPTQOptions(bits=bits, group_size=group_size),
+                                                             progress=False))):
+        model = Decoder(cfg, nnx.Rngs(0))
+        t0 = time.perf_counter()
+        r = run(model)
+        total = time.perf_counter() - t0
+        per = r.info["seconds_per_layer"]
+        out[f"{name}_total_s"] = total
+        out[f"{name}_first_layer_s"] = per[0]
+        out[f"{name}_s_per_layer"] = float(np.median(per[1:])) if len(per) > 1 else per[0]
+    return out
+
+
+def main_awq_gptq(argv) -> None:
+    ap = argparse.ArgumentParser(description="AWQ / GPTQ seconds per layer on the ~100M Qwen3-shaped config")
+    ap.add_argument("--awq-gptq", action="store_true")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--n-blocks", type=int, default=16)
+    ap.add_argument("--block", type=int, default=512)
+    ap.add_argument("--bits", type=int, default=4)
+    a = ap.parse_args(argv)
+    r = bench_awq_gptq(a.layers, a.n_blocks, a.block, a.bits)
+    print("[awq-gptq] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+          flush=True)
+
+
+if __name__ == "__main__" and "--awq-gptq" in sys.argv:
+    main_awq_gptq(sys.argv[1:])
+    sys.exit(0)
+
+
 if __name__ == "__main__":
     main()

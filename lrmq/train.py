@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         print(f"interrupted at step {trainer.step}; checkpoint saved in {trainer.ckpt.directory}; "
               "rerun the same command to resume", file=sys.stderr)
         return 0
-    keys = [k for k in ("eval/accuracy", "reward/mean", "reward/accuracy") if k in final]
+    keys = [k for k in ("eval/sampled_accuracy", "eval/greedy_accuracy", "reward/mean", "reward/accuracy")
+            if k in final]
     print(f"done: step {trainer.step}, " + ", ".join(f"{k}={final[k]:.4f}" for k in keys) +
           f"; run dir {trainer.run_dir}")
     return 0

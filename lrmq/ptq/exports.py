@@ -119,6 +119,8 @@ def _unpacked(qw):
 
 
 def _write(tmp: str, tensors: dict, model, quant_config: dict, dtype: str, tokenizer_from: str | None):
+    # safetensors writes a numpy array's buffer: transposed views must be made contiguous first
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     hf = model.cfg.to_hf_dict()
     key = "torch_dtype" if "torch_dtype" in hf and "dtype" not in hf else "dtype"

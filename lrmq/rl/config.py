@@ -117,7 +117,7 @@ class RunSection:
     keep_checkpoints: int = 2
     eval_every: int = 0  # 0 = only before and after training
     eval_size: int = 128
-    eval_greedy: bool = True
+    eval_greedy: bool = True  # also evaluate greedy decoding (eval/accuracy is sampled at the rollout temperature)
     log_every: int = 1
     export_hf: bool = True
     progress: bool = True

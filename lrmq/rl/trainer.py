@@ -217,21 +217,29 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, limit: int | None = None) -> dict[str, float]:
+        """Held-out accuracy, greedy and sampled at the rollout temperature (what GRPO optimizes)."""
         rows = self.eval_rows[: (limit or self.cfg.run.eval_size)]
         if not rows:
             return {}
         div = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         rows = rows[: max(div, len(rows) // div * div)]
         tokens, mask, _ = self._encode_prompts([r["problem"] for r in rows])
-        sampling = SamplingConfig(greedy=True) if self.cfg.run.eval_greedy else SamplingConfig(
-            temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p)
-        comp, _, lengths = self._generate(tokens, mask, jax.random.key(self.cfg.run.seed + 7919), sampling,
-                                          self.cfg.rollout.max_new_tokens)
-        texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(rows))]
-        rewards, info = score_completions(texts, [str(r["answer"]) for r in rows], self.cfg.algo.reward,
-                                          timeout_s=self.cfg.algo.reward_timeout_s)
-        return {"eval/accuracy": float(np.mean(info["correct"])), "eval/reward_mean": float(rewards.mean()),
-                "eval/format_rate": float(np.mean(info["formatted"]))}
+        answers = [str(r["answer"]) for r in rows]
+        r = self.cfg.rollout
+        out: dict[str, float] = {}
+        modes = [("greedy", SamplingConfig(greedy=True))] if self.cfg.run.eval_greedy else []
+        modes.append(("sampled", SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)))
+        for name, sampling in modes:
+            comp, _, lengths = self._generate(tokens, mask, jax.random.key(self.cfg.run.seed + 7919), sampling,
+                                              r.max_new_tokens)
+            texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(rows))]
+            rewards, info = score_completions(texts, answers, self.cfg.algo.reward,
+                                              timeout_s=self.cfg.algo.reward_timeout_s)
+            out[f"eval/{name}_accuracy"] = float(np.mean(info["correct"]))
+            out[f"eval/{name}_reward"] = float(rewards.mean())
+            out[f"eval/{name}_format_rate"] = float(np.mean(info["formatted"]))
+        out["eval/accuracy"] = out["eval/sampled_accuracy"]
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def save(self):

@@ -1,0 +1,63 @@
+"""GPTQ at model level: beats RTN at W3 g128, packed == fake-quant, true-sequential and act-order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_awq import calib_blocks, eval_blocks, ppl, structured_model
+
+
+@pytest.fixture(scope="module")
+def structured(tmp_path_factory):
+    return structured_model(tmp_path_factory)
+
+
+def test_gptq_beats_rtn_w3(structured):
+    from lrmq.checkpoint.load import load_model
+    from lrmq.ptq.awq import rtn_quantize_model
+    from lrmq.ptq.gptq_model import GPTQOptions, gptq_quantize_model
+    from lrmq.quant.qweight import dequantize
+    from lrmq.quant.transforms import module_at
+
+    ev = eval_blocks(structured)
+    fp = ppl(load_model(structured["model"]), ev)
+    m = load_model(structured["model"])
+    rtn_quantize_model(m, bits=3, group_size=128)
+    rtn = ppl(m, ev)
+    m = load_model(structured["model"])
+    r = gptq_quantize_model(m, calib_blocks(structured), GPTQOptions(bits=3, group_size=128), progress=False)
+    gptq = ppl(m, ev)
+    print({"fp": fp, "rtn_w3": rtn, "gptq_w3": gptq})
+    assert fp < gptq < rtn  # measured: fp 3.795, GPTQ 3.798, RTN 3.809
+    assert len(r.packed) == 14 and not r.g_idx
+    for path, qw in r.packed.items():  # the packed codes reproduce GPTQ's weights bit for bit
+        np.testing.assert_array_equal(np.asarray(dequantize(qw)), np.asarray(module_at(m, path).kernel.get_value()))
+
+
+def test_sequential_and_act_order(hf_checkpoint):
+    from lrmq.checkpoint.hf import load_hf_model
+    from lrmq.ptq.exports import ExportError, save_packed
+    from lrmq.ptq.gptq_model import GPTQOptions, gptq_quantize_model
+    from lrmq.quant.transforms import module_at
+
+    d, _ = hf_checkpoint("llama3")
+    toks = np.random.default_rng(0).integers(0, 128, (4, 32))
+    ws = {}
+    for ts in (True, False):
+        m = load_hf_model(d)
+        gptq_quantize_model(m, toks, GPTQOptions(bits=3, group_size=32, true_sequential=ts), progress=False)
+        ws[ts] = {p: np.asarray(module_at(m, p).kernel.get_value()) for p in ("layers.0.attn.q_proj",
+                                                                                 "layers.0.attn.o_proj")}
+    # q/k/v come first in both orders (same Hessian); o sees quantized q/k/v only with true_sequential
+    np.testing.assert_array_equal(ws[True]["layers.0.attn.q_proj"], ws[False]["layers.0.attn.q_proj"])
+    assert not np.array_equal(ws[True]["layers.0.attn.o_proj"], ws[False]["layers.0.attn.o_proj"])
+    m = load_hf_model(d)
+    r = gptq_quantize_model(m, toks, GPTQOptions(bits=4, group_size=32, act_order=True), progress=False)
+    assert r.g_idx  # dynamic groups in permuted order: fake-quant only
+    with pytest.raises(ExportError, match="static_groups"):
+        save_packed(m, r, str(d) + "_never")
+    m = load_hf_model(d)
+    r = gptq_quantize_model(m, toks, GPTQOptions(bits=4, group_size=32, act_order=True, static_groups=True),
+                            progress=False)
+    assert not r.g_idx and len(r.packed) == 14
