@@ -52,7 +52,7 @@ def test_quantize_errors(scratch_ckpt, tmp_path, capsys):  # noqa: F811
     os.makedirs(out)
     assert qcli.main(["--checkpoint", scratch_ckpt, "--method", "rtn", "--out", out]) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert qcli.main(["--checkpoint", scratch_ckpt, "--method", "rtn", "--out", out, "--overwrite"]) == 0
+    assert qcli.main(["--checkpoint", scratch_ckpt, "--method", "rtn", "--group-size", "32", "--out", out, "--overwrite"]) == 0
     # an already packed checkpoint is refused
     assert qcli.main(["--checkpoint", out, "--method", "rtn", "--out", str(tmp_path / "o2")]) == 2
     assert "already quantized" in capsys.readouterr().err

@@ -102,3 +102,31 @@ def test_grpo_run_dir_and_mapping(setup, tmp_path):
                                       "outputs.formats": "[fake_quant]"}))
     a, c = np.load(os.path.join(out, "importance.npz")), np.load(os.path.join(out2, "importance.npz"))
     assert not np.array_equal(a["layers.0.attn.q_proj"], c["layers.0.attn.q_proj"])
+
+
+def test_pseudo_ft_pair(setup, tmp_path):
+    """Pseudo-fine-tuning writes (before, after); QuantLRM on it quantizes `before` (quantize=base)."""
+    import shutil
+
+    from lrmq.checkpoint.load import load_model
+    from lrmq.ptq.config import run_quantize
+    from lrmq.ptq.pseudo_ft import PseudoFTOptions, pseudo_finetune
+
+    m = tmp_path / "m"
+    shutil.copytree(setup["base"], m)
+    shutil.copy(os.path.join(setup["tok"], "tokenizer.json"), m / "tokenizer.json")
+    tr = tmp_path / "traces.jsonl"
+    tr.write_text("\n".join(json.dumps({"prompt": f"Compute {i}+1.", "completion": f" Answer: {i + 1}"})
+                            for i in range(40)))
+    r = pseudo_finetune(str(m), str(tr), str(tmp_path / "pft"), PseudoFTOptions(steps=4, lr=1e-3, batch_size=4,
+                                                                                 seq_len=32))
+    assert r["losses"][-1] < r["losses"][0]
+    b, a = load_model(r["before"]), load_model(r["after"])
+    np.testing.assert_array_equal(np.asarray(b.layers[0].attn.q_proj.kernel.get_value()),
+                                  np.asarray(load_model(setup["base"]).layers[0].attn.q_proj.kernel.get_value()))
+    assert not np.array_equal(np.asarray(a.layers[0].attn.q_proj.kernel.get_value()),
+                              np.asarray(b.layers[0].attn.q_proj.kernel.get_value()))
+    rep = run_quantize(qcfg(setup, str(tmp_path / "q"), **{"model": r["after"], "quantlrm.base": r["before"],
+                                                            "quantlrm.quantize": "base", "quantlrm.plot": "false",
+                                                            "outputs.formats": "[fake_quant]"}))
+    assert rep["model"] == r["before"]

@@ -25,6 +25,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -445,6 +446,7 @@ def main(argv=None) -> None:
                 os.chmod(os.path.join(tmp, name), 0o644)
         check_reload(model, out, toks[:8])
         print(f"saved {out}", flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     print(f"done in {time.perf_counter() - t_start:.1f}s", flush=True)
 
 

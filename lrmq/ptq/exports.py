@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file

@@ -60,7 +60,10 @@ def load_traces(path: str, tokenizer, seq_len: int) -> tuple[np.ndarray, np.ndar
                     raise ValueError(f"{path}:{i}: invalid JSON: {e}") from None
     if not rows:
         raise ValueError(f"{path}: no traces")
-    pad = tokenizer.pad_id if tokenizer.special_tokens or tokenizer.generation_config else 0
+    try:
+        pad = tokenizer.pad_id
+    except ValueError:  # no pad/eos token: any id will do, padding is masked out of the loss
+        pad = 0
     toks = np.full((len(rows), seq_len), pad, np.int32)
     mask = np.zeros((len(rows), seq_len), np.float32)
     for r, row in enumerate(rows):

@@ -25,7 +25,6 @@ to quantize; see :mod:`lrmq.ptq.pseudo_ft`).
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 from typing import Callable
 
