@@ -95,8 +95,46 @@ def ptq_nf4(model, opts: PTQOptions, *, checkpoint: str):
             for path, lin in _linears(model, opts)}
 
 
+def _register_calibrated_methods() -> None:
+    """awq / gptq / quantlrm from lrmq.ptq, configured by the calibration flags below."""
+    from lrmq.ptq.config import registry_method
+
+    for name in ("awq", "gptq", "quantlrm"):
+        if name not in PTQ_METHODS:
+            PTQ_METHODS.register(name)(_CalibratedMethod(name, registry_method))
+
+
+class _CalibratedMethod:
+    """Builds the lrmq.ptq QuantizeConfig from the CLI flags at call time (they are parsed after import)."""
+
+    flags: dict = {}
+
+    def __init__(self, name, factory):
+        self.name, self.factory = name, factory
+
+    def __call__(self, model, opts, *, checkpoint: str):
+        import dataclasses
+
+        from lrmq.ptq.config import QuantizeConfig
+
+        cfg = QuantizeConfig()
+        f = self.flags
+        if f.get("calibration"):
+            cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(cfg.calibration, path=f["calibration"],
+                                                                           source=f.get("calibration_source", "text")))
+        if self.name == "quantlrm":
+            cfg = dataclasses.replace(cfg, quantlrm=dataclasses.replace(cfg.quantlrm, base=f.get("base"),
+                                                                        run_dir=f.get("run_dir")))
+        return self.factory(self.name, cfg)(model, opts, checkpoint=checkpoint)
+
+
+_register_calibrated_methods()
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m lrmq.quantize", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m lrmq.quantize", description=__doc__.splitlines()[0],
+                                 epilog="Or: python -m lrmq.quantize --config configs/ptq/NAME.yaml [key=value ...] "
+                                        "for the full PTQ pipeline (calibration, AWQ/GPTQ/QuantLRM, exports).")
     ap.add_argument("--checkpoint", required=True, help="float HF or lrmq checkpoint directory")
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
     ap.add_argument("--bits", type=int, default=None)
@@ -106,7 +144,14 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, help="packed lrmq checkpoint to write")
     ap.add_argument("--export-hf-fake", default=None, metavar="OUT2", help="also write a fake-quantized HF checkpoint")
     ap.add_argument("--overwrite", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--calibration", default=None, help="awq/gptq/quantlrm: calibration text file (jsonl/txt/parquet)")
+    ap.add_argument("--calibration-source", default="text", choices=["text", "reasoning", "prompts"])
+    ap.add_argument("--base", default=None, help="quantlrm: the pre-fine-tuning checkpoint")
+    ap.add_argument("--run-dir", default=None, help="quantlrm: a GRPO run dir (final_policy + initial_policy)")
+    args = ap.parse_args(argv)
+    _CalibratedMethod.flags = {"calibration": args.calibration, "calibration_source": args.calibration_source,
+                               "base": args.base, "run_dir": args.run_dir}
+    return args
 
 
 def run(args) -> dict:
@@ -152,10 +197,15 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--config" in argv:  # the full pipeline (calibration, AWQ/GPTQ/QuantLRM, all export formats)
+        from lrmq.ptq.config import main as config_main
+
+        return config_main(argv)
     args = parse_args(argv)
     try:
         s = run(args)
-    except (UsageError, FileNotFoundError) as e:
+    except (UsageError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"quantized {s['quantized']} linears with {s['method']}: {s['bytes_before'] / 2**20:.2f} MiB -> "

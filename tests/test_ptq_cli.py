@@ -1,0 +1,56 @@
+"""End to end on the shipped tiny model: GRPO run -> QuantLRM / AWQ through `python -m lrmq.quantize` -> generate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, TINY_MODEL_DIR
+
+pytestmark = pytest.mark.skipif(not os.path.exists(TINY_MODEL_DIR), reason="tiny model not built")
+
+
+def _run(args, timeout=600):
+    r = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, (args, r.stdout[-2000:], r.stderr[-4000:])
+    return r
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    from lrmq.data.synthetic import make_splits, write_jsonl
+
+    d = tmp_path_factory.mktemp("calib")
+    train, _ = make_splits(64, 8, seed=5)
+    path = d / "train.jsonl"
+    write_jsonl(path, [{"text": f"{r['problem']} Answer: {r['solution']}", **r} for r in train])
+    return str(path)
+
+
+def test_awq_flag_form_then_generate(tmp_path, calib_file):
+    out = tmp_path / "awq_w4"
+    _run(["lrmq.quantize", "--checkpoint", TINY_MODEL_DIR, "--method", "awq", "--bits", "4", "--group-size", "128",
+          "--calibration", calib_file, "--out", str(out)])
+    r = _run(["lrmq.generate", "--checkpoint", str(out), "--prompt", "Compute 3+4. Answer:", "--greedy",
+              "--max-new-tokens", "16", "--json"])
+    row = json.loads(r.stdout.splitlines()[0])
+    assert row["token_ids"] and len(row["logprobs"]) == len(row["token_ids"])
+
+
+def test_quantlrm_on_a_grpo_run_dir(tmp_path, calib_file):
+    run = tmp_path / "run"
+    _run(["lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run}",
+          "run.steps=2", "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
+          "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "optim.lr=1e-3", "run.progress=false"])
+    assert (run / "initial_policy" / "model.safetensors").exists() and (run / "final_policy" / "config.json").exists()
+    out = tmp_path / "qlrm"
+    _run(["lrmq.quantize", "--config", os.path.join(REPO_ROOT, "configs", "ptq", "quantlrm_tiny_grpo_run.yaml"),
+          f"quantlrm.run_dir={run}", f"calibration.path={calib_file}", f"outputs.dir={out}", "progress=false"])
+    produced = sorted(os.listdir(out))
+    assert any(p.startswith("packed") or p == "packed" for p in produced), produced
+    npz = [os.path.join(dp, f) for dp, _, fs in os.walk(out) for f in fs if f.endswith(".npz")]
+    assert npz, "importance vectors were not saved"
