@@ -7,7 +7,6 @@ targets with `iter_linears(model, pattern)`; the model code never changes.
 from __future__ import annotations
 
 import re
-from typing import Iterator
 
 from flax import nnx
 

@@ -7,7 +7,6 @@ cheap next to generation) and then places its own shards of the train batch.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrmq.configlib import ConfigError, dump_config, save_config
+from lrmq.configlib import ConfigError, save_config
 from lrmq.generation.engine import Generator, left_pad
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.rl.advantages import compute_advantages
@@ -29,7 +28,7 @@ from lrmq.rl.config import TrainConfig
 from lrmq.rl.rewards import score_completions
 from lrmq.rl.run_state import RunCheckpointer
 from lrmq.rl.step import make_optimizer, make_ref_logprobs, make_train_step
-from lrmq.sharding import MeshConfig, batch_sharding, make_mesh, state_shardings
+from lrmq.sharding import MeshConfig, batch_sharding, make_mesh
 
 log = logging.getLogger("lrmq.train")
 
@@ -191,7 +190,6 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ update
     def update(self, rb) -> dict[str, float]:
-        sh = batch_sharding(self.mesh)
         with jax.set_mesh(self.mesh):
             arrays = {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in rb.arrays().items()}
             ref_logp = None
@@ -212,7 +210,6 @@ class GRPOTrainer:
         n_tok = float(rb.mask.sum()) * self.cfg.algo.num_iterations
         metrics["perf/train_tokens_per_s"] = n_tok / max(dt, 1e-9)
         metrics["perf/update_s"] = dt
-        del sh
         return metrics
 
     # ------------------------------------------------------------------ evaluation
