@@ -24,18 +24,6 @@ def maybe_init_distributed() -> None:
         jax.distributed.initialize()
 
 
-def finish_distributed() -> None:
-    """All processes leave together: without this, a process still flushing its checkpoint can miss the
-    coordination service's shutdown barrier and the job aborts."""
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("lrmq.train finished")
-        jax.distributed.shutdown()
-
-
 def main(argv=None) -> int:
     from lrmq.configlib import ConfigError, add_config_args, config_from_args, dump_config
 
@@ -66,11 +54,7 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        final = trainer.train(stop_after=args.stop_after or None)
-    finally:
-        trainer.close()
-        finish_distributed()
+    final = trainer.train(stop_after=args.stop_after or None)
     if trainer._stop_signal is not None:
         print(f"interrupted at step {trainer.step}; checkpoint saved in {trainer.ckpt.directory}; "
               "rerun the same command to resume", file=sys.stderr)

@@ -266,12 +266,6 @@ class GRPOTrainer:
             model = export_float_model(model)
         save_hf_model(model, out_dir, tokenizer_from=resolve_checkpoint(self.cfg.model.checkpoint), overwrite=True)
 
-    def close(self) -> None:
-        """Finish background checkpoint writes and close the log writer."""
-        self.ckpt.wait()
-        self.ckpt.manager.close()
-        self.writer.close()
-
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, frame):
         self._stop_signal = signum
