@@ -13,7 +13,6 @@ import difflib
 import os
 import pathlib
 import re
-import tempfile
 import types
 import typing
 from typing import Any, Literal, Sequence, TypeVar, Union
@@ -408,21 +407,10 @@ def dump_config(cfg: Any) -> str:
 
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
-    """Atomic write (temp file in the same directory + os.replace): readers never see half a file."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".yaml")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(dump_config(cfg))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Atomic write: readers never see half a file."""
+    from lrmq.checkpoint.atomic import atomic_write_text
+
+    atomic_write_text(path, dump_config(cfg))
 
 
 def add_config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> argparse.ArgumentParser:

@@ -38,15 +38,19 @@ def atomic_dir(path: str, *, overwrite: bool = False):
         os.rename(tmp, path)
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def atomic_write_text(path, text: str) -> None:
+    """Write text via a temp file in the same directory + os.replace: readers never see half a file."""
+    path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     # 0o666 minus the umask, as open() would give (mkstemp's 0600 would survive the replace).
     tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex[:12]}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import random
-import tempfile
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -116,21 +115,9 @@ def make_splits(
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
     """One JSON object per line; atomic (temp file + os.replace)."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".jsonl")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from lrmq.checkpoint.atomic import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
