@@ -50,14 +50,9 @@ def load_traces(path: str, tokenizer, seq_len: int) -> tuple[np.ndarray, np.ndar
     """(tokens int32 [n, seq_len], loss mask float32 [n, seq_len]) with the mask on predicted tokens."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"traces file not found: {path}")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: invalid JSON: {e}") from None
+    from lrmq.data.synthetic import read_jsonl
+
+    rows = read_jsonl(path)
     if not rows:
         raise ValueError(f"{path}: no traces")
     try:
