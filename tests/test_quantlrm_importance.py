@@ -26,29 +26,29 @@ def _check(chunks, **kw):
 
 
 @pytest.mark.parametrize("n", [1, 2, 1001, 1000])
-@pytest.mark.parametrize("max_bucket", [1, 5, 1 << 22])
-def test_median_random_odd_even(n, max_bucket):
+@pytest.mark.parametrize("bracket", [0, 2, 32])
+def test_median_random_odd_even(n, bracket):
     rng = np.random.default_rng(n)
     # exactly n positives (odd / even), plus negatives and zeros that must be ignored
     x = np.concatenate([rng.random(n) + 1e-3, -rng.random(n), np.zeros(n // 3 + 1)]).astype(np.float32)
     rng.shuffle(x)
     chunks = np.array_split(x, 5)
-    assert _check(chunks, max_bucket=max_bucket).count == n
+    assert _check(chunks, bracket=bracket).count == n
 
 
-@pytest.mark.parametrize("max_bucket", [3, 1 << 22])
-def test_median_ties_duplicates_magnitudes(max_bucket):
+@pytest.mark.parametrize("bracket", [0, 32])
+def test_median_ties_duplicates_magnitudes(bracket):
     rng = np.random.default_rng(1)
     ties = np.repeat(np.float32([0.5, 0.25, 3.0]), [500, 499, 2])
-    _check([ties[:300], ties[300:]], max_bucket=max_bucket)
+    _check([ties[:300], ties[300:]], bracket=bracket)
     mags = (10.0 ** rng.uniform(-30, 30, 4001)).astype(np.float32)
-    _check(np.array_split(mags, 3), max_bucket=max_bucket)
+    _check(np.array_split(mags, 3), bracket=bracket)
     # all values inside one top-16-bit bucket: 1.0 .. 1.0 + 2^-8 share sign/exponent/7 mantissa bits
     one_bucket = (np.float32(1) + rng.integers(0, 2**16, 2000) * np.float32(2.0**-23)).astype(np.float32)
     assert len(np.unique(one_bucket.view(np.uint32) >> 16)) == 1
-    _check([one_bucket, -one_bucket, np.zeros(5)], max_bucket=max_bucket)
+    _check([one_bucket, -one_bucket, np.zeros(5)], bracket=bracket)
     # even count whose two middle values differ (float32 mean)
-    _check([np.float32([1.0, 2.0, 3.0, 1e-3])], max_bucket=max_bucket)
+    _check([np.float32([1.0, 2.0, 3.0, 1e-3])], bracket=bracket)
 
 
 def test_median_no_positive_raises():
@@ -57,24 +57,53 @@ def test_median_no_positive_raises():
 
 
 def test_median_memory_bound():
-    n_chunks, chunk = 80, 250_000  # 80 MB of float32 in all, 1 MB per chunk
-    rng = np.random.default_rng(0)
-    seeds = list(range(n_chunks))
+    # peak traced memory does not grow with the stream: 20 vs 80 chunks of 1 MB, same bound
+    chunk = 250_000
 
-    def stream():
-        for s in seeds:
-            yield np.random.default_rng(s).random(chunk, dtype=np.float32)
+    def run(n_chunks):
+        def stream():
+            for s in range(n_chunks):
+                yield np.random.default_rng(s).random(chunk, dtype=np.float32)
 
-    tracemalloc.start()
-    s = positive_stats(stream, max_bucket=1 << 16)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    total = n_chunks * chunk * 4
-    # bounded by a few chunks' temporaries + histograms, not by the total size
-    assert peak < 8 * chunk * 4 and peak < total / 8, (peak, total)
-    allv = np.concatenate(list(stream()))
-    assert s.median == float(np.median(allv[allv > 0]))
-    del rng
+        tracemalloc.start()
+        st = positive_stats(stream, workers=2)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        allv = np.concatenate(list(stream()))
+        assert st.median == float(np.median(allv[allv > 0]))
+        return peak
+
+    small, big = run(20), run(80)
+    # per worker: the top histograms (2 MiB) + 65 low histograms (33 MiB) + a few chunks in flight
+    bound = 3 * (2 + 33) * 2**20 + 8 * chunk * 4
+    assert big < bound and big < 1.2 * small + 2 * chunk * 4, (small, big, bound)
+
+
+def test_median_guess_miss_reads_again():
+    # the first item sits far below the bulk: the guessed bracket misses, a second read is exact
+    rng = np.random.default_rng(3)
+    first = rng.random(1000).astype(np.float32) * 1e-6
+    bulk = [rng.random(5000).astype(np.float32) + 1 for _ in range(4)]
+    info = {}
+    s = _check([first, *bulk], bracket=4, info=info)
+    assert info["reads"] == 2 and info["guess_bucket"] != info["median_bucket"]
+    info = {}
+    _check([bulk[0], first, *bulk[1:]], info=info)
+    assert info["reads"] == 1
+    # even count whose two middle values sit in far-apart buckets: one read per bucket
+    info = {}
+    _check([np.float32([1e-6, 1e6])], info=info)
+    assert info["reads"] == 3
+    # a stream that changes between reads is detected, not silently wrong
+    calls = []
+
+    def unstable():
+        calls.append(1)
+        return iter([first, *bulk] if len(calls) == 1 else [first, *bulk[:2]])
+
+    with pytest.raises(RuntimeError, match="changed between reads"):
+        positive_stats(unstable, bracket=4)
+    del s
 
 
 # ------------------------------------------------------------------ abs_delta / zero test
@@ -295,7 +324,7 @@ def test_median_fast_path_zeros_subnormals_nan():
     tiny = np.float32([1e-45, 2e-45, 0.0, 0.0])  # subnormals share bucket 0 with exact zeros
     big = np.float32([np.inf, 3.0, 0.0])
     _check([tiny, big, np.zeros(7, np.float32)])
-    _check([tiny, big], max_bucket=1)
+    _check([tiny, big], bracket=0)
     # NaN is not positive: ignored like the reference's `flat > 0`
     s = positive_stats(_stream_of([np.float32([np.nan, 1.0, 2.0, 0.0])]))
     assert (s.count, s.median) == (2, 1.5)
@@ -304,38 +333,33 @@ def test_median_fast_path_zeros_subnormals_nan():
     _check([a.T, a[:, ::3]])
 
 
-def test_pair_importance_blocked_matches_whole_matrix():
-    # the driver's blocked kernel == channel_importance(abs_delta(...)) bit for bit: bf16 in both
-    # memory orders, float32, every built-in mapping, fp32 precision, chunked counts, R edge cases
+def test_pair_importance_fused_matches_whole_matrix():
+    # the driver's fused kernel == channel_importance(abs_delta(...)) bit for bit: bf16 in both
+    # memory orders, float32, mixed, every built-in mapping, fp32 precision, chunked counts, R edge
+    # cases (R outside [1, 65504] takes the numpy fallback)
     import ml_dtypes
-
-    from lrmq.ptq import median
 
     rng = np.random.default_rng(5)
     b = rng.standard_normal((300, 700), dtype=np.float32) * 0.02
     d = rng.standard_normal(b.shape, dtype=np.float32) * 10.0 ** rng.uniform(-7, -2, b.shape).astype(np.float32)
     d[rng.random(b.shape) < 0.3] = 0
     d.flat[::97] = 2.0**-25
+    d.flat[::89] = 2.0**-24
     bf = lambda x: x.astype(ml_dtypes.bfloat16)  # noqa: E731
-    cases = [(b + d, b), (bf(b + d), bf(b)),
+    cases = [(b + d, b), (bf(b + d), bf(b)), (bf(b + d), b),
              (np.ascontiguousarray(bf(b + d).T).T, np.ascontiguousarray(bf(b).T).T)]
     st = positive_stats(_stream_of([imp.abs_delta(f, g) for f, g in cases]))
-    old_block = median.BLOCK
-    try:
-        for block in (old_block, 1000):  # many small blocks too
-            median.BLOCK = block
-            imp.BLOCK = block
-            for f, g in cases:
-                dw = imp.abs_delta(f, g)
-                for kw in [{}, {"precision": "fp32"}, {"mapping": "inverted_u", "zero_chunks": 5},
-                           {"mapping": "increasing", "R": 3.0}, {"mapping": "decreasing"},
-                           {"mapping": "constant"}, {"R": 1e4}, {"R": 0.5}]:
-                    got = imp.pair_importance(f, g, st, **kw)
-                    want = imp.channel_importance(dw, st, **kw)
-                    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), kw
-    finally:
-        median.BLOCK = old_block
-        imp.BLOCK = old_block
+    for f, g in cases:
+        dw = imp.abs_delta(f, g)
+        for kw in [{}, {"precision": "fp32"}, {"mapping": "inverted_u", "zero_chunks": 5},
+                   {"mapping": "increasing", "R": 3.0}, {"mapping": "decreasing"},
+                   {"mapping": "constant"}, {"R": 1e4}, {"R": 1.0}, {"R": 0.5}, {"R": 1e5}]:
+            got = imp.pair_importance(f, g, st, **kw)
+            want = imp.channel_importance(dw, st, **kw)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), kw
+    # stats from the pair kernel (global_stats) == stats of the materialised |dW|
+    pairs = [(f"layers.{i}.q_proj", f, g) for i, (f, g) in enumerate(cases)]
+    assert imp.global_stats(pairs) == st
     # stream items may be callables returning iterables of blocks; workers do not change the stats
     chunks = [imp.abs_delta(f, g) for f, g in cases]
     items = [lambda c=c: iter(np.array_split(c, 3)) for c in chunks]

@@ -28,7 +28,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lrmq.ptq.median import BLOCK, NoPositiveValues, Stats, pmap, positive_stats
+from lrmq.ptq import fused
+from lrmq.ptq.median import DEFAULT_BRACKET, Histogram, NoPositiveValues, Stats, pmap, positive_stats
 from lrmq.registry import Registry
 
 ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -74,15 +75,10 @@ def to_float32(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32, copy=False)
 
 
-def _delta_blocks(a: np.ndarray, b: np.ndarray, rows: int | None = None):
-    """|dW| of a ``[K, N]`` pair as float32 C-ordered blocks ``[r, K]`` of the transposed pair (rows =
-    output channels, so the reduction of :func:`channel_importance` is over axis 0 of each block).
-    The transposed view is C-contiguous for checkpoint tensors (``[out, in]`` loaded, then ``.T``)."""
-    ta, tb = a.T, b.T
-    n, k = ta.shape
-    rows = rows or max(1, BLOCK // max(k, 1))
-    for i in range(0, n, rows):
-        yield _absdiff(ta[i : i + rows], tb[i : i + rows])
+def _rows(w: np.ndarray) -> np.ndarray:
+    """``[out, in]`` C-contiguous kernel array of an lrmq ``[K, N]`` weight (for a checkpoint tensor
+    loaded ``[out, in]`` and transposed, ``w.T`` is already C-contiguous: no copy)."""
+    return fused.as_kernel_array(w.T)[0]
 
 
 def zero_mask(dw_abs: np.ndarray, precision: str = "fp16") -> np.ndarray:
@@ -228,40 +224,35 @@ def pair_importance(
     zero_chunks: int = 1,
     precision: str = "fp16",
 ) -> np.ndarray:
-    """``channel_importance(abs_delta(w_ft, w_base), ...)`` bit for bit, computed in cache-sized blocks
-    of output channels without materialising |dW| (the model driver's per-matrix kernel).
+    """``channel_importance(abs_delta(w_ft, w_base), ...)`` bit for bit, in one fused pass over the pair
+    (:func:`lrmq.ptq.fused.importance_sums`) without materialising |dW| (the model driver's kernel).
 
-    Exactness of the blocked sums: every built-in mapping gives q in [1, R] (R >= 1), whose float16
-    roundings are multiples of 2^-10 (float32 q: of 2^-23), so the per-channel sums are exact in
-    float64 in any order while ``n * R < 2^29``; per block they are summed in float32, exact while
-    ``rows * R16 <= 2^14`` (else in float64).  Other cases fall back to the whole-matrix computation.
+    The kernel covers the built-in mappings with ``1 <= R <= 65504`` and ``N * R < 2^29``: q is then in
+    [1, R], its float16 rounding is in float16's normal range, and the per-channel float64 sums of
+    multiples of 2^-10 (fp16) or 2^-23 (fp32) are exact in any order.  Other cases (registered custom
+    mappings, extreme R) fall back to the whole-matrix numpy computation.
     """
     a, b = _pair_arrays(w_ft, w_base, name)
-    fn = MAPPINGS.get(mapping)
-    blocked = (a.ndim == 2 and a.size > 0 and _BUILTIN_MAPPINGS.get(mapping) is fn
-               and 1.0 <= R and a.shape[1] * R < 2.0**29)
-    if not blocked:
-        return channel_importance(_absdiff(a, b), stats, mapping=mapping, R=R, zero_chunks=zero_chunks,
-                                  precision=precision)
     if zero_chunks < 1:
         raise ValueError(f"zero_chunks must be >= 1, got {zero_chunks}")
+    if precision not in ("fp16", "fp32"):
+        raise ValueError(f"precision must be 'fp16' or 'fp32', got {precision!r}")
+    fn = MAPPINGS.get(mapping)
+    fused_ok = (a.ndim == 2 and a.size > 0 and _BUILTIN_MAPPINGS.get(mapping) is fn
+                and 1.0 <= R <= 65504.0 and a.shape[1] * R < 2.0**29)
+    if not fused_ok:
+        return channel_importance(_absdiff(a, b), stats, mapping=mapping, R=R, zero_chunks=zero_chunks,
+                                  precision=precision)
     k, n = a.shape
-    rows = max(1, BLOCK // k)
-    # float32 block sums of float16 values in [1, round16(R)] are exact while rows * round16(R) <= 2^14
-    r16 = float(np.float32(R).astype(np.float16)) if R <= 65504 else np.inf
-    f32_sum = precision == "fp16" and rows * r16 <= 2.0**14
-    if precision == "fp16" and not f32_sum and r16 <= 2.0**13:
-        rows, f32_sum = max(1, int(2.0**14 // r16)), True
+    mid, left, right = _dens(stats)
     acc = np.zeros(k, np.float64)
     z = np.zeros(k, np.int64)
-    for x in _delta_blocks(a, b, rows):
-        z += zero_mask(x, precision).sum(axis=0)
-        q = fn(x, stats, R)
-        if precision == "fp16":
-            q = round_to_fp16(q)
-            acc += q.sum(axis=0) if f32_sum else q.sum(axis=0, dtype=np.float64)
-        else:
-            acc += q.sum(axis=0, dtype=np.float64)
+    # fp16: q16 in [1, round16(R)], multiples of 2^-10: float32 row-block sums exact below 2^14
+    r16 = float(np.float32(R).astype(np.float16))
+    block_rows = int(2.0**14 // r16) if precision == "fp16" else 0
+    fused.importance_sums(_rows(a), _rows(b), fused.MAPPING_IDS[mapping], mid, left, right,
+                          np.float32(R - 1), np.float32((R - 1) / 2), precision == "fp16",
+                          _FP16_ZERO_MAX if precision == "fp16" else np.float32(0), block_rows, acc, z)
     return _combine(acc, z, n, zero_chunks, precision)
 
 
@@ -320,27 +311,43 @@ def _loaded(make_pairs, targets) -> Iterable[tuple[str, str, object, object]]:
             yield name, t, _load(w_ft), _load(w_base)
 
 
-def global_stats(pairs, *, stats_targets: Sequence[str] = ALL_PROJ, max_bucket: int = 1 << 22,
-                 workers: int | None = None) -> Stats:
+def _flat_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """1-D kernel arrays of a pair in one common memory order (no copy for C- or Fortran-ordered
+    pairs, e.g. transposed checkpoint tensors: the histogram does not care about the order)."""
+    if a.flags.f_contiguous and b.flags.f_contiguous and not (a.flags.c_contiguous and b.flags.c_contiguous):
+        a, b = a.T, b.T
+    return fused.as_kernel_array(a)[0].reshape(-1), fused.as_kernel_array(b)[0].reshape(-1)
+
+
+def _summarize_pair(item, hist: Histogram) -> None:
+    hist.add(*item)
+
+
+# values per stats work item: big matrices are split so the worker threads stay balanced
+_STATS_CHUNK = 1 << 22
+
+
+def global_stats(pairs, *, stats_targets: Sequence[str] = ALL_PROJ, bracket: int = DEFAULT_BRACKET,
+                 workers: int | None = None, info: dict | None = None) -> Stats:
     """Global positive-only (min, exact median, max, count) of |dW| over every ``stats_targets`` matrix.
 
-    The weights are loaded on the calling thread; |dW| is computed and summarised in blocks on
-    ``workers`` threads (default :func:`lrmq.ptq.median.default_workers`), a few matrices in flight."""
+    One read of the weights (two if the median falls outside the bracket guessed from the first
+    matrix, see :func:`lrmq.ptq.median.positive_stats`): loaded on the calling thread, |dW| histogrammed
+    by the fused kernel on ``workers`` threads (default :func:`lrmq.ptq.median.default_workers`), a
+    few matrices in flight."""
     make_pairs = _reiterable(pairs)
     seen = []
-
-    def item(name, w_ft, w_base):
-        a, b = _pair_arrays(w_ft, w_base, name)
-        return _delta_blocks(a, b) if a.ndim == 2 else [_absdiff(a, b)]
 
     def stream():
         seen.clear()
         for name, _, w_ft, w_base in _loaded(make_pairs, stats_targets):
             seen.append(name)
-            yield lambda name=name, w_ft=w_ft, w_base=w_base: item(name, w_ft, w_base)
+            a, b = _flat_pair(*_pair_arrays(w_ft, w_base, name))
+            for i in range(0, max(a.size, 1), _STATS_CHUNK):
+                yield a[i : i + _STATS_CHUNK], b[i : i + _STATS_CHUNK]
 
     try:
-        return positive_stats(stream, max_bucket=max_bucket, workers=workers)
+        return positive_stats(stream, summarize=_summarize_pair, bracket=bracket, workers=workers, info=info)
     except NoPositiveValues:
         if not seen:
             raise ValueError(f"no tensor matched the targets {tuple(stats_targets)}") from None
@@ -360,14 +367,14 @@ def importance_for_model(
     R: float = 10.0,
     zero_chunks: int | Mapping[str, int] = 1,
     precision: str = "fp16",
-    max_bucket: int = 1 << 22,
+    bracket: int = DEFAULT_BRACKET,
     workers: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Importance vectors ``{name: [K]}`` for every tensor whose name has a ``targets`` component.
 
     ``pairs``: a sequence of ``(name, w_ft, w_base)`` or a callable returning a fresh iterable of
     them, in lrmq orientation ``[K, N]``; a weight may be a zero-argument callable (lazy load).
-    Pass 1 (two streamed reads, :func:`global_stats`) takes the global stats over ``stats_targets``
+    Pass 1 (one streamed read, :func:`global_stats`) takes the global stats over ``stats_targets``
     (default: all seven projections, as the reference's Qwen3-8B run; ``None`` = ``targets``, as its
     OLMo-3 run); pass 2 reads the ``targets`` matrices once more.  ``zero_chunks`` may be a dict
     ``{target: chunks}`` (the 32B reference chunks gate/down by 5).  Weights are loaded on the calling
@@ -375,7 +382,7 @@ def importance_for_model(
     """
     make_pairs = _reiterable(pairs)
     if stats is None:
-        stats = global_stats(make_pairs, stats_targets=stats_targets or targets, max_bucket=max_bucket,
+        stats = global_stats(make_pairs, stats_targets=stats_targets or targets, bracket=bracket,
                              workers=workers)
 
     def one(item):

@@ -1,34 +1,38 @@
-"""Exact min / median / max of the strictly positive values of a stream of arrays, in bounded memory.
+"""Exact min / median / max of the strictly positive values of a stream, in bounded memory, in one read.
 
 QuantLRM needs the exact median of |dW| over every targeted matrix of a model (hundreds of millions to
-billions of values); the reference writes them all to a memmap and runs ``np.partition``. Here the
-values are streamed twice and never held at once:
+billions of values); the reference writes them all to a memmap and runs ``np.partition``.  Here the
+values are histogrammed by their float32 bit pattern, which for positive floats orders exactly like
+the value, so a rank is found by a cumulative sum:
 
-* pass 1: count, min, max and a histogram of the top 16 bits of each value's float32 bit pattern.
-  Positive float32 values order exactly like their uint32 bit patterns, so the histogram is ordered
-  and the bucket holding any rank is found by a cumulative sum.
-* pass 2 (one pass for both middle ranks): a bucket holding a middle rank is either small
-  (``<= max_bucket`` values: collect them, ``np.partition``) or large (histogram the low 16 bits of that
-  bucket's values: the rank then falls on one exact 32-bit pattern, i.e. one exact value).
+* every value counts in a 65536-bin histogram of its top 16 bits (sign, exponent, 7 mantissa bits);
+* values whose top 16 bits fall in a *bracket* of ``2 * bracket + 1`` buckets around a guessed median
+  bucket also count in a histogram of their low 16 bits, which pins a rank to one exact 32-bit
+  pattern, i.e. one exact value.  The guess is the median bucket of the first item with positive
+  values (that item is summarised twice);
+* if a middle rank falls outside the bracket (the first item was not representative), one more read
+  with the bracket set to the bucket(s) holding the middle ranks gives the exact value (two reads
+  if the two middle values of an even count sit in far-apart buckets with only empty ones between).
 
-Memory: two 65536-bin int64 histograms plus at most ``max_bucket`` uint32 per middle bucket (at most
-2 buckets), plus whatever one chunk of the stream costs.  Values are compared in float32 (the
-reference's dtype).
+Memory per worker thread: the top histogram (4 interleaved copies, 2 MiB) and ``2 * bracket + 1``
+low histograms (512 KiB each; 33 MiB at the default ``bracket = 32``), plus the items in flight;
+nothing grows with the stream.  The counting runs in the numba kernel :func:`lrmq.ptq.fused.hist_positive`.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-_NBINS = 1 << 16
-# values per block: whole-matrix temporaries (tens of MB, page-faulted on every allocation) are
-# replaced by cache-sized blocks; also bounds np.bincount's int64 copy of its input
-BLOCK = 1 << 16
+from lrmq.ptq import fused
+
+_NBINS = fused.NBINS
+DEFAULT_BRACKET = 32  # half-width in top-16 buckets (128 per octave): +-1/4 octave around the guess
 
 
 class NoPositiveValues(ValueError):
@@ -42,65 +46,27 @@ class Stats(NamedTuple):
     count: int
 
 
-def _as_f32_1d(chunk) -> np.ndarray:
-    # order="K": no transposing copy for Fortran-ordered views (e.g. a transposed checkpoint tensor)
-    return np.ascontiguousarray(np.asarray(chunk, dtype=np.float32).ravel(order="K"))
-
-
-def positive_bits(chunk) -> np.ndarray:
-    """uint32 bit patterns of the strictly positive float32 values of one chunk (NaN dropped)."""
-    x = _as_f32_1d(chunk)
-    return x[x > 0].view(np.uint32)
-
-
-def _high16(bits: np.ndarray) -> np.ndarray:
-    # the top half-word as a strided uint16 view is cheaper to histogram than `bits >> 16`
-    if np.little_endian:
-        return bits.view(np.uint16)[1::2]
-    return bits.view(np.uint16)[0::2]
-
-
-def _chunk_hist(x: np.ndarray) -> tuple[np.ndarray, int, int] | None:
-    """(histogram, min bits, max bits) of the positives of ``x`` float32 1-D; None if none.
-    The histogram may be shorter than 65536 bins (trailing empty bins omitted)."""
-    b = x.view(np.uint32)
-    if b.size == 0:
-        return None
-    # unpadded (length max+1): small blocks would otherwise pay a 65536-bin array each
-    h = np.bincount(_high16(b))
-    if h[0x8000:].any() or (h[0x7F80:0x8000].any() and np.isnan(x).any()):
-        # negatives or NaN present: filter explicitly (slower, rare for |dW|)
-        p = b[x > 0]
-        if p.size == 0:
-            return None
-        return np.bincount(p >> 16, minlength=_NBINS), int(p.min()), int(p.max())
-    zeros = int(np.count_nonzero(b == 0))
-    h[0] -= zeros  # exact zeros share bucket 0 with the tiniest subnormals
-    if zeros == b.size:
-        return None
-    # zeros wrap to 0xFFFFFFFF, so the smallest (bits - 1) belongs to the smallest positive
-    return h, int((b - np.uint32(1)).min()) + 1, int(b.max())
-
-
 def default_workers() -> int:
-    """Threads for the per-matrix work (numpy releases the GIL in its array loops)."""
+    """Threads for the per-matrix work (the kernels and numpy release the GIL)."""
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def pmap(fn: Callable, items: Iterable, workers: int | None = None) -> Iterator:
-    """``map(fn, items)`` in order on ``workers`` threads with at most ``workers`` items in flight
-    (bounded memory). ``items`` is consumed on the calling thread, so lazy loaders run where the
-    sequential code would run them."""
+def pmap(fn: Callable, items: Iterable, workers: int | None = None, ahead: int | None = None) -> Iterator:
+    """``map(fn, items)`` in order on ``workers`` threads with at most ``ahead`` items in flight
+    (default ``2 * workers``: a long item does not leave the other threads idle, memory stays
+    bounded). ``items`` is consumed on the calling thread, so lazy loaders run where the sequential
+    code would run them."""
     workers = default_workers() if workers is None else workers
     if workers <= 1:
         yield from map(fn, items)
         return
+    ahead = max(workers, ahead or 2 * workers)
     with ThreadPoolExecutor(workers) as ex:
         pending: deque = deque()
         try:
             for it in items:
                 pending.append(ex.submit(fn, it))
-                if len(pending) >= workers:
+                if len(pending) >= ahead:
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
@@ -109,134 +75,155 @@ def pmap(fn: Callable, items: Iterable, workers: int | None = None) -> Iterator:
                 f.cancel()
 
 
-def blocks(item) -> Iterator[np.ndarray]:
-    """float32 1-D blocks (<= ``BLOCK`` values, memory order) of one stream item: an array, or a
-    zero-argument callable returning an array or an iterable of arrays (each split further)."""
+class Histogram:
+    """Counts of positive float32 values by bit pattern: top 16 bits for all, low 16 bits for the top
+    buckets ``lo .. lo + n_low - 1``.  One per worker thread (the kernel is not atomic)."""
+
+    def __init__(self, lo: int = 0, n_low: int = 0):
+        self.lo, self.n_low = lo, n_low
+        self.top = np.zeros(fused.N_COPIES * _NBINS, np.int64)
+        self.low = np.zeros(max(n_low, 1) * _NBINS, np.int64)
+        self.mm = np.array([0xFFFFFFFF, 0], np.uint32)
+        self.non_positive = 0
+
+    def add(self, a: np.ndarray, b: np.ndarray | None = None) -> None:
+        """Count the positive values of ``a`` (1-D float32), or of ``|f32(a) - f32(b)|`` for two
+        same-length 1-D arrays of float32 or bfloat16 bit patterns (uint16)."""
+        self.non_positive += fused.hist_positive(a, b, self.top, self.low, self.lo, self.n_low, self.mm)
+
+    def add_values(self, chunk) -> None:
+        self.add(np.ascontiguousarray(np.asarray(chunk, dtype=np.float32).ravel(order="K")))
+
+    def totals(self) -> tuple[np.ndarray, np.ndarray]:
+        """(top[65536], low[n_low, 65536]) with the non-positive values taken out of bucket 0."""
+        top = self.top.reshape(fused.N_COPIES, _NBINS).sum(axis=0)
+        top[0] -= self.non_positive
+        low = self.low[: self.n_low * _NBINS].reshape(self.n_low, _NBINS)
+        if self.lo == 0 and self.n_low:
+            low[0, 0] -= self.non_positive
+        return top, low
+
+
+def _merge(hists: list[Histogram]) -> tuple[np.ndarray, np.ndarray, int | None, int | None]:
+    top, low = hists[0].totals()
+    top, low = top.copy(), low.copy()
+    for h in hists[1:]:
+        t, lw = h.totals()
+        top += t
+        low += lw
+    mins = [int(h.mm[0]) for h in hists if h.mm[0] <= h.mm[1]]
+    maxs = [int(h.mm[1]) for h in hists if h.mm[0] <= h.mm[1]]
+    return top, low, (min(mins) if mins else None), (max(maxs) if maxs else None)
+
+
+def summarize_values(item, hist: Histogram) -> None:
+    """Default item summariser: an array, or a zero-argument callable returning an array or an
+    iterable of arrays; every value is counted (any float dtype, any memory order)."""
     if callable(item):
         item = item()
     parts = [item] if isinstance(item, np.ndarray) or not hasattr(item, "__iter__") else item
     for part in parts:
-        x = _as_f32_1d(part)
-        for i in range(0, max(x.size, 1), BLOCK):
-            yield x[i : i + BLOCK]
+        hist.add_values(part)
 
 
-def _item_hist(item):
-    hist, bmin, bmax = None, None, None
-    for x in blocks(item):
-        r = _chunk_hist(x)
-        if r is None:
-            continue
-        if hist is None:
-            hist = np.zeros(_NBINS, np.int64)
-        hist[: r[0].size] += r[0]
-        bmin = r[1] if bmin is None else min(bmin, r[1])
-        bmax = r[2] if bmax is None else max(bmax, r[2])
-    return hist, bmin, bmax
+def _histogram_pass(items: Iterable, summarize, lo: int, n_low: int, workers) -> tuple:
+    """One read of ``items`` into per-thread histograms; (top, low, min bits, max bits)."""
+    per_thread: dict[int, Histogram] = {}
+    lock = threading.Lock()
 
-
-def _pass1(make_stream, workers=None) -> tuple[np.ndarray, float, float]:
-    hist = np.zeros(_NBINS, np.int64)
-    bmin, bmax = None, None
-    for h, lo, hi in pmap(_item_hist, make_stream(), workers):
+    def one(item):
+        tid = threading.get_ident()
+        h = per_thread.get(tid)
         if h is None:
-            continue
-        hist += h
-        bmin = lo if bmin is None else min(bmin, lo)
-        bmax = hi if bmax is None else max(bmax, hi)
-    if bmin is None:
-        return hist, np.nan, np.nan
-    return hist, float(np.uint32(bmin).view(np.float32)), float(np.uint32(bmax).view(np.float32))
+            with lock:
+                h = per_thread.setdefault(tid, Histogram(lo, n_low))
+        summarize(item, h)
+
+    for _ in pmap(one, items, workers):
+        pass
+    if not per_thread:
+        return np.zeros(_NBINS, np.int64), np.zeros((n_low, _NBINS), np.int64), None, None
+    return _merge(list(per_thread.values()))
 
 
-def _bucket_values(x: np.ndarray, bucket: int) -> np.ndarray:
-    """Bit patterns of the positive values of ``x`` whose top 16 bits equal ``bucket``."""
-    b = x.view(np.uint32)
-    sel = b[_high16(b) == bucket]
-    if bucket == 0 or bucket >= 0x7F80:  # zeros / NaN share these buckets with positives
-        sel = sel[sel.view(np.float32) > 0]
-    return sel
+def _rank_bucket(cum: np.ndarray, r: int) -> tuple[int, int]:
+    """(top bucket holding 0-based rank r, rank within that bucket)."""
+    b = int(np.searchsorted(cum, r, side="right"))
+    return b, r - (int(cum[b - 1]) if b else 0)
 
 
-def _pass2(make_stream, wanted: dict[int, list[int]], hist: np.ndarray, max_bucket: int,
-           workers=None) -> dict:
-    """Exact values at within-bucket ranks: ``wanted`` maps bucket -> ranks inside that bucket."""
-    small = {b: np.empty(int(hist[b]), np.uint32) for b in wanted if hist[b] <= max_bucket}
-    filled = dict.fromkeys(small, 0)
-    large = {b: np.zeros(_NBINS, np.int64) for b in wanted if hist[b] > max_bucket}
-
-    def select(item):  # per item: {bucket: [bit patterns per block] (small) or [low-16 histogram]}
-        out = {b: [] for b in wanted}
-        for x in blocks(item):
-            for b in wanted:
-                sel = _bucket_values(x, b)
-                if not sel.size:
-                    continue
-                if b in small:
-                    out[b].append(sel)
-                elif out[b]:
-                    out[b][0] += np.bincount(sel & 0xFFFF, minlength=_NBINS)
-                else:
-                    out[b].append(np.bincount(sel & 0xFFFF, minlength=_NBINS))
-        return out
-
-    for got in pmap(select, make_stream(), workers):
-        for b, sels in got.items():
-            for sel in sels:
-                if b in small:
-                    n = filled[b]
-                    if n + sel.size > small[b].size:
-                        raise RuntimeError("the stream changed between passes (bucket count grew)")
-                    small[b][n : n + sel.size] = sel
-                    filled[b] = n + sel.size
-                else:
-                    large[b] += sel
-    out = {}
-    for b, ranks in wanted.items():
-        if b in small:
-            if filled[b] != hist[b]:
-                raise RuntimeError("the stream changed between passes (bucket count differs)")
-            part = np.partition(small[b], ranks)  # uint32 order == float order for positives
-            for r in ranks:
-                out[(b, r)] = part[r].view(np.float32)
-        else:
-            if large[b].sum() != hist[b]:
-                raise RuntimeError("the stream changed between passes (bucket count differs)")
-            cum = np.cumsum(large[b])
-            for r in ranks:
-                low = int(np.searchsorted(cum, r, side="right"))
-                out[(b, r)] = np.uint32((b << 16) | low).view(np.float32)
-    return out
+def _value_at(low_row: np.ndarray, bucket: int, within: int) -> np.float32:
+    low = int(np.searchsorted(np.cumsum(low_row), within, side="right"))
+    return np.uint32((bucket << 16) | low).view(np.float32)
 
 
 def positive_stats(
-    make_stream: Callable[[], Iterable[np.ndarray]], *, max_bucket: int = 1 << 22,
+    make_stream: Callable[[], Iterable],
+    *,
+    summarize: Callable = summarize_values,
+    bracket: int = DEFAULT_BRACKET,
     workers: int | None = None,
+    info: dict | None = None,
 ) -> Stats:
     """Exact (min, median, max, count) over all strictly positive float32 values of ``make_stream()``.
 
-    ``make_stream`` is called twice (one call per pass) and must yield the same values each time.
-    An item may be an array, or a zero-argument callable returning an array or an iterable of arrays
-    (evaluated on a worker thread: ``workers`` threads, default :func:`default_workers`, at most
-    ``workers`` items in flight; each item is processed in blocks of ``BLOCK`` values).
+    ``summarize(item, hist)`` counts one stream item into a :class:`Histogram` (default
+    :func:`summarize_values`); it runs on ``workers`` threads (default :func:`default_workers`), at
+    most ``2 * workers`` items in flight, and is called twice for the first item with positive values.
+    ``make_stream`` is called once, or again (once, or twice for two far-apart middle buckets) if the
+    median falls outside the guessed bracket; ``info["reads"]`` says how many times (each call must
+    yield the same values).
     An even count's median is the mean of the two middle values computed in float32, exactly as the
     reference (``(mm[k1] + mm[k2]) / 2.0`` on float32 scalars) and ``np.median`` on float32 do.
     Raises NoPositiveValues (a ValueError) if there is no positive value.
     """
-    hist, vmin, vmax = _pass1(make_stream, workers)
-    n = int(hist.sum())
-    if n == 0:
+    if bracket < 0:
+        raise ValueError(f"bracket must be >= 0, got {bracket}")
+    items = iter(make_stream())
+    # guess: the median bucket of the first item with positives (items without any contribute nothing)
+    first = None
+    for item in items:
+        probe = Histogram()
+        summarize(item, probe)
+        top0, _ = probe.totals()
+        if top0.sum():
+            first = item
+            break
+    if first is None:
         raise NoPositiveValues("no strictly positive values in the stream")
-    cum = np.cumsum(hist)
+    guess, _ = _rank_bucket(np.cumsum(top0), (int(top0.sum()) - 1) // 2)
+    lo = max(0, guess - bracket)
+    n_low = min(_NBINS, guess + bracket + 1) - lo
+
+    def rest():
+        yield first
+        yield from items
+
+    top, low, bmin, bmax = _histogram_pass(rest(), summarize, lo, n_low, workers)
+    n = int(top.sum())
+    cum = np.cumsum(top)
     ranks = sorted({(n - 1) // 2, n // 2})
-    where = {}
-    wanted: dict[int, list[int]] = {}
-    for r in ranks:
-        b = int(np.searchsorted(cum, r, side="right"))
-        within = r - (int(cum[b - 1]) if b else 0)
-        where[r] = (b, within)
-        wanted.setdefault(b, []).append(within)
-    vals = _pass2(make_stream, wanted, hist, max_bucket, workers)
-    lo, hi = vals[where[(n - 1) // 2]], vals[where[n // 2]]
-    med = float((lo + hi) / np.float32(2)) if lo != hi else float(lo)
-    return Stats(min=vmin, median=med, max=vmax, count=n)
+    where = {r: _rank_bucket(cum, r) for r in ranks}
+    reads = 1
+    if all(lo <= b < lo + n_low for b, _ in where.values()):
+        vals = [_value_at(low[b - lo], b, w) for b, w in (where[r] for r in ranks)]
+    else:
+        # the guess missed: read again with the bracket on the middle bucket(s); two far-apart buckets
+        # (empty buckets between the two middle values of an even count) get a read each
+        buckets = sorted({b for b, _ in where.values()})
+        span = buckets[-1] - buckets[0] + 1
+        groups = [(buckets[0], span)] if span <= max(2, 2 * bracket + 1) else [(b, 1) for b in buckets]
+        lows = {}
+        for lo2, n2 in groups:
+            top2, low2, _, _ = _histogram_pass(make_stream(), summarize, lo2, n2, workers)
+            if not np.array_equal(top2, top):
+                raise RuntimeError("the stream changed between reads (histograms differ)")
+            lows.update({lo2 + i: low2[i] for i in range(n2)})
+            reads += 1
+        vals = [_value_at(lows[b], b, w) for b, w in (where[r] for r in ranks)]
+    lo_v, hi_v = vals[0], vals[-1]
+    med = float((lo_v + hi_v) / np.float32(2)) if lo_v != hi_v else float(lo_v)
+    if info is not None:
+        info.update(reads=reads, guess_bucket=guess, median_bucket=where[ranks[0]][0])
+    as_f32 = lambda bits: float(np.uint32(bits).view(np.float32))  # noqa: E731
+    return Stats(min=as_f32(bmin), median=med, max=as_f32(bmax), count=n)

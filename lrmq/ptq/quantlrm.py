@@ -100,6 +100,7 @@ class TensorSource:
         self.path = path
         self.kind = checkpoint_kind(path)
         self._model = None
+        self._files: dict = {}  # safetensors path -> MappedSafetensors (parsed header)
         if self.kind == "hf":
             self.cfg = ModelConfig.from_hf_file(path)
             index = tensor_index(path)
@@ -117,6 +118,13 @@ class TensorSource:
             self.cfg = self._model.cfg
             self.entries = {p: (p + ".kernel", None) for p in
                             (f"layers.{i}.{lw.MODULE_OF[n]}.{n}" for i in range(self.cfg.num_layers) for n in lw.LINEARS)}
+
+    def _mapped(self, path: str):
+        from lrmq.checkpoint.safetensors_mmap import MappedSafetensors
+
+        if path not in self._files:  # headers only; every tensor is mapped on its own when read
+            self._files[path] = MappedSafetensors(path)
+        return self._files[path]
 
     def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """module path -> (tensor name in the checkpoint, shape as stored)."""
@@ -141,10 +149,8 @@ class TensorSource:
     def get(self, path: str) -> np.ndarray:
         hf, f = self.entries[path]
         if self.kind == "hf":
-            from safetensors import safe_open
-
-            with safe_open(f, framework="numpy") as h:
-                return h.get_tensor(hf).T
+            # zero-copy view into the file's mmap (the importance pass reads each weight once)
+            return self._mapped(f)[hf].T
         from lrmq.quant.transforms import module_at
 
         return np.asarray(module_at(self._model, path).float_weight())
