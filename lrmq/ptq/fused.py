@@ -28,11 +28,12 @@ NBINS = 1 << 16
 MAPPING_IDS = {"u_shape": 0, "inverted_u": 1, "increasing": 2, "decreasing": 3, "constant": 4}
 
 
-def as_kernel_array(w: np.ndarray) -> tuple[np.ndarray, bool]:
-    """(C-contiguous uint16 bf16 bits or float32 array, is_bf16) for any float weight array."""
+def as_kernel_array(w: np.ndarray) -> np.ndarray:
+    """C-contiguous kernel input: bfloat16 as its uint16 bit patterns (no copy if contiguous),
+    float32 as is, other dtypes converted to float32."""
     if w.dtype.name == "bfloat16":
-        return np.ascontiguousarray(w).view(np.uint16), True
-    return np.ascontiguousarray(w, dtype=np.float32), False
+        return np.ascontiguousarray(w).view(np.uint16)
+    return np.ascontiguousarray(w, dtype=np.float32)
 
 
 # scalar bit casts (numba has array views only; a view-through-buffer blocks vectorisation)
@@ -219,7 +220,7 @@ def importance_sums(a, b, mapping, mid, left, right, r1, half_r1, fp16, zero_max
 
 def warm_up() -> None:
     """Load (or compile, the first time) the kernels for the common argument types: numba's
-    start-up is ~0.4 s per process even with cached machine code."""
+    start-up is ~0.3 s per process even with cached machine code (the benchmark reports it apart)."""
     for dt in (np.uint16, np.float32):
         a = np.zeros(8, dt)
         top = np.zeros(N_COPIES * NBINS, np.int64)

@@ -78,7 +78,7 @@ def to_float32(a: np.ndarray) -> np.ndarray:
 def _rows(w: np.ndarray) -> np.ndarray:
     """``[out, in]`` C-contiguous kernel array of an lrmq ``[K, N]`` weight (for a checkpoint tensor
     loaded ``[out, in]`` and transposed, ``w.T`` is already C-contiguous: no copy)."""
-    return fused.as_kernel_array(w.T)[0]
+    return fused.as_kernel_array(w.T)
 
 
 def zero_mask(dw_abs: np.ndarray, precision: str = "fp16") -> np.ndarray:
@@ -267,7 +267,8 @@ def round_to_fp16(q: np.ndarray) -> np.ndarray:
     ~6x faster than numpy's conversion.  Out-of-range input falls back to the numpy cast."""
     q = np.asarray(q, np.float32)
     if q.size and not (q.min() >= 2.0**-14 and q.max() <= 65504.0):
-        return q.astype(np.float16).astype(np.float32)
+        with np.errstate(over="ignore"):  # above 65504 -> inf, as the reference's .half()
+            return q.astype(np.float16).astype(np.float32)
     b = q.view(np.uint32)
     r = b + (np.uint32(0x0FFF) + ((b >> 13) & np.uint32(1)))
     r &= np.uint32(0xFFFFE000)
@@ -316,7 +317,7 @@ def _flat_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     pairs, e.g. transposed checkpoint tensors: the histogram does not care about the order)."""
     if a.flags.f_contiguous and b.flags.f_contiguous and not (a.flags.c_contiguous and b.flags.c_contiguous):
         a, b = a.T, b.T
-    return fused.as_kernel_array(a)[0].reshape(-1), fused.as_kernel_array(b)[0].reshape(-1)
+    return fused.as_kernel_array(a).reshape(-1), fused.as_kernel_array(b).reshape(-1)
 
 
 def _summarize_pair(item, hist: Histogram) -> None:

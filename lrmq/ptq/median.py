@@ -14,7 +14,7 @@ the value, so a rank is found by a cumulative sum:
   with the bracket set to the bucket(s) holding the middle ranks gives the exact value (two reads
   if the two middle values of an even count sit in far-apart buckets with only empty ones between).
 
-Memory per worker thread: the top histogram (4 interleaved copies, 2 MiB) and ``2 * bracket + 1``
+Memory per worker thread: the top histogram (8 interleaved copies, 4 MiB) and ``2 * bracket + 1``
 low histograms (512 KiB each; 33 MiB at the default ``bracket = 32``), plus the items in flight;
 nothing grows with the stream.  The counting runs in the numba kernel :func:`lrmq.ptq.fused.hist_positive`.
 """
