@@ -1,10 +1,26 @@
-"""Helpers shared by the TPU and GPU kernels (padding, x de-interleave, NF4 lookup)."""
+"""Helpers shared by the TPU and GPU kernels (shape checks, padding, x de-interleave, NF4 lookup)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from .reference import NF4_TABLE
+
+
+def affine_geometry(fmt: str, x, codes, scales, group_size=None) -> tuple[int, int, int, int, bool]:
+    """(M, K, N, group size, per_channel) of an int4 / int8 matmul ``x [M, K] @ dequant(codes)``,
+    with ``codes`` [K/2, N] (int4, two codes per byte) or [K, N] (int8) and scales [1 or K/g, N];
+    ValueError naming the format on a mismatch."""
+    m, k = x.shape
+    n = codes.shape[1]
+    ng = scales.shape[0]
+    rows = k // 2 if fmt == "int4" else k
+    if codes.shape[0] != rows or (fmt == "int4" and k % 2) or k % ng:
+        raise ValueError(f"{fmt}: codes {codes.shape} / scales {scales.shape} do not match K={k}")
+    g = k // ng
+    if group_size is not None and group_size != g:
+        raise ValueError(f"{fmt}: group_size={group_size} but scales imply {g}")
+    return m, k, n, g, ng == 1
 
 
 def cdiv(a: int, b: int) -> int:

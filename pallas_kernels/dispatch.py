@@ -24,9 +24,10 @@ _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
+    fmt: str  # "int4" | "int8" | "nf4"
     impl: str  # resolved: "tpu" | "gpu" | "xla"
     interpret: bool
-    group_size: Any = None  # int4: group size; nf4: block size
+    group_size: Any = None  # int4: group size; nf4: block size; int8: unused
     tiles: tuple = ()  # sorted (name, value) overrides passed to the kernel
 
 
@@ -67,109 +68,59 @@ def _float_or_int_zero(a):
     return _int_zero_cotangent(a)
 
 
-# ---------------------------------------------------------------------------------------- int4
-def _int4_fwd_impl(x, codes, scales, zeros, cfg: _Cfg):
-    lead = x.shape[:-1]
+# ------------------------------------------------------------------------------ one custom_vjp
+# Per format: the TPU kernel, the GPU kernel, the XLA reference matmul (each called as
+# fn(x2, *q, cfg, **kw)), and the dense float32 [K, N] weight the backward pass multiplies by.
+# q is the tuple of quantized arrays: (codes, scales, zeros) for int4 / int8, (codes, absmax) for nf4.
+_FORMATS = {
+    "int4": (
+        lambda x, q, c, **kw: _tpu.int4_matmul_tpu(x, *q, c.group_size, **kw),
+        lambda x, q, c, **kw: _gpu.int4_matmul_gpu(x, *q, c.group_size, **kw),
+        lambda x, q, c, **kw: _ref.int4_matmul_reference(x, *q, c.group_size, **kw),
+        lambda q, c: _ref.dequantize_int4(*q, c.group_size),
+    ),
+    "int8": (
+        lambda x, q, c, **kw: _tpu.int8_matmul_tpu(x, *q, **kw),
+        lambda x, q, c, **kw: _gpu.int8_matmul_gpu(x, *q, **kw),
+        lambda x, q, c, **kw: _ref.int8_matmul_reference(x, *q, **kw),
+        lambda q, c: _ref.dequantize_int8(*q),
+    ),
+    "nf4": (
+        lambda x, q, c, **kw: _tpu.nf4_matmul_tpu(x, *q, c.group_size, **kw),
+        lambda x, q, c, **kw: _gpu.nf4_matmul_gpu(x, *q, c.group_size, **kw),
+        lambda x, q, c, **kw: _ref.nf4_matmul_reference(x, *q, c.group_size, **kw),
+        lambda q, c: _ref.dequantize_nf4(*q, c.group_size).T,  # stored [N, K]
+    ),
+}
+
+
+def _forward(x, q, cfg: _Cfg):
+    tpu, gpu, ref, _ = _FORMATS[cfg.fmt]
     x2 = _flat(x)
-    kw = dict(cfg.tiles)
-    if cfg.impl == "tpu":
-        y = _tpu.int4_matmul_tpu(x2, codes, scales, zeros, cfg.group_size, interpret=cfg.interpret, **kw)
-    elif cfg.impl == "gpu":
-        y = _gpu.int4_matmul_gpu(x2, codes, scales, zeros, cfg.group_size, interpret=cfg.interpret, **kw)
+    if cfg.impl == "xla":
+        y = ref(x2, q, cfg, compute_dtype=_xla_compute_dtype(x.dtype))
     else:
-        y = _ref.int4_matmul_reference(x2, codes, scales, zeros, cfg.group_size,
-                                       compute_dtype=_xla_compute_dtype(x.dtype))
-    return y.reshape(*lead, y.shape[-1])
+        y = (tpu if cfg.impl == "tpu" else gpu)(x2, q, cfg, interpret=cfg.interpret, **dict(cfg.tiles))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _int4(x, codes, scales, zeros, cfg):
-    return _int4_fwd_impl(x, codes, scales, zeros, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _qmatmul(x, q, cfg):
+    return _forward(x, q, cfg)
 
 
-def _int4_fwd(x, codes, scales, zeros, cfg):
-    return _int4_fwd_impl(x, codes, scales, zeros, cfg), (codes, scales, zeros)
+def _qmatmul_fwd(x, q, cfg):
+    return _forward(x, q, cfg), q
 
 
-def _int4_bwd(cfg, res, dy):
-    codes, scales, zeros = res
-    w = _ref.dequantize_int4(codes, scales, zeros, cfg.group_size)  # [K, N] f32
+def _qmatmul_bwd(cfg, q, dy):
+    w = _FORMATS[cfg.fmt][3](q, cfg)  # [K, N] float32
     dx = jnp.dot(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
-    # The quantized base is frozen: no gradient flows to codes / scales / zeros.
-    return (dx.astype(dy.dtype), _int_zero_cotangent(codes), _float_or_int_zero(scales),
-            _float_or_int_zero(zeros))
+    # The quantized base is frozen: no gradient flows to codes / scales / zeros / absmax.
+    return dx.astype(dy.dtype), tuple(_float_or_int_zero(a) for a in q)
 
 
-_int4.defvjp(_int4_fwd, _int4_bwd)
-
-
-# ---------------------------------------------------------------------------------------- int8
-def _int8_fwd_impl(x, codes, scales, zeros, cfg: _Cfg):
-    lead = x.shape[:-1]
-    x2 = _flat(x)
-    kw = dict(cfg.tiles)
-    if cfg.impl == "tpu":
-        y = _tpu.int8_matmul_tpu(x2, codes, scales, zeros, interpret=cfg.interpret, **kw)
-    elif cfg.impl == "gpu":
-        y = _gpu.int8_matmul_gpu(x2, codes, scales, zeros, interpret=cfg.interpret, **kw)
-    else:
-        y = _ref.int8_matmul_reference(x2, codes, scales, zeros,
-                                       compute_dtype=_xla_compute_dtype(x.dtype))
-    return y.reshape(*lead, y.shape[-1])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _int8(x, codes, scales, zeros, cfg):
-    return _int8_fwd_impl(x, codes, scales, zeros, cfg)
-
-
-def _int8_fwd(x, codes, scales, zeros, cfg):
-    return _int8_fwd_impl(x, codes, scales, zeros, cfg), (codes, scales, zeros)
-
-
-def _int8_bwd(cfg, res, dy):
-    codes, scales, zeros = res
-    w = _ref.dequantize_int8(codes, scales, zeros)
-    dx = jnp.dot(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
-    return (dx.astype(dy.dtype), _int_zero_cotangent(codes), _float_or_int_zero(scales),
-            _float_or_int_zero(zeros))
-
-
-_int8.defvjp(_int8_fwd, _int8_bwd)
-
-
-# ----------------------------------------------------------------------------------------- nf4
-def _nf4_fwd_impl(x, codes, absmax, cfg: _Cfg):
-    lead = x.shape[:-1]
-    x2 = _flat(x)
-    kw = dict(cfg.tiles)
-    bs = cfg.group_size
-    if cfg.impl == "tpu":
-        y = _tpu.nf4_matmul_tpu(x2, codes, absmax, bs, interpret=cfg.interpret, **kw)
-    elif cfg.impl == "gpu":
-        y = _gpu.nf4_matmul_gpu(x2, codes, absmax, bs, interpret=cfg.interpret, **kw)
-    else:
-        y = _ref.nf4_matmul_reference(x2, codes, absmax, bs, compute_dtype=_xla_compute_dtype(x.dtype))
-    return y.reshape(*lead, y.shape[-1])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _nf4(x, codes, absmax, cfg):
-    return _nf4_fwd_impl(x, codes, absmax, cfg)
-
-
-def _nf4_fwd(x, codes, absmax, cfg):
-    return _nf4_fwd_impl(x, codes, absmax, cfg), (codes, absmax)
-
-
-def _nf4_bwd(cfg, res, dy):
-    codes, absmax = res
-    w_t = _ref.dequantize_nf4(codes, absmax, cfg.group_size)  # [N, K]
-    dx = jnp.dot(dy.astype(jnp.float32), w_t, precision=jax.lax.Precision.HIGHEST)
-    return dx.astype(dy.dtype), _int_zero_cotangent(codes), _float_or_int_zero(absmax)
-
-
-_nf4.defvjp(_nf4_fwd, _nf4_bwd)
+_qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
 
 
 # ------------------------------------------------------------------------------------- public
@@ -199,7 +150,7 @@ def int4_matmul(x, codes, scales, zeros, group_size=None, *, impl="auto", interp
         impl_r, interp = "xla", False
     if impl_r != "gpu":
         tiles = {k_: v for k_, v in tiles.items() if k_ not in ("splits", "num_warps", "num_stages")}
-    return _int4(x, codes, scales, zeros, _Cfg(impl_r, interp, g, _tiles(tiles)))
+    return _qmatmul(x, (codes, scales, zeros), _Cfg("int4", impl_r, interp, g, _tiles(tiles)))
 
 
 def int8_matmul(x, codes, scales, zeros, *, impl="auto", interpret=None, **tiles):
@@ -210,7 +161,7 @@ def int8_matmul(x, codes, scales, zeros, *, impl="auto", interpret=None, **tiles
         impl_r, interp = "xla", False
     if impl_r != "gpu":
         tiles = {k_: v for k_, v in tiles.items() if k_ not in ("splits", "num_warps", "num_stages")}
-    return _int8(x, codes, scales, zeros, _Cfg(impl_r, interp, None, _tiles(tiles)))
+    return _qmatmul(x, (codes, scales, zeros), _Cfg("int8", impl_r, interp, None, _tiles(tiles)))
 
 
 def nf4_matmul(x, codes, absmax, block_size: int = 64, *, impl="auto", interpret=None, **tiles):
@@ -223,4 +174,4 @@ def nf4_matmul(x, codes, absmax, block_size: int = 64, *, impl="auto", interpret
         impl_r, interp = "xla", False
     if impl_r != "gpu":
         tiles = {k_: v for k_, v in tiles.items() if k_ not in ("splits", "num_warps", "num_stages")}
-    return _nf4(x, codes, absmax, _Cfg(impl_r, interp, block_size, _tiles(tiles)))
+    return _qmatmul(x, (codes, absmax), _Cfg("nf4", impl_r, interp, block_size, _tiles(tiles)))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._common import cdiv, nf4_lookup, pad_to, round_up, split_even_odd
+from ._common import affine_geometry, cdiv, nf4_lookup, pad_to, round_up, split_even_odd
 
 try:  # the Triton backend module moved between releases
     from jax.experimental.pallas import triton as _pltriton
@@ -126,15 +126,7 @@ def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, *, t: Tiles, g, cdt
 
 def int4_matmul_gpu(x, codes, scales, zeros, group_size, *, interpret=False, block_m=None,
                     block_n=None, block_k=None, splits=None, num_warps=None, num_stages=3):
-    m, k = x.shape
-    n = codes.shape[1]
-    ng = scales.shape[0]
-    if codes.shape[0] * 2 != k or k % ng:
-        raise ValueError(f"int4: codes {codes.shape} / scales {scales.shape} do not match K={k}")
-    g = k // ng
-    if group_size is not None and group_size != g:
-        raise ValueError(f"int4: group_size={group_size} but scales imply {g}")
-    per_channel = ng == 1
+    m, k, n, g, per_channel = affine_geometry("int4", x, codes, scales, group_size)
     if not per_channel and (g & -g) < 32:
         raise NotImplementedError(f"int4 GPU kernel needs a group size divisible by 32, got {g}")
     t = choose_tiles(m, k, n, k_unit=256 if per_channel else (g & -g), block_m=block_m,
@@ -175,13 +167,7 @@ def _int8_kernel(x_ref, c_ref, s_ref, z_ref, o_ref, *, t: Tiles, g, cdt):
 
 def int8_matmul_gpu(x, codes, scales, zeros, *, interpret=False, block_m=None, block_n=None,
                     block_k=None, splits=None, num_warps=None, num_stages=3):
-    m, k = x.shape
-    n = codes.shape[1]
-    ng = scales.shape[0]
-    if codes.shape[0] != k or k % ng:
-        raise ValueError(f"int8: codes {codes.shape} / scales {scales.shape} do not match K={k}")
-    g = k // ng
-    per_channel = ng == 1
+    m, k, n, g, per_channel = affine_geometry("int8", x, codes, scales)
     if not per_channel and (g & -g) < 16:
         raise NotImplementedError(f"int8 GPU kernel needs a group size divisible by 16, got {g}")
     t = choose_tiles(m, k, n, k_unit=128 if per_channel else (g & -g), block_m=block_m,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._common import nf4_lookup, pad_to, round_up, split_even_odd
+from ._common import affine_geometry, nf4_lookup, pad_to, round_up, split_even_odd
 
 _HI = jax.lax.Precision.HIGHEST
 # Max elements of one dequantized weight tile (bk x bn): its f32 temporaries must fit VMEM.
@@ -133,15 +133,7 @@ def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *, rpg, cd
 def int4_matmul_tpu(x, codes, scales, zeros, group_size, *, interpret=False, block_m=None,
                     block_n=None, block_k=None):
     """x [M, K] @ dequant(codes uint8 [K/2, N], scales/zeros [K/g, N]) -> [M, N] in x.dtype."""
-    m, k = x.shape
-    n = codes.shape[1]
-    ng = scales.shape[0]
-    if codes.shape[0] * 2 != k or k % ng:
-        raise ValueError(f"int4: codes {codes.shape} / scales {scales.shape} do not match K={k}")
-    g = k // ng
-    if group_size is not None and group_size != g:
-        raise ValueError(f"int4: group_size={group_size} but scales imply {g}")
-    per_channel = ng == 1
+    m, k, n, g, per_channel = affine_geometry("int4", x, codes, scales, group_size)
     k_align = 256 if per_channel else _lcm(256, 8 * g)
     t = choose_tiles(m, k, n, x_dtype=x.dtype, k_align=k_align, block_m=block_m,
                      block_n=block_n, block_k=block_k)
@@ -192,13 +184,7 @@ def _int8_kernel(x_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *, rpg, cdt):
 def int8_matmul_tpu(x, codes, scales, zeros, *, interpret=False, block_m=None, block_n=None,
                     block_k=None):
     """x [M, K] @ dequant(codes uint8 [K, N], scales/zeros [1 or K/g, N]) -> [M, N]."""
-    m, k = x.shape
-    n = codes.shape[1]
-    ng = scales.shape[0]
-    if codes.shape[0] != k or k % ng:
-        raise ValueError(f"int8: codes {codes.shape} / scales {scales.shape} do not match K={k}")
-    g = k // ng
-    per_channel = ng == 1
+    m, k, n, g, per_channel = affine_geometry("int8", x, codes, scales)
     k_align = 128 if per_channel else _lcm(128, 8 * g)
     t = choose_tiles(m, k, n, x_dtype=x.dtype, k_align=k_align, block_m=block_m,
                      block_n=block_n, block_k=block_k)
