@@ -63,18 +63,10 @@ def grpo_config(ckpt: str, out_dir: str, *, mode="none", steps=2, lr=1e-5, mesh=
     return cfg
 
 
-class _NullWriter:
-    def add_scalar(self, *a, **k):
-        pass
-
-    def flush(self):
-        pass
-
-
 def make_trainer(cfg):
-    from lrmq.rl.trainer import GRPOTrainer
+    from lrmq.rl.trainer import GRPOTrainer, NullWriter
 
-    return GRPOTrainer(cfg, writer_factory=lambda path: _NullWriter())
+    return GRPOTrainer(cfg, writer_factory=lambda path: NullWriter())
 
 
 def digit_reward(texts, answers, reward_name="", *, timeout_s=1.0):

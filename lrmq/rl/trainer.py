@@ -119,7 +119,10 @@ class GRPOTrainer:
         self.ckpt = RunCheckpointer(os.path.join(self.run_dir, "checkpoints"), keep=cfg.run.keep_checkpoints)
         self.step = 0
         self._stop_signal = None
-        self.writer = (writer_factory or _tb_writer)(os.path.join(self.run_dir, "tb"))
+        # TensorBoard is written by process 0 only (metrics are global); other processes creating the
+        # same log dir raced in tensorboardX's exists-then-makedirs and crashed one process at start-up
+        self.writer = ((writer_factory or _tb_writer)(os.path.join(self.run_dir, "tb"))
+                       if jax.process_index() == 0 else NullWriter())
         self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
 
     # ------------------------------------------------------------------ setup helpers
@@ -344,6 +347,16 @@ def to_host(x) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class NullWriter:
+    """The SummaryWriter calls the trainer makes, doing nothing (processes other than 0)."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
 
 def _tb_writer(path: str):
