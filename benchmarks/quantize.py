@@ -121,8 +121,6 @@ def checkpoint_pairs(base_dir: str, ft_dir: str):
 
 
 def _importance_child(base_dir, ft_dir, q):
-    import numpy as np
-
     from lrmq.ptq import fused
     from lrmq.ptq.importance import global_stats, importance_for_model
 
@@ -136,7 +134,6 @@ def _importance_child(base_dir, ft_dir, q):
     t1 = time.perf_counter()
     res = importance_for_model(pairs, stats=stats)
     t2 = time.perf_counter()
-    del np
     q.put({"init_s": init_s, "stats_s": t1 - t0, "importance_s": t2 - t1, "total_s": t2 - t0,
            "stats_reads": info["reads"], "n_matrices": len(res), "positives": stats.count, "median": stats.median,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})

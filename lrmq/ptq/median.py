@@ -100,6 +100,7 @@ class Histogram:
         top[0] -= self.non_positive
         low = self.low[: self.n_low * _NBINS].reshape(self.n_low, _NBINS)
         if self.lo == 0 and self.n_low:
+            low = low.copy()  # do not change the counts themselves
             low[0, 0] -= self.non_positive
         return top, low
 
