@@ -53,7 +53,7 @@ def _bits_of_f32(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
-def _f32(v):  # the Python meaning; kernels use the compiled overload below
+def _f32(v):
     """float32 value of one element: a uint16 is a bfloat16 bit pattern (pure-Python semantics; the
     compiled version below is chosen by the element type, so kernels have no per-element branch)."""
     if isinstance(v, np.uint16):

@@ -130,15 +130,8 @@ class TensorSource:
         """module path -> (tensor name in the checkpoint, shape as stored)."""
         out = {}
         if self.kind == "hf":
-            from safetensors import safe_open
-
-            by_file: dict[str, list] = {}
             for p, (hf, f) in self.entries.items():
-                by_file.setdefault(f, []).append((p, hf))
-            for f, items in by_file.items():
-                with safe_open(f, framework="numpy") as h:
-                    for p, hf in items:
-                        out[p] = (hf, tuple(h.get_slice(hf).get_shape()))
+                out[p] = (hf, self._mapped(f).shape(hf))  # the header `get` reads through, parsed once
         else:
             from lrmq.quant.transforms import module_at
 
