@@ -11,6 +11,14 @@ from lrmq.model.config import ModelConfig
 from lrmq.model.linear import Linear
 from lrmq.model.params import param
 from lrmq.model.rope import apply_rope, inv_frequencies, rope_cos_sin
+from lrmq.sharding import constrain_batch
+
+# Rematerialisation policies for training (`Decoder.hidden(..., remat=)`): what each layer keeps for
+# the backward pass. "full" keeps only the layer's input; "dots" also keeps matmul outputs.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @struct.dataclass
@@ -183,16 +191,26 @@ class Decoder(nnx.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, axes=("embed", "vocab"),
                                   dtype=dt, param_dtype=pdt, rngs=rngs)
 
-    def hidden(self, tokens, positions, cache: KVCache | None = None, index=None):
-        """Final-norm hidden states [B, T, D] (and the updated cache)."""
+    def hidden(self, tokens, positions, cache: KVCache | None = None, index=None, *, remat: str = "none"):
+        """Final-norm hidden states [B, T, D] (and the updated cache).
+
+        remat: "none" | "full" | "dots" (REMAT_POLICIES): recompute each layer in the backward pass
+        instead of keeping its activations (training without a cache only)."""
         dt = jnp.dtype(self.cfg.dtype)
-        x = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(dt)
+        x = constrain_batch(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(dt))
         new_k, new_v, cache_pos = [], [], None
         if cache is not None:
             cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, index))
+        if remat != "none" and cache is not None:
+            raise ValueError("remat applies to training forwards, not to cached decoding")
+        run = _remat_layer(REMAT_POLICIES[remat]) if remat != "none" else None
         for i, layer in enumerate(self.layers):
+            if run is not None:
+                x = constrain_batch(run(layer, x, positions))
+                continue
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, new_kv = layer(x, positions, kv, cache_pos, index)
+            x = constrain_batch(x)
             if cache is not None:
                 new_k.append(new_kv[0])
                 new_v.append(new_kv[1])
@@ -212,6 +230,10 @@ class Decoder(nnx.Module):
         h, new_cache = self.hidden(tokens, positions, cache, index)
         logits = self.logits(h)
         return logits if cache is None else (logits, new_cache)
+
+
+def _remat_layer(policy):
+    return nnx.remat(lambda layer, x, positions: layer(x, positions)[0], policy=policy)
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

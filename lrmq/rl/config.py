@@ -13,6 +13,14 @@ class ModelSection:
     checkpoint: str = "tiny"  # HF or lrmq directory; "tiny" = the shipped embedded model
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights
+    # architecture preset (lrmq.model.presets, e.g. qwen3-8b) for --compile-only when the checkpoint is not here
+    shapes: str = ""
+    # rematerialisation of each decoder layer in the train step: none | full (recompute the layer in
+    # the backward pass) | dots (save matmul outputs, recompute the rest)
+    remat: Literal["none", "full", "dots"] = "full"
+    # completion positions per chunk when projecting onto the vocabulary for log-probs (0 = all at once);
+    # bounds the f32 [micro-batch, chunk, vocab] logits that are ever live
+    logits_chunk: int = 256
 
 
 @dataclass
@@ -106,6 +114,9 @@ class MeshSection:
     data: int = 1
     fsdp: int = -1  # -1: all remaining devices
     tensor: int = 1
+    # the hardware the recipe is written for, as a TPU topology (e.g. v5p:2x4x4): --compile-only compiles
+    # for it when no --topology is given
+    topology: str = ""
 
 
 @dataclass

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.decoder import positions_from_mask
 from lrmq.rl.config import TrainConfig
@@ -32,19 +33,67 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     return tx, sched
 
 
-def completion_logprobs(model, tokens, mask, completion, temperature: float):
-    """Log-probs [S, N] of the completion tokens (and their entropies) under the policy at `temperature`."""
+def opt_state_shardings(tx, params, mesh):
+    """Shardings of `tx.init(params)`: every parameter-shaped leaf (Adam's moments) sharded like its
+    parameter, the rest (step counts) replicated. `params`: arrays or ShapeDtypeStructs with shardings.
+
+    Without out_shardings, `jax.jit(tx.init)` left the whole AdamW state replicated on every chip
+    (30 GiB per chip for an 8B model)."""
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    abstract = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(tx, lambda _, sh: sh, abstract, param_sh,
+                                 transform_non_params=lambda _: NamedSharding(mesh, P()))
+
+
+def init_opt_state(tx, params, mesh):
+    """The optimizer state, created directly in its sharded layout."""
+    return jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh))(params)
+
+
+def completion_logprobs(model, tokens, mask, completion, temperature: float, *, remat: str = "none",
+                        chunk: int = 0):
+    """Log-probs [S, N] of the completion tokens (and their entropies) under the policy at `temperature`.
+
+    Only the N completion positions are projected onto the vocabulary, `chunk` positions at a time
+    (0: all at once) with each chunk recomputed in the backward pass, so the f32 logits live at any
+    moment are [S, chunk, V], never [S, P+N, V] (1.5k positions x 152k vocab per sequence)."""
     positions = positions_from_mask(mask)
-    logits = model(tokens, positions)  # padding keeps position -1: never attended to
+    h, _ = model.hidden(tokens, positions, remat=remat)  # padding keeps position -1: never attended to
     n = completion.shape[1]
-    logits = logits[:, -n - 1:-1].astype(jnp.float32) / temperature  # position t predicts token t+1
-    return token_logprobs(logits, completion), token_entropy(logits)
+    h = h[:, -n - 1:-1]  # position t predicts token t+1
+
+    def head(hc, tc):
+        logits = model.logits(hc).astype(jnp.float32) / temperature
+        return token_logprobs(logits, tc), token_entropy(logits)
+
+    if not chunk or chunk >= n:
+        return head(h, completion)
+    pad = (-n) % chunk
+    hp = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    tp = jnp.pad(completion, ((0, 0), (0, pad)))
+    s = h.shape[0]
+    hc = hp.reshape(s, -1, chunk, h.shape[-1]).swapaxes(0, 1)  # [chunks, S, chunk, D]
+    tc = tp.reshape(s, -1, chunk).swapaxes(0, 1)
+    logp, ent = jax.lax.map(lambda a: jax.checkpoint(head)(*a), (hc, tc))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(s, -1)[:, :n]
+    return unchunk(logp), unchunk(ent)
+
+
+def micro_batches(x, n_micro: int):
+    """[S, ...] -> [n_micro, S / n_micro, ...] with micro-batch i = rows i, i + n_micro, ... (strided).
+
+    The batch is sharded over the data axes by rows; a strided split keeps each device's rows in
+    every micro-batch, so the scan over micro-batches never moves data. A contiguous split
+    (`reshape(n_micro, mbs)`) would put the sharding on the scanned axis: every device would gather
+    and compute each whole micro-batch."""
+    return x.reshape((x.shape[0] // n_micro, n_micro) + x.shape[1:]).swapaxes(0, 1)
 
 
 def _loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg: TrainConfig):
     model = nnx.merge(graphdef, trainable, rest)
     a = cfg.algo
-    logp, ent = completion_logprobs(model, mb["tokens"], mb["mask"], mb["completion"], cfg.rollout.temperature)
+    logp, ent = completion_logprobs(model, mb["tokens"], mb["mask"], mb["completion"], cfg.rollout.temperature,
+                                    remat=cfg.model.remat, chunk=cfg.model.logits_chunk)
     loss_sum, _, metrics = grpo_loss(logp, mb["old_logp"], mb["advantages"], mb["completion_mask"], eps_low=a.eps_low,
                                      eps_high=a.eps_high, aggregation=a.loss_aggregation, beta=a.beta,
                                      ref_logp=ref_logp, kl_estimator=a.kl_estimator,
@@ -64,7 +113,7 @@ def train_step(graphdef, cfg: TrainConfig, tx, trainable, rest, opt_state, batch
         jnp.zeros_like(batch["completion_mask"]), batch["completion_mask"], max_len=cfg.rollout.max_new_tokens)
     total_count = jnp.maximum(total_count, 1.0)
 
-    split = lambda x: x.reshape((n_micro, mbs) + x.shape[1:])
+    split = lambda x: micro_batches(x, n_micro)
     micro = jax.tree.map(split, batch)
     ref_micro = split(ref_logp) if ref_logp is not None else None
     grad_fn = jax.grad(_loss_fn, has_aux=True)
@@ -107,6 +156,7 @@ def make_ref_logprobs(graphdef, cfg: TrainConfig):
 
     def fn(ref_trainable, rest, tokens, mask, completion):
         model = nnx.merge(graphdef, ref_trainable, rest)
-        return completion_logprobs(model, tokens, mask, completion, cfg.rollout.temperature)[0]
+        return completion_logprobs(model, tokens, mask, completion, cfg.rollout.temperature,
+                                   chunk=cfg.model.logits_chunk)[0]
 
     return jax.jit(fn)

@@ -7,7 +7,6 @@ cheap next to generation) and then places its own shards of the train batch.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lrmq import paths
 from lrmq.configlib import ConfigError, save_config
 from lrmq.generation.engine import Generator, left_pad
 from lrmq.generation.sampling import SamplingConfig
@@ -26,8 +26,8 @@ from lrmq.rl.advantages import compute_advantages
 from lrmq.rl.batch import build_batch, truncate_left
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.rewards import score_completions
-from lrmq.rl.run_state import RunCheckpointer
-from lrmq.rl.step import make_optimizer, make_ref_logprobs, make_train_step
+from lrmq.rl.run_state import RunCheckpointer, RunLogs
+from lrmq.rl.step import init_opt_state, make_optimizer, make_ref_logprobs, make_train_step
 from lrmq.sharding import MeshConfig, batch_sharding, make_mesh
 
 log = logging.getLogger("lrmq.train")
@@ -86,8 +86,8 @@ def build_model(cfg: TrainConfig, mesh):
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, *, writer_factory=None):
         self.cfg = cfg
-        self.run_dir = os.path.abspath(cfg.run.out_dir)
-        os.makedirs(self.run_dir, exist_ok=True)
+        self.run_dir = paths.resolve(cfg.run.out_dir)  # local: absolute path; or a URL (gs://...)
+        paths.ensure_dir(self.run_dir)
         self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
         self._check_mesh()
         from lrmq.tokenizer import Tokenizer
@@ -101,7 +101,7 @@ class GRPOTrainer:
         self.graphdef, self.trainable, self.rest = nnx.split(model, trainable_filter(cfg), ...)
         self.tx, self.schedule = make_optimizer(cfg)
         with jax.set_mesh(self.mesh):
-            self.opt_state = jax.jit(self.tx.init)(self.trainable)
+            self.opt_state = init_opt_state(self.tx, self.trainable, self.mesh)
         tr_sh = jax.tree.map(lambda x: x.sharding, self.trainable)
         opt_sh = jax.tree.map(lambda x: x.sharding, self.opt_state)
         self.train_step = make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh))
@@ -116,14 +116,15 @@ class GRPOTrainer:
 
         self.pipeline = PromptPipeline(self.train_rows, batch_size=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
                                        process_index=0, process_count=1)
-        self.ckpt = RunCheckpointer(os.path.join(self.run_dir, "checkpoints"), keep=cfg.run.keep_checkpoints)
+        self.ckpt = RunCheckpointer(paths.join(self.run_dir, "checkpoints"), keep=cfg.run.keep_checkpoints)
         self.step = 0
         self._stop_signal = None
-        # TensorBoard is written by process 0 only (metrics are global); other processes creating the
-        # same log dir raced in tensorboardX's exists-then-makedirs and crashed one process at start-up
-        self.writer = ((writer_factory or _tb_writer)(os.path.join(self.run_dir, "tb"))
-                       if jax.process_index() == 0 else NullWriter())
-        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        # Logs are written by process 0 only (metrics are global); other processes creating the same
+        # TensorBoard dir raced in tensorboardX's exists-then-makedirs and crashed one process at start-up.
+        # For a URL run dir they are written locally and mirrored up (RunLogs).
+        self.logs = RunLogs(self.run_dir, enabled=jax.process_index() == 0)
+        self.writer = (writer_factory or _tb_writer)(self.logs.tb_dir) if self.logs.enabled else NullWriter()
+        self.metrics_path = self.logs.metrics_path  # local; the run dir's own copy for a local run dir
 
     # ------------------------------------------------------------------ setup helpers
     def _check_mesh(self):
@@ -245,6 +246,7 @@ class GRPOTrainer:
     def save(self):
         self.ckpt.save(self.step, {"trainable": self.trainable, "rest": self.rest, "opt": self.opt_state},
                        {"step": self.step, "data": self.pipeline.get_state()})
+        self.logs.sync(force=True)  # URL run dir: the logs there are never behind the newest checkpoint
 
     def maybe_restore(self) -> bool:
         latest = self.ckpt.latest_step()
@@ -260,6 +262,8 @@ class GRPOTrainer:
         return True
 
     def export_policy(self, out_dir: str):
+        """HF export of the current policy. Every process must call it: sharded parameters are gathered
+        tensor by tensor (collectives), and process 0 writes."""
         from lrmq.checkpoint.hf import save_hf_model
 
         model = nnx.merge(self.graphdef, self.trainable, self.rest)
@@ -279,19 +283,18 @@ class GRPOTrainer:
             return
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
-        self.writer.flush()
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.writer.flush()  # before the append: its sync also copies tb/ up for a URL run dir
+        self.logs.append({"step": step, **metrics})
 
     def train(self, stop_after: int | None = None) -> dict[str, float]:
         cfg = self.cfg
-        save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+        if jax.process_index() == 0:  # one writer: object stores throttle concurrent writes to one object
+            save_config(cfg, paths.join(self.run_dir, "config.yaml"))
         resumed = self.maybe_restore()
         if not resumed:
-            if self.cfg.run.export_hf and jax.process_index() == 0:
-                self.export_policy(os.path.join(self.run_dir, "initial_policy"))  # W_before for QuantLRM
-            if os.path.exists(self.metrics_path) and jax.process_index() == 0:
-                os.remove(self.metrics_path)
+            if self.cfg.run.export_hf:  # every process: the export gathers the sharded parameters
+                self.export_policy(paths.join(self.run_dir, "initial_policy"))  # W_before for QuantLRM
+            self.logs.reset()
             ev = self.evaluate()
             if ev:
                 self.log_metrics(0, ev)
@@ -330,23 +333,23 @@ class GRPOTrainer:
             if final:
                 self.log_metrics(self.step, final)
                 last.update(final)
-            if cfg.run.export_hf and jax.process_index() == 0:
-                self.export_policy(os.path.join(self.run_dir, "final_policy"))
+            if cfg.run.export_hf:
+                self.export_policy(paths.join(self.run_dir, "final_policy"))
             return last
         finally:
             bar.close()
             for s, h in old.items():
                 signal.signal(s, h)
             self.writer.flush()
+            self.logs.sync(force=True)
 
 
 def to_host(x) -> np.ndarray:
-    """Global array -> numpy on every process (gathers shards held by other hosts)."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
+    """Global array -> numpy on every process (gathers shards held by other hosts: a collective, so
+    every process must call it for the same array)."""
+    from lrmq.checkpoint.hf import host_array
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return host_array(x)
 
 
 class NullWriter:

@@ -1,0 +1,252 @@
+"""Ahead-of-time compiles of the GRPO step and the rollout, for hardware you may not have.
+
+With `libtpu` installed, XLA compiles for any TPU topology from a CPU-only host
+(`jax.experimental.topologies`), so a recipe can be checked against its slice's HBM before the slice
+is rented: `python -m lrmq.train --config X --compile-only [--topology v5p:2x4x4]`. The state is
+abstract throughout (`nnx.eval_shape`): no weight is ever allocated, and no checkpoint needs to be
+on this machine (`model.shapes` names the architecture). The trainer runs the same compile before
+its first step on real accelerators and refuses to start when the step does not fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from lrmq.configlib import ConfigError
+from lrmq.generation.engine import Generator
+from lrmq.generation.sampling import SamplingConfig
+from lrmq.model.config import ModelConfig
+from lrmq.model.decoder import Decoder
+from lrmq.model.params import LOGICAL_AXES_KEY
+from lrmq.quant.qweight import QuantizedKernel
+from lrmq.quant.training import prepare_for_training, qweight_shardings
+from lrmq.rl.config import TrainConfig
+from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings
+from lrmq.sharding import MeshConfig, batch_sharding, logical_to_spec, make_mesh
+
+GIB = 1024 ** 3
+# HBM per chip by device kind (public Cloud TPU specs), for topologies compiled without the hardware.
+HBM_BYTES = {"TPU v4": 32 * GIB, "TPU v5 lite": 16 * GIB, "TPU v5": 95 * GIB, "TPU v6 lite": 32 * GIB}
+# Leave this share of HBM free: runtime buffers, fragmentation, and host transfers are not in the report.
+HEADROOM = 0.10
+
+
+# ----------------------------------------------------------------------------- targets
+@functools.lru_cache(maxsize=None)
+def topology_devices(name: str) -> tuple:
+    """The devices of a TPU topology such as "v5p:2x4x4" or "v5e:2x4" (needs libtpu, not a TPU)."""
+    from jax.experimental import topologies
+
+    try:
+        return tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # libtpu missing, or a malformed name: say which
+        raise ConfigError(f"TPU topology {name!r}: {str(e).splitlines()[0]} (needs libtpu: "
+                          f"pip install 'jax[tpu]'; names look like v5e:2x4, v5p:2x4x4, v6e:2x2)") from None
+
+
+def hbm_bytes(device) -> int | None:
+    """Usable memory of one device: the runtime's own limit on real hardware, else the spec table."""
+    try:
+        stats = device.memory_stats()
+        if stats and stats.get("bytes_limit"):
+            return int(stats["bytes_limit"])
+    except Exception:  # topology devices and CPUs have no runtime stats
+        pass
+    return HBM_BYTES.get(getattr(device, "device_kind", ""))
+
+
+# ----------------------------------------------------------------------------- abstract state
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The architecture: the checkpoint's config.json when it is here, else the `model.shapes` preset."""
+    from lrmq.model.presets import preset_config
+    from lrmq.rl.trainer import resolve_checkpoint
+
+    m = cfg.model
+    path = resolve_checkpoint(m.checkpoint)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ModelConfig.from_hf_file(path, dtype=m.dtype, param_dtype=m.param_dtype)
+    if m.shapes:
+        return preset_config(m.shapes, dtype=m.dtype, param_dtype=m.param_dtype)
+    raise ConfigError(f"model.checkpoint={m.checkpoint!r} has no config.json here; set model.shapes to one of "
+                      f"the presets in lrmq/model/presets.py to compile without the weights")
+
+
+def _variable_shardings(state, mesh):
+    """NamedShardings for an nnx State whose leaves may be abstract, packed kernels included."""
+
+    def one(var):
+        axes = var.get_metadata().get(LOGICAL_AXES_KEY)
+        value = var.get_value()
+        if isinstance(var, QuantizedKernel):
+            return var.replace(value=qweight_shardings(value, axes, mesh))
+        ok = axes is not None and len(axes) == len(value.shape)
+        return var.replace(value=NamedSharding(mesh, logical_to_spec(axes if ok else None, value.shape, mesh)))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _with_shardings(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+@dataclass
+class AbstractRun:
+    """Everything a step compile needs, as ShapeDtypeStructs carrying their shardings."""
+
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    mesh: jax.sharding.Mesh
+    graphdef: object
+    trainable: object
+    rest: object
+
+
+def abstract_run(cfg: TrainConfig, mesh) -> AbstractRun:
+    from lrmq.rl.trainer import trainable_filter
+
+    mcfg = model_config(cfg)
+
+    def build():
+        return prepare_for_training(Decoder(mcfg, nnx.Rngs(cfg.run.seed)), cfg.quant, seed=cfg.run.seed)
+
+    model = nnx.eval_shape(build)
+    graphdef, trainable, rest = nnx.split(model, trainable_filter(cfg), ...)
+    trainable = _with_shardings(trainable, _variable_shardings(trainable, mesh))
+    rest = _with_shardings(rest, _variable_shardings(rest, mesh))
+    return AbstractRun(cfg, mcfg, mesh, graphdef, trainable, rest)
+
+
+def _sds(shape, dtype, sharding):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def abstract_batch(cfg: TrainConfig, mesh) -> dict:
+    """The train step's batch: S = prompts x group sequences of max_prompt_len + max_new_tokens."""
+    r = cfg.rollout
+    s, n = r.prompts_per_step * r.group_size, r.max_new_tokens
+    length = r.max_prompt_len + n
+    sh = lambda nd: batch_sharding(mesh, nd)
+    return {"tokens": _sds((s, length), jnp.int32, sh(2)), "mask": _sds((s, length), jnp.int32, sh(2)),
+            "completion": _sds((s, n), jnp.int32, sh(2)), "completion_mask": _sds((s, n), jnp.float32, sh(2)),
+            "old_logp": _sds((s, n), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}
+
+
+# ----------------------------------------------------------------------------- compiles
+def memory_report(compiled) -> dict:
+    """Per-device bytes of a compiled program (what XLA allocates for one chip's share)."""
+    ma = compiled.memory_analysis()
+    arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+    alias, tmp = int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes)
+    code = int(getattr(ma, "generated_code_size_in_bytes", 0))
+    return {"arguments": arg, "outputs": out, "aliased": alias, "temporaries": tmp, "code": code,
+            "total": arg + out - alias + tmp + code}
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def _compile(fn, *args, mesh) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def compile_train_step(run: AbstractRun, micro_batch: int | None = None):
+    """(compiled, seconds) of one optimizer update at `micro_batch` (default: the config's)."""
+    cfg = run.cfg
+    if micro_batch is not None:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, micro_batch_size=micro_batch))
+    tx, _ = make_optimizer(cfg)
+    tr_sh = jax.tree.map(lambda x: x.sharding, run.trainable)
+    opt_sh = opt_state_shardings(tx, run.trainable, run.mesh)
+    opt = _with_shardings(jax.eval_shape(tx.init, run.trainable), opt_sh)
+    step = make_train_step(run.graphdef, cfg, tx, (tr_sh, opt_sh))
+    s, n = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens
+    ref = _sds((s, n), jnp.float32, batch_sharding(run.mesh, 2)) if cfg.algo.beta != 0.0 else None
+    return _compile(step, run.trainable, run.rest, opt, abstract_batch(cfg, run.mesh), ref, mesh=run.mesh)
+
+
+def compile_rollout(run: AbstractRun):
+    """(compiled, seconds) of one rollout: prefill + decode of every sequence of a step at once."""
+    r = run.cfg.rollout
+    s = r.prompts_per_step * r.group_size
+    gen = Generator(None, eos_ids=(0,), pad_id=0, mesh=run.mesh, graphdef=run.graphdef)
+    fn = gen._fn(r.max_new_tokens, SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
+    sh = batch_sharding(run.mesh, 2)
+    tokens = _sds((s, r.max_prompt_len), jnp.int32, sh)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(run.mesh, P()))
+    return _compile(fn, (run.trainable, run.rest), tokens, tokens, key, mesh=run.mesh)
+
+
+# ----------------------------------------------------------------------------- the check
+def _micro_batch_candidates(cfg: TrainConfig, mesh) -> list[int]:
+    """Micro-batch sizes below the configured one that divide the batch and the data axes, largest first."""
+    s = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    cur = cfg.optim.micro_batch_size or s
+    div = mesh.shape["data"] * mesh.shape["fsdp"]
+    return [m for m in range(cur - 1, 0, -1) if s % m == 0 and m % div == 0]
+
+
+@dataclass
+class FitReport:
+    rows: list[dict]  # one per compiled program: name, memory, flops, seconds
+    hbm: int | None
+    fits: bool
+    largest_fitting_micro_batch: int | None = None
+
+    def table(self) -> str:
+        gib = lambda b: f"{b / GIB:.2f}"
+        head = "| program | arguments | temporaries | outputs | aliased | total (GiB) | of HBM | TFLOP | compile s |"
+        lines = [head, "|" + "---|" * 9]
+        for r in self.rows:
+            m = r["memory"]
+            share = f"{m['total'] / self.hbm:.0%}" if self.hbm else "?"
+            lines.append(f"| {r['name']} | {gib(m['arguments'])} | {gib(m['temporaries'])} | {gib(m['outputs'])} | "
+                         f"{gib(m['aliased'])} | {gib(m['total'])} | {share} | {r['flops'] / 1e12:.2f} | "
+                         f"{r['seconds']:.1f} |")
+        return "\n".join(lines)
+
+
+def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, log=print) -> FitReport:
+    """Compile the train step and the rollout for `devices` (default: this process's view of all devices)
+    and compare per-device memory with HBM minus HEADROOM; when the step does not fit, find the largest
+    micro-batch that does (compiling smaller ones, largest first)."""
+    devices = list(devices) if devices is not None else jax.devices()
+    mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), devices=devices)
+    hbm = hbm_bytes(devices[0])
+    budget = hbm * (1 - HEADROOM) if hbm else None
+    run = abstract_run(cfg, mesh)
+    rows = []
+    for name, fn in (("train_step", lambda: compile_train_step(run)), ("rollout", lambda: compile_rollout(run))):
+        compiled, secs = fn()
+        rows.append({"name": name, "memory": memory_report(compiled), "flops": _flops(compiled), "seconds": secs})
+        log(f"compiled {name} in {secs:.1f} s: {rows[-1]['memory']['total'] / GIB:.2f} GiB per device")
+    fits = budget is None or all(r["memory"]["total"] <= budget for r in rows)
+    report = FitReport(rows, hbm, fits)
+    step_fits = budget is None or rows[0]["memory"]["total"] <= budget
+    if not step_fits and search:
+        for mb in _micro_batch_candidates(cfg, mesh):
+            compiled, secs = compile_train_step(run, mb)
+            total = memory_report(compiled)["total"]
+            log(f"micro-batch {mb}: {total / GIB:.2f} GiB per device ({secs:.1f} s)")
+            if total <= budget:
+                report.largest_fitting_micro_batch = mb
+                break
+    return report

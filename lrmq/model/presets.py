@@ -1,0 +1,41 @@
+"""Architectures of the models the paper recipes train, as their Hugging Face `config.json` fields.
+
+Used where the shapes are needed but the weights are not: `--compile-only` on a machine that has no
+copy of the checkpoint (`model.shapes: qwen3-8b` in a recipe). Values are the public config.json files
+of the named repositories (Qwen/Qwen3-*-Base, meta-llama/Llama-3.1-8B); only fields lrmq reads are kept.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from lrmq.model.config import ConfigError, ModelConfig
+
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, num_key_value_heads=8, rms_norm_eps=1e-6,
+              rope_theta=1000000.0, max_position_embeddings=32768, hidden_act="silu", attention_bias=False,
+              torch_dtype="bfloat16")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+    "llama3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+                        rope_theta=500000.0, max_position_embeddings=131072, hidden_act="silu",
+                        tie_word_embeddings=False, torch_dtype="bfloat16",
+                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0, original_max_position_embeddings=8192)),
+}
+
+
+def preset_config(name: str, *, dtype: str | None = None, param_dtype: str | None = None) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"model.shapes={name!r} is not a known architecture; known: {sorted(PRESETS)}")
+    return ModelConfig.from_hf_dict(copy.deepcopy(PRESETS[name]), source=f"preset {name}", dtype=dtype,
+                                    param_dtype=param_dtype)
