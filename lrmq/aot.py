@@ -182,17 +182,30 @@ def compile_train_step(run: AbstractRun, micro_batch: int | None = None):
     return _compile(step, run.trainable, run.rest, opt, abstract_batch(cfg, run.mesh), ref, mesh=run.mesh)
 
 
+def compile_generate(graphdef, state, mesh, *, batch: int, prompt_len: int, max_new: int,
+                     sampling: SamplingConfig):
+    """(compiled, seconds) of generation: prefill of `batch` left-padded prompts + decode loop."""
+    gen = Generator(None, eos_ids=(0,), pad_id=0, mesh=mesh, graphdef=graphdef)
+    fn = gen._fn(max_new, sampling)
+    tokens = _sds((batch, prompt_len), jnp.int32, batch_sharding(mesh, 2))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P()))
+    return _compile(fn, state, tokens, tokens, key, mesh=mesh)
+
+
 def compile_rollout(run: AbstractRun):
     """(compiled, seconds) of one rollout: prefill + decode of every sequence of a step at once."""
     r = run.cfg.rollout
-    s = r.prompts_per_step * r.group_size
-    gen = Generator(None, eos_ids=(0,), pad_id=0, mesh=run.mesh, graphdef=run.graphdef)
-    fn = gen._fn(r.max_new_tokens, SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
-    sh = batch_sharding(run.mesh, 2)
-    tokens = _sds((s, r.max_prompt_len), jnp.int32, sh)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(run.mesh, P()))
-    return _compile(fn, (run.trainable, run.rest), tokens, tokens, key, mesh=run.mesh)
+    return compile_generate(run.graphdef, (run.trainable, run.rest), run.mesh,
+                            batch=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len,
+                            max_new=r.max_new_tokens,
+                            sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
+
+
+def abstract_model(mcfg: ModelConfig, mesh):
+    """(graphdef, state) of a Decoder as sharded ShapeDtypeStructs (for generation-only compiles)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(mcfg, nnx.Rngs(0))))
+    return graphdef, _with_shardings(state, _variable_shardings(state, mesh))
 
 
 # ----------------------------------------------------------------------------- the check
@@ -250,3 +263,31 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, log=print)
                 report.largest_fitting_micro_batch = mb
                 break
     return report
+
+
+def report_dict(report: FitReport, cfg: TrainConfig, target: str) -> dict:
+    """A JSON-able record of a check (docs/tpu.md's table is built from these)."""
+    return {"target": target, "hbm_bytes": report.hbm, "headroom": HEADROOM, "fits": report.fits,
+            "micro_batch": cfg.optim.micro_batch_size, "largest_fitting_micro_batch": report.largest_fitting_micro_batch,
+            "mode": cfg.quant.mode, "model": cfg.model.shapes or cfg.model.checkpoint, "programs": report.rows}
+
+
+def verdict(report: FitReport, cfg: TrainConfig) -> str:
+    """One line: fits, or what does not and the micro-batch to use instead."""
+    budget = report.hbm * (1 - HEADROOM) if report.hbm else None
+    if report.fits:
+        worst = max(r["memory"]["total"] for r in report.rows)
+        room = f" of {budget / GIB:.1f} GiB usable per device" if budget else " (device memory unknown)"
+        return f"fits: at most {worst / GIB:.2f} GiB{room}"
+    over = ", ".join(f"{r['name']} needs {r['memory']['total'] / GIB:.2f} GiB" for r in report.rows
+                     if r["memory"]["total"] > budget)
+    msg = f"does not fit: {over} of {budget / GIB:.1f} GiB usable per device ({HEADROOM:.0%} headroom)"
+    step_over = report.rows[0]["memory"]["total"] > budget
+    if step_over and report.largest_fitting_micro_batch:
+        msg += (f"; the largest micro-batch whose train step fits is {report.largest_fitting_micro_batch} "
+                f"(optim.micro_batch_size={report.largest_fitting_micro_batch})")
+    elif step_over:
+        msg += "; no smaller micro-batch fits either (shard over more chips, or use remat / QLoRA)"
+    if not step_over or any(r["name"] == "rollout" and r["memory"]["total"] > budget for r in report.rows):
+        msg += "; the rollout holds a KV cache for every sequence of the step: lower rollout.prompts_per_step"
+    return msg

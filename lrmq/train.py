@@ -30,6 +30,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lrmq.train", description=__doc__.splitlines()[0])
     add_config_args(ap)
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile the train step and the rollout for the recipe's hardware without allocating "
+                         "weights; print per-device memory, FLOPs and compile times; exit 3 if it does not fit")
+    ap.add_argument("--topology", default=None,
+                    help="with --compile-only: TPU topology to compile for, e.g. v5p:2x4x4 "
+                         "(default: mesh.topology of the config, else this machine's devices)")
+    ap.add_argument("--report", default=None, help="with --compile-only: also write the report as JSON here")
     ap.add_argument("--stop-after", type=int, default=0,
                     help="run at most this many steps in this invocation, then save and exit (resume later)")
     args = ap.parse_args(argv)
@@ -46,6 +53,8 @@ def main(argv=None) -> int:
     if args.print_config:
         print(dump_config(cfg))
         return 0
+    if args.compile_only:
+        return compile_only(cfg, args.topology or cfg.mesh.topology, args.report)
     maybe_init_distributed()
     from lrmq.rl.trainer import GRPOTrainer
 
@@ -54,7 +63,11 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    final = trainer.train(stop_after=args.stop_after or None)
+    try:
+        final = trainer.train(stop_after=args.stop_after or None)
+    except ConfigError as e:  # the preflight memory check
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     if trainer._stop_signal is not None:
         print(f"interrupted at step {trainer.step}; checkpoint saved in {trainer.ckpt.directory}; "
               "rerun the same command to resume", file=sys.stderr)
@@ -64,6 +77,31 @@ def main(argv=None) -> int:
     print(f"done: step {trainer.step}, " + ", ".join(f"{k}={final[k]:.4f}" for k in keys) +
           f"; run dir {trainer.run_dir}")
     return 0
+
+
+def compile_only(cfg, topology: str, report_path: str | None) -> int:
+    """--compile-only: 0 when the step and the rollout fit, 3 when they do not, 2 on a config error."""
+    import json
+
+    from lrmq import aot
+    from lrmq.configlib import ConfigError
+
+    try:
+        devices = aot.topology_devices(topology) if topology else None
+        report = aot.check_fit(cfg, devices, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    target = topology or "local devices"
+    print(f"target: {target}; mesh data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}; "
+          f"mode {cfg.quant.mode}; micro-batch {cfg.optim.micro_batch_size or 'whole batch'}")
+    print(report.table())
+    print(aot.verdict(report, cfg))
+    if report_path:
+        from lrmq.checkpoint.atomic import atomic_write_text
+
+        atomic_write_text(report_path, json.dumps(aot.report_dict(report, cfg, target), indent=1) + "\n")
+    return 0 if report.fits else 3
 
 
 if __name__ == "__main__":

@@ -131,6 +131,10 @@ class RunSection:
     eval_greedy: bool = True  # also evaluate greedy decoding (eval/accuracy is sampled at the rollout temperature)
     log_every: int = 1
     export_hf: bool = True
+    # compile the update and the rollout before the first step and refuse to start when either needs more
+    # memory per device than it has: auto = on accelerators only
+    preflight: Literal["auto", "on", "off"] = "auto"
+    hbm_limit_gib: float = 0.0  # per-device memory the preflight check allows; 0 = the device's own limit
     progress: bool = True
 
 

@@ -203,6 +203,8 @@ class GRPOTrainer:
             if self.cfg.algo.old_logprobs == "recompute":
                 arrays["old_logp"] = self.logprob_fn(self.trainable, self.rest, arrays["tokens"], arrays["mask"],
                                                      arrays["completion"]) * arrays["completion_mask"]
+                # the preflight-compiled update takes exactly the batch layout it was compiled for
+                arrays["old_logp"] = jax.device_put(arrays["old_logp"], batch_sharding(self.mesh, 2))
             t0 = time.perf_counter()
             metrics = {}
             for _ in range(self.cfg.algo.num_iterations):
@@ -241,6 +243,41 @@ class GRPOTrainer:
             out[f"eval/{name}_format_rate"] = float(np.mean(info["formatted"]))
         out["eval/accuracy"] = out["eval/sampled_accuracy"]
         return out
+
+    # ------------------------------------------------------------------ pre-flight
+    def preflight(self) -> dict | None:
+        """Compile the update and the rollout now and raise (naming sizes) when either needs more memory per
+        device than it has, before any slice time goes into rollouts. The compiled update is kept and used."""
+        r = self.cfg.run
+        on_accel = self.mesh.devices.flat[0].platform != "cpu"
+        if r.preflight == "off" or (r.preflight == "auto" and not on_accel):
+            return None
+        from lrmq import aot
+
+        cfg = self.cfg
+        batch = aot.abstract_batch(cfg, self.mesh)
+        s, n = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens
+        ref = (jax.ShapeDtypeStruct((s, n), jnp.float32, sharding=batch_sharding(self.mesh, 2))
+               if cfg.algo.beta != 0.0 else None)
+        with jax.set_mesh(self.mesh):
+            step = self.train_step.lower(self.trainable, self.rest, self.opt_state, batch, ref).compile()
+        rollout, _ = aot.compile_generate(self.graphdef, self.states(), self.mesh, batch=s,
+                                          prompt_len=cfg.rollout.max_prompt_len, max_new=n,
+                                          sampling=SamplingConfig(temperature=cfg.rollout.temperature,
+                                                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k))
+        mem = {"train_step": aot.memory_report(step)["total"], "rollout": aot.memory_report(rollout)["total"]}
+        limit = (r.hbm_limit_gib * aot.GIB if r.hbm_limit_gib
+                 else (aot.hbm_bytes(self.mesh.devices.flat[0]) or 0) * (1 - aot.HEADROOM))
+        gib = lambda b: f"{b / aot.GIB:.2f} GiB"
+        log.info("preflight: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()) + f" per device (limit {gib(limit)})")
+        over = {k: v for k, v in mem.items() if limit and v > limit}
+        if over:
+            raise ConfigError(
+                "preflight: " + ", ".join(f"{k} needs {gib(v)}" for k, v in over.items()) +
+                f" per device, more than the {gib(limit)} allowed; nothing was run. Find a micro-batch that fits "
+                f"with `python -m lrmq.train --config CONFIG --compile-only` (or lower rollout.prompts_per_step)")
+        self.train_step = step  # same shapes and shardings as every update: no second compile
+        return mem
 
     # ------------------------------------------------------------------ checkpoints
     def save(self):
@@ -291,6 +328,7 @@ class GRPOTrainer:
         if jax.process_index() == 0:  # one writer: object stores throttle concurrent writes to one object
             save_config(cfg, paths.join(self.run_dir, "config.yaml"))
         resumed = self.maybe_restore()
+        self.preflight()
         if not resumed:
             if self.cfg.run.export_hf:  # every process: the export gathers the sharded parameters
                 self.export_policy(paths.join(self.run_dir, "initial_policy"))  # W_before for QuantLRM

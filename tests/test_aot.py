@@ -1,0 +1,101 @@
+"""Ahead-of-time TPU compiles of the GRPO step and rollout (`--compile-only`) and the trainer's pre-flight
+memory check. Compiles target TPU topologies through libtpu on this CPU-only host; nothing executes on a TPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, tiny_train_config
+
+pytest.importorskip("libtpu", reason="libtpu is in the test extra on Python 3.11") if sys.version_info >= (3, 12) \
+    else __import__("libtpu")
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+TINY_OVERRIDES = ["run.progress=false", "data.synthetic_train_size=64", "data.synthetic_eval_size=8"]
+
+
+def _train(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "lrmq.train", *args], cwd=REPO_ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_compile_only_tiny_recipe_on_a_multichip_topology(tmp_path):
+    """The tiny GRPO step and rollout compile for 8 v5e chips (fsdp=8), with a JSON report."""
+    report = tmp_path / "r.json"
+    r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), "--compile-only",
+               "--topology", "v5e:2x4", "--report", str(report), "mesh.fsdp=8", "optim.micro_batch_size=64",
+               *TINY_OVERRIDES)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| train_step |" in r.stdout and "| rollout |" in r.stdout and "fits:" in r.stdout
+    rep = json.loads(report.read_text())
+    assert rep["fits"] and rep["target"] == "v5e:2x4" and rep["hbm_bytes"] == 16 * 2 ** 30
+    for prog in rep["programs"]:
+        assert prog["memory"]["total"] > 0 and prog["flops"] > 0 and prog["seconds"] > 0
+
+
+def test_compile_only_missing_weights_needs_shapes(tmp_path):
+    r = _train("--config", os.path.join(REPO_ROOT, "configs", "paper1", "qwen3_0.6b_grpo.yaml"), "--compile-only",
+               "model.shapes=", "--topology", "v5e:2x4")
+    assert r.returncode == 2
+    assert "model.shapes" in r.stderr and "/path/to/Qwen3-0.6B-Base" in r.stderr
+
+
+def test_compile_only_bad_topology_names_it():
+    r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), "--compile-only",
+               "--topology", "v9z:banana")
+    assert r.returncode == 2 and "v9z:banana" in r.stderr
+
+
+def test_paper_recipe_0_6b_fits_v5e_8(tmp_path):
+    """configs/paper1/qwen3_0.6b_grpo.yaml as written: Qwen3-0.6B, 256 sequences of 512 + 512 tokens, compiled
+    for its stated hardware (8 v5e chips, 16 GiB each). Exits 0 only when both programs fit with headroom."""
+    report = tmp_path / "r.json"
+    r = _train("--config", os.path.join(REPO_ROOT, "configs", "paper1", "qwen3_0.6b_grpo.yaml"), "--compile-only",
+               "--report", str(report), timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    assert rep["target"] == "v5e:2x4" and rep["fits"]
+    step = rep["programs"][0]["memory"]
+    assert step["total"] < 0.9 * 16 * 2 ** 30
+
+
+def test_does_not_fit_names_the_largest_micro_batch(tmp_path, monkeypatch):
+    """A recipe over its HBM exits 3 and names the largest micro-batch whose step fits (64 sequences of
+    256 tokens on 8 chips: the micro-batch-64 step needs ~1.5x the memory of the micro-batch-32 one)."""
+    from lrmq import aot
+    from lrmq.train import compile_only
+
+    cfg = tiny_train_config(str(tmp_path), mesh={"fsdp": 8}, optim={"micro_batch_size": 64},
+                            rollout={"group_size": 8, "prompts_per_step": 8, "max_prompt_len": 64,
+                                     "max_new_tokens": 192})
+    devices = aot.topology_devices("v5e:2x4")
+    run = aot.abstract_run(cfg, aot.make_mesh(aot.MeshConfig(1, 8, 1), devices=list(devices)))
+    base = aot.memory_report(aot.compile_train_step(run)[0])["total"]
+    monkeypatch.setitem(aot.HBM_BYTES, "TPU v5 lite", int(0.99 * base / (1 - aot.HEADROOM)))
+    assert compile_only(cfg, "v5e:2x4", str(tmp_path / "r.json")) == 3
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert not rep["fits"] and rep["largest_fitting_micro_batch"] == 32
+
+
+def test_trainer_preflight_refuses_before_the_first_step(tmp_path):
+    out = tmp_path / "run"
+    r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={out}",
+               "run.preflight=on", "run.hbm_limit_gib=0.000001", "run.steps=1", "run.export_hf=false",
+               "run.eval_size=0", *TINY_OVERRIDES)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "preflight: train_step needs" in r.stderr and "--compile-only" in r.stderr
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
+def test_trainer_preflight_then_trains_with_the_compiled_step(tmp_path):
+    out = tmp_path / "run"
+    r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={out}",
+               "run.preflight=on", "run.steps=1", "run.export_hf=false", "run.eval_size=0",
+               "rollout.prompts_per_step=4", "rollout.group_size=4", *TINY_OVERRIDES)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "preflight: train_step" in r.stderr and "done: step 1" in r.stdout
