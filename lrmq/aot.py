@@ -44,6 +44,9 @@ HEADROOM = 0.10
 @functools.lru_cache(maxsize=None)
 def topology_devices(name: str) -> tuple:
     """The devices of a TPU topology such as "v5p:2x4x4" or "v5e:2x4" (needs libtpu, not a TPU)."""
+    # libtpu takes a machine-wide lock by default, so a second process compiling for TPU (a test and the
+    # CLI it launches, two compiles side by side) would fail; compiling only needs no exclusive device.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:
@@ -195,16 +198,28 @@ def compile_generate(graphdef, state, mesh, *, batch: int, prompt_len: int, max_
 
 def compile_rollout(run: AbstractRun):
     """(compiled, seconds) of one rollout: prefill + decode of every sequence of a step at once."""
+    from lrmq.rl.trainer import generation_chunk
+    from lrmq.sharding import batch_divisor
+
     r = run.cfg.rollout
-    return compile_generate(run.graphdef, (run.trainable, run.rest), run.mesh,
-                            batch=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len,
+    rows = generation_chunk(r.generation_batch, r.prompts_per_step * r.group_size, batch_divisor(run.mesh))
+    return compile_generate(run.graphdef, (run.trainable, run.rest), run.mesh, batch=rows, prompt_len=r.max_prompt_len,
                             max_new=r.max_new_tokens,
                             sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
 
 
-def abstract_model(mcfg: ModelConfig, mesh):
-    """(graphdef, state) of a Decoder as sharded ShapeDtypeStructs (for generation-only compiles)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(mcfg, nnx.Rngs(0))))
+def abstract_model(mcfg: ModelConfig, mesh, pack: str | None = None):
+    """(graphdef, state) of a Decoder as sharded ShapeDtypeStructs (for generation-only compiles);
+    `pack` ("int4" | "int8" | "nf4") packs every decoder linear as PTQ would."""
+    from lrmq.quant.training import pack_linears
+
+    def build():
+        model = Decoder(mcfg, nnx.Rngs(0))
+        if pack:
+            pack_linears(model, pack)
+        return model
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
     return graphdef, _with_shardings(state, _variable_shardings(state, mesh))
 
 
@@ -289,5 +304,5 @@ def verdict(report: FitReport, cfg: TrainConfig) -> str:
     elif step_over:
         msg += "; no smaller micro-batch fits either (shard over more chips, or use remat / QLoRA)"
     if not step_over or any(r["name"] == "rollout" and r["memory"]["total"] > budget for r in report.rows):
-        msg += "; the rollout holds a KV cache for every sequence of the step: lower rollout.prompts_per_step"
+        msg += "; the rollout's KV cache grows with rollout.generation_batch (sequences per generate call): lower it"
     return msg

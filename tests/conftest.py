@@ -8,6 +8,10 @@ import sys
 
 import pytest
 
+# Several processes compile for TPU through libtpu at once (tests and the CLIs they launch); without this
+# libtpu's machine-wide lockfile makes every process after the first fail.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 

@@ -96,6 +96,28 @@ def test_trainer_preflight_then_trains_with_the_compiled_step(tmp_path):
     out = tmp_path / "run"
     r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={out}",
                "run.preflight=on", "run.steps=1", "run.export_hf=false", "run.eval_size=0",
-               "rollout.prompts_per_step=4", "rollout.group_size=4", *TINY_OVERRIDES)
+               "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.generation_batch=8", *TINY_OVERRIDES)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "preflight: train_step" in r.stderr and "done: step 1" in r.stdout
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert m["completion/length_mean"] > 0  # both generate calls of 8 sequences produced completions
+
+
+def test_generation_chunk_sizes():
+    from lrmq.rl.trainer import generation_chunk
+
+    assert generation_chunk(0, 64, 8) == 64  # 0: everything at once
+    assert generation_chunk(100, 64, 8) == 64
+    assert generation_chunk(16, 64, 8) == 16
+    assert generation_chunk(20, 64, 8) == 16  # rounded down to the data-parallel divisor, dividing 64
+    assert generation_chunk(24, 48, 8) == 24
+    assert generation_chunk(3, 64, 8) == 8  # never below one row per data-parallel device
+
+
+def test_generate_compile_only(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lrmq.generate", "--compile-only", "--checkpoint",
+                        os.path.join(REPO_ROOT, "lrmq", "assets", "tiny"), "--topology", "v5e:2x4", "--batch", "16",
+                        "--prompt-len", "64", "--max-new-tokens", "32"], cwd=REPO_ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| generate |" in r.stdout and "fits:" in r.stdout and "v5e:2x4 (8 devices)" in r.stdout

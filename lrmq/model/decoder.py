@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,7 +235,23 @@ class Decoder(nnx.Module):
 
 
 def _remat_layer(policy):
-    return nnx.remat(lambda layer, x, positions: layer(x, positions)[0], policy=policy)
+    """layer(x, positions) under jax.checkpoint. Split/merge by hand rather than nnx.remat: the layer
+    lives in an outer trace (the train step's grad), and the RNG counters its LoRA dropout advances
+    must come back out, or every step would reuse one dropout mask."""
+
+    def run(layer, x, positions):
+        graphdef, state = nnx.split(layer)
+
+        @functools.partial(jax.checkpoint, policy=policy)
+        def pure(state, x, positions):
+            inner = nnx.merge(graphdef, state)
+            return inner(x, positions)[0], nnx.state(inner, nnx.RngState)
+
+        y, rng_state = pure(state, x, positions)
+        nnx.update(layer, rng_state)
+        return y
+
+    return run
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

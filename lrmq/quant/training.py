@@ -120,13 +120,39 @@ def pack_base(model, pattern: str, base_format: str = "nf4", base_group_size: in
         if _packed(lin):
             continue
         w = lin.kernel.get_value()
-        w_local = jnp.asarray(jax.device_get(w))  # quantize on one device; placed again below
+        # quantize on one device, placed again below; abstract (traced) weights stay as they are, so the
+        # packed layout of a model can be built without its weights (lrmq.aot)
+        w_local = w if isinstance(w, jax.core.Tracer) else jnp.asarray(jax.device_get(w))
         if base_format == "nf4":
             qw = quantize_weight(w_local, fmt="nf4", bits=4, block_size=64, double_quant=True)
         else:
             if w_local.shape[0] % base_group_size:
                 raise ValueError(f"base_group_size={base_group_size} does not divide {path}'s K={w_local.shape[0]}")
             qw = quantize_weight(w_local, fmt="int", bits=4, group_size=base_group_size, symmetric=False)
+        set_packed_kernel(lin, qw, mesh if mesh is not None else _mesh_of(w))
+        done.append(path)
+    return done
+
+
+# The packed layouts served by the Pallas kernels, by name (`pack_linears`, `lrmq.generate --pack`).
+PACKINGS = {
+    "int4": dict(fmt="int", bits=4, group_size=128, symmetric=False),
+    "int8": dict(fmt="int", bits=8, group_size=-1, symmetric=False),
+    "nf4": dict(fmt="nf4", bits=4, block_size=64, double_quant=True),
+}
+
+
+def pack_linears(model, packing: str, pattern: str | None = None, *, mesh=None) -> list[str]:
+    """Round-to-nearest pack every targeted Linear (default: the seven projections) in a PACKINGS layout."""
+    from lrmq.quant.transforms import DEFAULT_TARGETS
+
+    if packing not in PACKINGS:
+        raise ValueError(f"unknown packing {packing!r}; known: {sorted(PACKINGS)}")
+    done = []
+    for path, lin in require_linears(model, pattern or DEFAULT_TARGETS, "pack_linears"):
+        w = lin.kernel.get_value()
+        qw = quantize_weight(w if isinstance(w, jax.core.Tracer) else jnp.asarray(jax.device_get(w)),
+                             **PACKINGS[packing])
         set_packed_kernel(lin, qw, mesh if mesh is not None else _mesh_of(w))
         done.append(path)
     return done

@@ -17,7 +17,7 @@ class ModelSection:
     shapes: str = ""
     # rematerialisation of each decoder layer in the train step: none | full (recompute the layer in
     # the backward pass) | dots (save matmul outputs, recompute the rest)
-    remat: Literal["none", "full", "dots"] = "full"
+    remat: Literal["none", "full", "dots"] = "none"
     # completion positions per chunk when projecting onto the vocabulary for log-probs (0 = all at once);
     # bounds the f32 [micro-batch, chunk, vocab] logits that are ever live
     logits_chunk: int = 256
@@ -46,6 +46,8 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # sequences per generate call (0 = all prompts x group of a step at once); the KV cache scales with it
+    generation_batch: int = 0
 
 
 @dataclass

@@ -28,7 +28,7 @@ from lrmq.rl.config import TrainConfig
 from lrmq.rl.rewards import score_completions
 from lrmq.rl.run_state import RunCheckpointer, RunLogs
 from lrmq.rl.step import init_opt_state, make_optimizer, make_ref_logprobs, make_train_step
-from lrmq.sharding import MeshConfig, batch_sharding, make_mesh
+from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, make_mesh
 
 log = logging.getLogger("lrmq.train")
 
@@ -157,12 +157,20 @@ class GRPOTrainer:
         return tokens, mask, truncated
 
     def _generate(self, tokens, mask, key, sampling: SamplingConfig, max_new: int):
+        """Generate in chunks of rollout.generation_batch rows (the KV cache of every sequence of a step at
+        once can outgrow HBM); each chunk gets its own key, so results do not depend on device count."""
         sh = batch_sharding(self.mesh)
-        with jax.set_mesh(self.mesh):
-            out = self.generator.generate_padded(
-                self.states(), jax.device_put(tokens, sh), jax.device_put(mask, sh), key,
-                max_new_tokens=max_new, sampling=sampling)
-        return [to_host(x) for x in out]
+        n = tokens.shape[0]
+        size = generation_chunk(self.cfg.rollout.generation_batch, n, batch_divisor(self.mesh))
+        parts = []
+        for i, start in enumerate(range(0, n, size)):
+            sl = slice(start, start + size)
+            with jax.set_mesh(self.mesh):
+                out = self.generator.generate_padded(
+                    self.states(), jax.device_put(tokens[sl], sh), jax.device_put(mask[sl], sh),
+                    key if size >= n else jax.random.fold_in(key, i), max_new_tokens=max_new, sampling=sampling)
+            parts.append([to_host(x) for x in out])
+        return [np.concatenate(xs) for xs in zip(*parts)] if len(parts) > 1 else parts[0]
 
     def rollout(self, batch: dict[str, list], key) -> tuple[Any, dict[str, float]]:
         r, a = self.cfg.rollout, self.cfg.algo
@@ -261,7 +269,8 @@ class GRPOTrainer:
                if cfg.algo.beta != 0.0 else None)
         with jax.set_mesh(self.mesh):
             step = self.train_step.lower(self.trainable, self.rest, self.opt_state, batch, ref).compile()
-        rollout, _ = aot.compile_generate(self.graphdef, self.states(), self.mesh, batch=s,
+        rows = generation_chunk(cfg.rollout.generation_batch, s, batch_divisor(self.mesh))
+        rollout, _ = aot.compile_generate(self.graphdef, self.states(), self.mesh, batch=rows,
                                           prompt_len=cfg.rollout.max_prompt_len, max_new=n,
                                           sampling=SamplingConfig(temperature=cfg.rollout.temperature,
                                                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k))
@@ -380,6 +389,17 @@ class GRPOTrainer:
                 signal.signal(s, h)
             self.writer.flush()
             self.logs.sync(force=True)
+
+
+def generation_chunk(generation_batch: int, n: int, divisor: int) -> int:
+    """Rows per generate call: generation_batch (0 = all n), a multiple of the data-parallel divisor that
+    divides n, so every chunk has the same shape (one compile)."""
+    if not generation_batch or generation_batch >= n:
+        return n
+    size = max(divisor, generation_batch // divisor * divisor)
+    while n % size:
+        size -= divisor
+    return max(size, divisor)
 
 
 def to_host(x) -> np.ndarray:

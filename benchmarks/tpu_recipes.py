@@ -1,0 +1,104 @@
+"""Compile every paper-1 recipe for its stated TPU hardware (no TPU needed) and tabulate per-chip memory.
+
+Each (recipe, train mode) runs `python -m lrmq.train --config R --compile-only --report F` in a fresh
+process, so one compile cannot leak memory or caches into the next. Results are merged into one JSON
+file (resumable: finished entries are skipped) and rendered as the markdown table in docs/tpu.md.
+
+    python benchmarks/tpu_recipes.py --out docs/figures/tpu_recipes.json                 # everything
+    python benchmarks/tpu_recipes.py --out F --only qwen3_0.6b_grpo --modes bf16         # a subset
+    python benchmarks/tpu_recipes.py --out F --table                                     # print the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import REPO, machine_info, md_table, write_json
+
+# Train modes as config overrides: the paper's three (bf16 full fine-tuning, QAT with its int8 STE, QLoRA
+# on an NF4 base), all from the same bf16 recipe.
+MODES = {
+    "bf16": [],
+    "qat": ["quant.mode=qat", "quant.qat_scheme=paper_int8"],
+    "qlora": ["quant.mode=qlora", "quant.base_format=nf4", "optim.lr=1e-5"],
+}
+
+
+def recipes(only: list[str]) -> list[str]:
+    paths = sorted(glob.glob(os.path.join(REPO, "configs", "paper1", "*.yaml")))
+    names = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    return [n for n in names if not only or n in only]
+
+
+def run_one(name: str, mode: str, timeout: float) -> dict:
+    cfg = os.path.join(REPO, "configs", "paper1", name + ".yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = os.path.join(tmp, "r.json")
+        cmd = [sys.executable, "-m", "lrmq.train", "--config", cfg, "--compile-only", "--report", rep, *MODES[mode]]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                           text=True, timeout=timeout)
+        wall = time.perf_counter() - t0
+        if not os.path.exists(rep):
+            return {"recipe": name, "mode": mode, "error": r.stderr.strip().splitlines()[-1:], "rc": r.returncode}
+        out = json.load(open(rep))
+    out.update(recipe=name, mode=mode, rc=r.returncode, wall_s=wall,
+               command="python -m lrmq.train --config " + os.path.relpath(cfg, REPO) + " --compile-only "
+               + " ".join(MODES[mode]))
+    return out
+
+
+def table(results: list[dict]) -> str:
+    gib = lambda b: f"{b / 2 ** 30:.1f}"
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["recipe"], r["mode"], "-", "-", "-", "-", "-", "error: " + " ".join(r["error"])[:80]])
+            continue
+        step, roll = r["programs"][0], r["programs"][1]
+        rows.append([r["recipe"], r["mode"], r["target"], gib(r["hbm_bytes"]),
+                     f"{gib(step['memory']['total'])} ({gib(step['memory']['temporaries'])})",
+                     f"{gib(roll['memory']['total'])}",
+                     f"{step['seconds']:.0f} / {roll['seconds']:.0f}",
+                     "yes" if r["fits"] else f"no (micro-batch {r['largest_fitting_micro_batch']} fits)"])
+    return md_table(["recipe", "mode", "topology", "HBM GiB", "step GiB (temporaries)", "rollout GiB",
+                     "compile s (step / rollout)", "fits with 10% headroom"], rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file (merged into when it exists)")
+    ap.add_argument("--only", nargs="*", default=[], help="recipe names (file stems) to compile")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    a = ap.parse_args()
+    payload = json.load(open(a.out)) if os.path.exists(a.out) else {"machine": machine_info(), "results": []}
+    if a.table:
+        print(table(payload["results"]))
+        return 0
+    done = {(r["recipe"], r["mode"]) for r in payload["results"] if "error" not in r}
+    for name in recipes(a.only):
+        for mode in a.modes:
+            if (name, mode) in done:
+                continue
+            res = run_one(name, mode, a.timeout)
+            payload["results"] = [r for r in payload["results"] if (r["recipe"], r["mode"]) != (name, mode)]
+            payload["results"].append(res)
+            payload["date"] = time.strftime("%Y-%m-%d")
+            write_json(a.out, payload)
+            print(f"{name} {mode}: " + ("error " + " ".join(res["error"]) if "error" in res else
+                                        f"fits={res['fits']} ({res['wall_s']:.0f} s)"), flush=True)
+    print(table(payload["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
