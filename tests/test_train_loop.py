@@ -123,24 +123,75 @@ def test_cli_config_errors_exit_before_compiling(tmp_path):
         assert needle in r.stderr, (needle, r.stderr[-2000:])
 
 
-@pytest.mark.skipif(os.environ.get("LRMQ_SKIP_MULTIPROCESS") == "1", reason="LRMQ_SKIP_MULTIPROCESS=1")
-def test_two_process_launch(tmp_path):
-    """launch/local_multiprocess.sh: 2 JAX processes x 4 CPU devices, one global (fsdp=8) mesh.
-    Also guards the start-up race of two processes creating the shared TensorBoard dir (process 1
-    crashed, process 0 hung in its first collective until the 5-minute coordination timeout)."""
-    out = tmp_path / "mp"
+def launch_two_processes(run_dir: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """launch/local_multiprocess.sh: 2 JAX processes x 4 CPU devices, one global (fsdp=8) mesh, one step."""
     cmd = ["bash", os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh"), "2", "4", "--config",
-           os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={out}", "run.steps=1",
-           "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4", "run.export_hf=false",
-           "run.progress=false", "data.synthetic_train_size=256", "data.synthetic_eval_size=8"]
+           os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run_dir}", "run.steps=1",
+           "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",
+           "data.synthetic_train_size=256", "data.synthetic_eval_size=8", "optim.warmup_steps=0", *extra]
     if os.environ.get("LRMQ_TEST_TINY"):
         cmd.append(f"model.checkpoint={os.environ['LRMQ_TEST_TINY']}")
     env = dict(os.environ, PYTHON=sys.executable)
-    r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("done: step 1") == 2, r.stdout[-3000:]
-    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return r
+
+
+def checkpoint_params(run_dir: str, step: int) -> dict[str, np.ndarray]:
+    """{lrmq param path: array} of a run checkpoint, read back as numpy on this 1-device process (orbax
+    reassembles the shards each process wrote; independent of the trainer's own gather)."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    path = epath.Path(run_dir) / "checkpoints" / str(step) / "state"
+    ckptr = ocp.PyTreeCheckpointer()
+    tree = ckptr.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    out = {}
+    for part in ("trainable", "rest"):
+        for keys, v in jax.tree_util.tree_flatten_with_path(state[part])[0]:
+            out[".".join(str(k.key) for k in keys[:-1])] = v  # the last key is the Variable's "value"
+    return out
+
+
+def check_exported_run(run_dir: str, local_copy) -> None:
+    """What a pod run must leave behind: config, logs written once, a checkpoint, and both HF exports,
+    the final one equal to the trained (checkpointed) parameters. Works on a local dir or a URL."""
+    from etils import epath
+
+    from lrmq.checkpoint.hf import flat_params, load_hf_model
+
+    run = epath.Path(run_dir)
+    assert (run / "config.yaml").exists()
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 1]  # initial eval, step 1, final eval: written once, by process 0
+    assert any(p.name.startswith("events.out.tfevents") for p in (run / "tb").iterdir())
+    exported = {}
+    for name in ("initial_policy", "final_policy"):
+        dst = local_copy / name  # load_hf_model reads local files
+        dst.mkdir(parents=True)
+        for f in (run / name).iterdir():
+            (dst / f.name).write_bytes(f.read_bytes())
+        exported[name] = {k: np.asarray(v.get_value()) for k, v in flat_params(load_hf_model(str(dst))).items()}
+    trained = checkpoint_params(run_dir, 1)
+    final, initial = exported["final_policy"], exported["initial_policy"]
+    assert final.keys() <= trained.keys() and final
+    for k in final:
+        np.testing.assert_array_equal(final[k], trained[k], err_msg=k)
+    assert any(not np.array_equal(final[k], initial[k]) for k in final)  # the step changed the policy
+
+
+@pytest.mark.skipif(os.environ.get("LRMQ_SKIP_MULTIPROCESS") == "1", reason="LRMQ_SKIP_MULTIPROCESS=1")
+def test_two_process_launch(tmp_path):
+    """launch/local_multiprocess.sh: 2 JAX processes x 4 CPU devices, one global (fsdp=8) mesh, HF export on:
+    parameters sharded over both processes are gathered for the export (process 0 alone cannot read them).
+    Also guards the start-up race of two processes creating the shared TensorBoard dir (process 1
+    crashed, process 0 hung in its first collective until the 5-minute coordination timeout)."""
+    out = tmp_path / "mp"
+    launch_two_processes(str(out), "run.export_hf=true")
+    check_exported_run(str(out), tmp_path / "exported")
 
 
 def test_short_grpo_run_improves_reward(tmp_path):

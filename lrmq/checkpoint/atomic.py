@@ -1,15 +1,39 @@
-"""Atomic outputs: write into a sibling temp dir, rename into place only on success."""
+"""Atomic outputs: write into a sibling temp dir, rename into place only on success.
+
+URLs (`gs://...`, see lrmq.paths): an object store has no rename, so a directory is staged in a local
+temp dir ($TMPDIR) and uploaded with config.json last (`lrmq.paths.publish_dir`), and a text file is
+one object PUT, which readers see whole or not at all.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import tempfile
 import uuid
+
+from lrmq import paths
+
+
+def atomic_dir(path: str, *, overwrite: bool = False):
+    """Context manager yielding a local directory to fill; on success it becomes `path`."""
+    if paths.is_url(path):
+        return _staged_upload(paths.resolve(path), overwrite)
+    return _local_atomic_dir(path, overwrite)
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str, *, overwrite: bool = False):
+def _staged_upload(url: str, overwrite: bool):
+    if not overwrite and paths.epath_of(url).exists():
+        raise FileExistsError(f"output directory {url} already exists (pass overwrite to replace it)")
+    with tempfile.TemporaryDirectory(prefix="lrmq-stage-") as tmp:
+        yield tmp  # an exception here uploads nothing
+        paths.publish_dir(tmp, url)
+
+
+@contextlib.contextmanager
+def _local_atomic_dir(path: str, overwrite: bool):
     path = os.path.abspath(path)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"output directory {path} already exists (pass overwrite to replace it)")
@@ -41,6 +65,9 @@ def atomic_dir(path: str, *, overwrite: bool = False):
 def atomic_write_text(path, text: str) -> None:
     """Write text via a temp file in the same directory + os.replace: readers never see half a file."""
     path = os.fspath(path)
+    if paths.is_url(path):
+        paths.write_text(paths.resolve(path), text)
+        return
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     # 0o666 minus the umask, as open() would give (mkstemp's 0600 would survive the replace).

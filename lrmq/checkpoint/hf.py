@@ -3,7 +3,12 @@
 Import streams one tensor at a time from memory-mapped safetensors straight onto its sharding
 (`jax.make_array_from_callback` materializes only the local shards), so peak host memory stays near
 one tensor. Export writes into a temporary directory and renames it into place: a failed export
-leaves nothing behind.
+leaves nothing behind (for a URL `out_dir`: staged locally, then uploaded with config.json last; see
+lrmq.checkpoint.atomic).
+
+Multi-controller runs (one process per host): parameters sharded over hosts are not readable by one
+process alone. Every process must call `save_hf_model`; each tensor is gathered in turn (a collective
+all of them join, so host memory holds one tensor at a time) and only process 0 writes.
 """
 
 from __future__ import annotations
@@ -173,13 +178,28 @@ def _place(arr: np.ndarray, axes, mesh) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
+def host_array(x) -> np.ndarray:
+    """A global jax.Array as numpy on this process, gathering shards other hosts hold.
+
+    Non-fully-addressable arrays need a collective: every process must call this for the same
+    array in the same order."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, numpy array) for every parameter, in HF orientation and the export dtype."""
+    """(HF name, numpy array) for every parameter, in HF orientation and the export dtype.
+
+    Iterates in the fixed NAME_MAP order, so every process of a multi-host run gathers the same
+    tensor at the same time (see `host_array`)."""
     cfg = model.cfg
     params = flat_params(model)
     out_dtype = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.param_dtype) == "bfloat16" else np.dtype(dtype or cfg.param_dtype)
     for hf_name, (ours, tr) in expand(set(params), cfg).items():
-        arr = np.asarray(jax.device_get(params[ours].get_value()))
+        arr = host_array(params[ours].get_value())
         if tr == "T":
             arr = arr.T
         yield hf_name, np.ascontiguousarray(arr.astype(out_dtype))
@@ -187,7 +207,10 @@ def hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, 
 
 def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tokenizer_from: str | None = None,
                   max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> str:
-    """Write model.safetensors (sharded with an index past max_shard_bytes) + config.json, atomically."""
+    """Write model.safetensors (sharded with an index past max_shard_bytes) + config.json, atomically.
+
+    `out_dir` may be a URL. Multi-host: call on every process (see the module docstring); it returns
+    once process 0 has finished writing."""
     _check_float_model(model)
     cfg = model.cfg
     hf_cfg = cfg.to_hf_dict()
@@ -196,6 +219,11 @@ def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tok
         hf_cfg["torch_dtype"] = export_dtype
     else:
         hf_cfg["dtype"] = export_dtype
+    if jax.process_index() != 0:
+        for _ in hf_tensors(model, export_dtype):  # join each tensor's gather; process 0 writes
+            pass
+        _sync_processes(f"lrmq.save_hf_model:{out_dir}")
+        return out_dir
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         # Each shard goes to disk as soon as it is full (host memory: one shard, not the model); the
         # "-of-N" names are only known at the end, so shards are renamed then.
@@ -231,7 +259,16 @@ def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tok
             json.dump(hf_cfg, f, indent=2)
         if tokenizer_from:
             copy_tokenizer_files(tokenizer_from, tmp)
+    _sync_processes(f"lrmq.save_hf_model:{out_dir}")
     return out_dir
+
+
+def _sync_processes(name: str) -> None:
+    """Multi-host: nobody returns before the export is in place (a no-op on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _check_float_model(model: nnx.Module) -> None:

@@ -1,18 +1,37 @@
-"""Run checkpoints: model/optimizer pytrees (orbax, sharded) plus JSON metadata (step, data iterator)."""
+"""Run state in the run dir: checkpoints (orbax, sharded) with JSON metadata, and the logs.
+
+The run dir is a local path or a URL (see lrmq.paths). Orbax reads and writes `gs://` itself (through
+tensorstore's GCS driver, committing with a marker file instead of a rename); the logs of a URL run
+dir are written to a local staging dir and mirrored up (object stores cannot append).
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import tempfile
 
 import jax
 import orbax.checkpoint as ocp
 
+from lrmq import paths
+
+log = logging.getLogger("lrmq.train")
+
+# Orbax writes array data through tensorstore, whose remote kvstore driver it picks for gs:// only;
+# any other URL would reach tensorstore's file driver and fail there, after the first training step.
+CHECKPOINT_URL_SCHEMES = ("gs",)
+
 
 class RunCheckpointer:
     def __init__(self, directory: str, keep: int = 2):
-        self.directory = os.path.abspath(directory)
+        self.directory = paths.resolve(directory)
+        if paths.is_url(self.directory) and self.directory.split("://")[0] not in CHECKPOINT_URL_SCHEMES:
+            raise ValueError(f"{self.directory}: checkpoints (orbax) can be written to local paths and "
+                             + ", ".join(f"{s}://" for s in CHECKPOINT_URL_SCHEMES) + " URLs only")
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+            paths.epath_of(self.directory), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
     def save(self, step: int, tree, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
@@ -31,3 +50,47 @@ class RunCheckpointer:
         r = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                meta=ocp.args.JsonRestore()))
         return r.state, r.meta
+
+
+class RunLogs:
+    """metrics.jsonl and tb/ of a run dir, written by one process (`enabled`; the others get no-ops).
+
+    Local run dir: written in place, metrics.jsonl appended one line per call (as before). URL run dir:
+    written to a local staging dir (`local_dir`, under $TMPDIR) that is copied up at most every
+    `sync_s` seconds and on `sync(force=True)` (the trainer forces one at each checkpoint and at the
+    end of `train`); a resumed run first pulls the existing metrics.jsonl so it keeps appending to it.
+    """
+
+    METRICS = "metrics.jsonl"
+
+    def __init__(self, run_dir: str, *, enabled: bool = True, sync_s: float = 30.0):
+        self.enabled = enabled
+        self._mirror = None
+        self.local_dir = run_dir
+        if enabled and paths.is_url(run_dir):
+            self.local_dir = tempfile.mkdtemp(prefix="lrmq-run-logs-")
+            self._mirror = paths.Mirror(self.local_dir, run_dir, interval_s=sync_s)
+            self._mirror.pull(self.METRICS)
+            log.info("logs of %s are written to %s and copied up", run_dir, self.local_dir)
+        self.metrics_path = os.path.join(self.local_dir, self.METRICS)
+        self.tb_dir = os.path.join(self.local_dir, "tb")
+
+    def append(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.sync()
+
+    def reset(self) -> None:
+        """A fresh run: drop the metrics of an earlier run in the same dir."""
+        if not self.enabled:
+            return
+        if self._mirror is not None:
+            self._mirror.delete(self.METRICS)
+        elif os.path.exists(self.metrics_path):
+            os.remove(self.metrics_path)
+
+    def sync(self, force: bool = False) -> None:
+        if self._mirror is not None:
+            self._mirror.sync(force)

