@@ -2,6 +2,8 @@
 # Run lrmq.train as N cooperating JAX processes on this host (CPU: each process gets D forced devices).
 # The same code path a TPU pod or multi-GPU host uses: one global mesh over all processes' devices.
 #   launch/local_multiprocess.sh 2 4 --config configs/tiny_demo.yaml mesh.fsdp=8 run.out_dir=runs/mp
+# run.out_dir may be a gs:// URL as on a pod; tests/test_pod_path.py does that against a fake GCS on 127.0.0.1
+# (STORAGE_EMULATOR_HOST, TENSORSTORE_GCS_HTTP_URL, GOOGLE_AUTH_TOKEN_FOR_TESTING are passed through).
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; shift 2
 PORT=${LRMQ_PORT:-$((20000 + RANDOM % 20000))}
