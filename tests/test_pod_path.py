@@ -148,6 +148,27 @@ def test_url_text_and_directories(gcs, monkeypatch):
             pass
 
 
+def test_run_logs_upload_failure_warns_and_retries(gcs, monkeypatch, caplog):
+    from etils import epath
+
+    from lrmq import paths
+    from lrmq.rl.run_state import RunLogs
+
+    url = gcs + "/flaky-run"
+    logs = RunLogs(url, sync_s=0)
+    real = paths.upload_file
+
+    def down(src, dst):
+        raise ConnectionError("store unreachable")
+
+    monkeypatch.setattr(paths, "upload_file", down)
+    logs.append({"step": 0})  # training goes on
+    assert "could not copy the logs" in caplog.text and logs.local_dir in caplog.text
+    monkeypatch.setattr(paths, "upload_file", real)
+    logs.append({"step": 1})
+    assert [json.loads(l)["step"] for l in (epath.Path(url) / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
 def test_run_checkpointer_round_trip_on_gs(gcs):
     """Save, then restore in a fresh manager (what a resumed pod run does): orbax through tensorstore's
     gcs driver and google-cloud-storage's bucket lookups, all against the fake server."""

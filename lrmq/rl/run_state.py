@@ -92,5 +92,10 @@ class RunLogs:
             os.remove(self.metrics_path)
 
     def sync(self, force: bool = False) -> None:
-        if self._mirror is not None:
+        if self._mirror is None:
+            return
+        try:
             self._mirror.sync(force)
+        except Exception as e:  # a failed log upload must not end a run (nor hang the other processes)
+            log.warning("could not copy the logs in %s up to %s (%s: %s); the next sync retries",
+                        self.local_dir, self._mirror.url, type(e).__name__, e)
