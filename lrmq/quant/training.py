@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from lrmq.checkpoint.hf import host_array
 from lrmq.model.linear import Linear, default_dot_general
 from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.quant.qweight import QuantizedKernel, QuantizedWeight, quantize_weight
@@ -122,7 +123,7 @@ def pack_base(model, pattern: str, base_format: str = "nf4", base_group_size: in
         w = lin.kernel.get_value()
         # quantize on one device, placed again below; abstract (traced) weights stay as they are, so the
         # packed layout of a model can be built without its weights (lrmq.aot)
-        w_local = w if isinstance(w, jax.core.Tracer) else jnp.asarray(jax.device_get(w))
+        w_local = w if isinstance(w, jax.core.Tracer) else jnp.asarray(host_array(w))
         if base_format == "nf4":
             qw = quantize_weight(w_local, fmt="nf4", bits=4, block_size=64, double_quant=True)
         else:
@@ -151,7 +152,7 @@ def pack_linears(model, packing: str, pattern: str | None = None, *, mesh=None) 
     done = []
     for path, lin in require_linears(model, pattern or DEFAULT_TARGETS, "pack_linears"):
         w = lin.kernel.get_value()
-        qw = quantize_weight(w if isinstance(w, jax.core.Tracer) else jnp.asarray(jax.device_get(w)),
+        qw = quantize_weight(w if isinstance(w, jax.core.Tracer) else jnp.asarray(host_array(w)),
                              **PACKINGS[packing])
         set_packed_kernel(lin, qw, mesh if mesh is not None else _mesh_of(w))
         done.append(path)
