@@ -229,7 +229,8 @@ def test_failed_lrmq_restore_is_a_checkpoint_error(hf_checkpoint, tmp_path):
 
 # ------------------------------------------------------------------------------------------ packed weights
 def test_quantized_kernels_round_trip(hf_checkpoint, tmp_path):
-    qweight = pytest.importorskip("lrmq.quant.qweight")
+    from lrmq.quant import qweight
+
     src, _ = hf_checkpoint("qwen3")
     model = load_model(src)
     packed = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -90,7 +89,6 @@ def test_padding_helpers():
         left_pad([[1] * 5], 4, 0)
 
 
-@pytest.mark.skipif(not os.path.exists(TINY_MODEL_DIR), reason="tiny model not built")
 def test_generate_cli_json():
     cmd = [sys.executable, "-m", "lrmq.generate", "--checkpoint", TINY_MODEL_DIR, "--prompt", "Compute 2+3. Answer:",
            "--prompt", "Compute 4*5-1. Answer:", "--max-new-tokens", "24", "--greedy", "--json"]

@@ -54,9 +54,11 @@ def test_gptq_beats_rtn_on_correlated_inputs(bits):
     res = gptq_quantize(w, H, bits=bits, group_size=gs, block_size=32)
     err = lambda wq: float(np.sum((x @ w - x @ wq) ** 2))  # noqa: E731
     e_gptq, e_rtn = err(res.w_q), err(_rtn(w, bits, gs))
+    # Output error relative to RTN, measured on this layer and on seeds 1-3 of _layer: GPTQ 0.53-0.62,
+    # act-order GPTQ 0.32-0.37 (3 and 4 bits), so 0.8 and 0.6 leave a wide margin on both sides.
     assert e_gptq < 0.8 * e_rtn, (e_gptq, e_rtn)
     res_ao = gptq_quantize(w, H, bits=bits, group_size=gs, act_order=True)
-    assert err(res_ao.w_q) < e_rtn
+    assert err(res_ao.w_q) < 0.6 * e_rtn, (err(res_ao.w_q), e_rtn)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

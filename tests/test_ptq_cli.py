@@ -11,7 +11,6 @@ import pytest
 
 from conftest import REPO_ROOT, TINY_MODEL_DIR
 
-pytestmark = pytest.mark.skipif(not os.path.exists(TINY_MODEL_DIR), reason="tiny model not built")
 
 
 def _run(args, timeout=600):

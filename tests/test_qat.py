@@ -11,8 +11,7 @@ from flax import nnx
 
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
-from lrmq.quant.qat import apply_qat, fake_quant_activations, fake_quant_weight, is_qat
-from lrmq.quant.quantizers import fake_quant_per_tensor, per_tensor_scale
+from lrmq.quant.qat import apply_qat, fake_quant_activations, fake_quant_weight, is_qat, make_dot_general
 from lrmq.quant.transforms import iter_linears
 
 CFG = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -25,13 +24,34 @@ def tiny(seed=0):
     return Decoder(ModelConfig.from_hf_dict(dict(CFG)), nnx.Rngs(seed))
 
 
-def float_with_fake_quant(model, scheme, group_size=0, scales=None):
-    """A float copy of `model` whose targeted kernels are replaced by their fake-quantized values."""
+def paper_int8_scale(w0) -> np.float32:
+    """Paper 1's frozen scale, written independently of lrmq (numpy, float32): S = max(max|W0| / 127, 1e-6),
+    per tensor (rlquant `QuantizedLinear`; shared/reference/papers.md, "QAFT / STE, 8-bit")."""
+    return np.maximum(np.abs(np.asarray(w0, np.float32)).max() / np.float32(127), np.float32(1e-6))
+
+
+def paper_int8_reference(w, w0) -> np.ndarray:
+    """W_q = clamp(round(W / S), -128, 127) * S with S frozen from the base weights W0 (numpy reference)."""
+    s = paper_int8_scale(w0)
+    return (np.clip(np.round(np.asarray(w, np.float32) / s), -128, 127) * s).astype(np.float32)
+
+
+def float_with_fake_quant(model, scheme, group_size=0, base=None):
+    """A float copy of `model` whose targeted kernels are replaced by their fake-quantized values.
+
+    paper_int8 uses the numpy reference above (scale frozen from `base`'s kernels, default: the current
+    ones), not lrmq's quantizer, so the test does not compare qat.py with itself. The AQT schemes compare
+    AQT's dot_general with lrmq's own symmetric fake-quant: already two implementations.
+    """
     ref = tiny()
     nnx.update(ref, nnx.state(model))
+    base_kernels = {p: lin.kernel.get_value() for p, lin in iter_linears(base if base is not None else ref)}
     for path, lin in iter_linears(ref):
         w = lin.kernel.get_value()
-        lin.kernel.set_value(fake_quant_weight(w, scheme, group_size, scale=None if scales is None else scales[path]))
+        if scheme == "paper_int8":
+            lin.kernel.set_value(jnp.asarray(paper_int8_reference(w, base_kernels[path])))
+        else:
+            lin.kernel.set_value(fake_quant_weight(w, scheme, group_size))
     return ref
 
 
@@ -82,18 +102,36 @@ def test_gradient_is_float_gradient_at_quantized_point(scheme, g):
 
 def test_paper_int8_scale_is_frozen_from_the_base_weights():
     m = tiny()
+    base = tiny()
     apply_qat(m, "paper_int8")
+    for path, lin in iter_linears(m):
+        assert is_qat(lin) and lin.dot_general.scale == float(paper_int8_scale(lin.kernel.get_value())), path
     lin = m.layers[0].attn.q_proj
     w0 = lin.kernel.get_value()
-    s0 = float(per_tensor_scale(w0, 8))
-    assert lin.dot_general.scale == s0 and is_qat(lin)
     lin.kernel.set_value(w0 * 3.0)  # training moved the weights: the scale must not follow
     x = jax.random.normal(jax.random.key(1), (3, 32))
-    np.testing.assert_allclose(lin(x), x @ fake_quant_per_tensor(w0 * 3.0, 8, scale=s0), atol=1e-5, rtol=1e-5)
-    assert float(jnp.abs(lin(x) - x @ fake_quant_per_tensor(w0 * 3.0, 8)).max()) > 1e-3  # recomputed scale differs
-    # weights beyond the frozen range clip to [-128 S, 127 S]
-    fq = fake_quant_per_tensor(w0 * 3.0, 8, scale=s0)
-    assert float(fq.max()) <= 127 * s0 * (1 + 1e-6) and float(fq.min()) >= -128 * s0 * (1 + 1e-6)
+    np.testing.assert_allclose(lin(x), x @ paper_int8_reference(w0 * 3.0, w0), atol=1e-5, rtol=1e-5)
+    recomputed = paper_int8_reference(w0 * 3.0, w0 * 3.0)
+    assert float(jnp.abs(lin(x) - x @ recomputed).max()) > 1e-3  # a scale that followed the weights differs
+    # ... and the whole model: every kernel moved, each forward still uses its frozen scale
+    for _, l in iter_linears(m):
+        l.kernel.set_value(l.kernel.get_value() * 1.7 + 0.01)
+    np.testing.assert_allclose(m(TOK), float_with_fake_quant(m, "paper_int8", base=base)(TOK), atol=2e-5, rtol=1e-5)
+
+
+def test_paper_int8_hand_computed():
+    """S = 1.27 / 127 = 0.01; round-to-nearest, clamp to [-128, 127] (asymmetric int8 range), identity
+    backward even where the value clipped."""
+    w0 = jnp.asarray([[1.27, -0.5], [0.3, 0.004]], jnp.float32)
+    dg = make_dot_general("paper_int8", w0)
+    assert dg.scale == pytest.approx(0.01, rel=1e-6)
+    w = jnp.asarray([[2.0, -1.5], [0.304, 0.0049]], jnp.float32)  # 200 -> 127, -150 -> -128, 30.4 -> 30, 0.49 -> 0
+    dims = (((1,), (0,)), ((), ()))
+    np.testing.assert_allclose(dg(jnp.eye(2), w, dims), [[1.27, -1.28], [0.30, 0.0]], rtol=1e-6, atol=1e-7)
+    x = jnp.asarray([[1.0, 2.0], [3.0, -1.0]], jnp.float32)
+    c = jnp.asarray([[0.5, -2.0], [1.5, 1.0]], jnp.float32)
+    gw = jax.grad(lambda w: jnp.sum(dg(x, w, dims) * c))(w)
+    np.testing.assert_allclose(gw, x.T @ c, rtol=1e-6)  # straight-through: d/dW of x @ W
 
 
 def test_stochastic_rounding_changes_backward_only():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -140,22 +139,29 @@ def test_dropout_only_in_differentiated_forward():
     la, l0 = jax.tree.leaves(ga), jax.tree.leaves(g0)
     assert all(np.array_equal(a, b) for a, b in zip(la, jax.tree.leaves(gb)))  # reproducible under jit
     assert any(float(jnp.abs(a - b).max()) > 1e-6 for a, b in zip(la, l0))  # dropout acted in the update
-    # first-layer adapters (input independent of trainable params) also see dropout: A's grad differs there
-    a_path = lambda t: t["layers"][0]["attn"]["q_proj"]["lora"]["b"].get_value()
-    assert float(jnp.abs(a_path(ga) - a_path(g0)).max()) > 1e-7
+    # first-layer adapters (input independent of trainable params) also see dropout: A's grad (dropped x
+    # times B^T dy, lora_down's backward) and B's grad (dropped x @ A) both differ there
+    q_lora = lambda t, name: t["layers"][0]["attn"]["q_proj"]["lora"][name].get_value()
+    for name in ("a", "b"):
+        assert float(jnp.abs(q_lora(g0, name)).max()) > 1e-6, name  # a real gradient, not two zeros
+        assert float(jnp.abs(q_lora(ga, name) - q_lora(g0, name)).max()) > 1e-7, name
 
 
 def test_qlora_grpo_improves_reward_on_tiny_model(tmp_path):
-    """Lead-run check: QLoRA GRPO on the shipped tiny model raises the mean reward."""
+    """Lead-run check: QLoRA GRPO on the shipped tiny model raises the mean reward on its training prompts."""
     from test_train_modes import TINY_ASSET, grpo_config, make_trainer, run_steps
 
-    if not os.path.isfile(os.path.join(TINY_ASSET, "config.json")):
-        pytest.skip(f"{TINY_ASSET} (the shipped tiny model) is not built yet")
     cfg = grpo_config(TINY_ASSET, str(tmp_path), mode="qlora", steps=16, lr=1e-3, prompts=8)
     cfg.rollout.group_size, cfg.rollout.max_new_tokens = 8, 24
+    # Every step samples the same 8 prompts, so the step-to-step spread is sampling noise only; with 64 fresh
+    # prompts it was dominated by prompt difficulty (step means 0.05 to 0.87 with no trend to see).
+    cfg.data.synthetic_train_size = cfg.rollout.prompts_per_step
     tr = make_trainer(cfg)
     ms = run_steps(tr, 16, dense_reward=False)
     r = [m["reward/mean"] for m in ms]
     first, last = float(np.mean(r[:4])), float(np.mean(r[-4:]))
     assert all(np.isfinite(m["train/loss"]) for m in ms)
-    assert last > first, r
+    # Measured: first 4 steps 0.269, last 4 steps 0.473 (gap 0.205; run.seed 1 and 2: 0.193, 0.185). Step
+    # means scatter by 0.04-0.055 around their trend, so the standard error of a 4-step mean is ~0.025 and of
+    # the gap ~0.034: the 0.1 margin is ~3 SE under the measured gaps and ~3 SE over no learning.
+    assert last > first + 0.1, r
