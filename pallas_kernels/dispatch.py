@@ -1,8 +1,10 @@
-"""Public entry points: backend/shape dispatch plus an x-only custom_vjp.
+"""Public entry points: target/shape dispatch plus an x-only custom_vjp.
 
-`impl`: "auto" (TPU backend -> Mosaic TPU kernel, GPU -> Triton kernel, otherwise the XLA
-dequantize-then-dot path), or "tpu" / "gpu" / "xla" to force one. Forcing a kernel on a backend
+`impl`: "auto" (TPU target -> Mosaic TPU kernel, GPU -> Triton kernel, otherwise the XLA
+dequantize-then-dot path), or "tpu" / "gpu" / "xla" to force one. Forcing a kernel on a target
 it cannot compile for (e.g. "tpu" on CPU) runs it with interpret=True unless told otherwise.
+The target is what the traced program is compiled for (`target.current_target`: an explicit
+`target(...)`, else the mesh in effect, else `jax.default_backend()`), not the host.
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ import numpy as np
 from . import gpu as _gpu
 from . import reference as _ref
 from . import tpu as _tpu
+from .target import current_target
 
 _IMPLS = ("auto", "tpu", "gpu", "xla")
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,20 +33,15 @@ class _Cfg:
     tiles: tuple = ()  # sorted (name, value) overrides passed to the kernel
 
 
-def _backend() -> str:
-    return jax.default_backend()
-
-
 def resolve_impl(impl: str = "auto", interpret: bool | None = None) -> tuple[str, bool]:
-    """The (impl, interpret) pair a call will use on the current default backend."""
+    """The (impl, interpret) pair a call traced now will use, for the current target."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    backend = _backend()
+    platform = current_target().platform
     if impl == "auto":
-        impl = "tpu" if backend == "tpu" else "gpu" if backend in _GPU_PLATFORMS else "xla"
+        impl = platform if platform in ("tpu", "gpu") else "xla"
     if interpret is None:
-        native = (impl == "tpu" and backend == "tpu") or (impl == "gpu" and backend in _GPU_PLATFORMS)
-        interpret = impl != "xla" and not native
+        interpret = impl != "xla" and impl != platform
     return impl, bool(interpret)
 
 

@@ -2,31 +2,81 @@
 
 Grid (M/bm, N/bn, K/bk) with dimension_semantics ("parallel", "parallel", "arbitrary"): the K
 axis is the innermost, sequential reduction into an f32 VMEM accumulator; weights are dequantized
-tile by tile in VMEM and never materialised in HBM. See docs/kernels.md for layouts and tiling.
+tile by tile in VMEM and never materialised in HBM. Tiles and the VMEM limit follow the target
+TPU generation (`Generation`, from the target's device kind). See docs/kernels.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._common import affine_geometry, nf4_lookup, pad_to, round_up, split_even_odd
+from ._common import affine_geometry, cdiv, nf4_lookup, pad_to, round_up, split_even_odd
+from .target import current_target
 
 _HI = jax.lax.Precision.HIGHEST
-# Max elements of one dequantized weight tile (bk x bn): its f32 temporaries must fit VMEM.
-_TILE_BUDGET = 1024 * 1024
-_VMEM_LIMIT = 48 * 1024 * 1024  # under v7x's 64 MiB/core, above the 16/32 MiB scoped default
+MiB = 1 << 20
 
 
-def _compiler_params(**kw):
+# ----------------------------------------------------------------------------------- generations
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What tile choice needs to know about one TPU generation (per TensorCore)."""
+
+    name: str
+    vmem_bytes: int  # VMEM capacity of one TensorCore
+    scoped_default: int  # XLA's scoped-VMEM limit for a kernel that does not set one
+    mxu: int  # systolic array width: 128 up to v5, 256 on v6e / 7x
+    sublanes16: int  # second-minor HBM tiling of 16-bit arrays: 8 before TPU7x, 16 from 7x
+    cores: int  # TensorCores behind one device (2: megacore splits the parallel grid axes)
+
+    @property
+    def vmem_limit(self) -> int:
+        # 3/4 of capacity: always legal (the old fixed 48 MiB exceeded v4's 16 MiB) and leaves
+        # room for Mosaic's internal scratch; above the scoped default everywhere but v4.
+        return self.vmem_bytes * 3 // 4
+
+
+# Capacities and scoped defaults were read off XLA:TPU's own compile errors (libtpu 0.0.42.1,
+# ahead-of-time topologies); MXU widths from jax's tpu_info.
+GENERATIONS = {
+    "v4": Generation("v4", 16 * MiB, 16 * MiB, 128, 8, 2),
+    "v5e": Generation("v5e", 128 * MiB, 16 * MiB, 128, 8, 1),
+    "v5p": Generation("v5p", 64 * MiB, 16 * MiB, 128, 8, 2),
+    "v6e": Generation("v6e", 128 * MiB, 32 * MiB, 256, 8, 1),
+    "7x": Generation("7x", 64 * MiB, 32 * MiB, 256, 16, 1),
+}
+# Unknown kind (jax.export for "tpu", interpret mode): tiles legal on every generation above.
+PORTABLE = Generation("portable", 16 * MiB, 16 * MiB, 128, 16, 1)
+
+_KINDS = {
+    "TPU v4": "v4", "TPU v4 lite": "v4",
+    "TPU v5 lite": "v5e", "TPU v5e": "v5e",
+    "TPU v5": "v5p", "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+    "TPU7x": "7x", "TPU7": "7x",
+}
+
+
+def generation(device_kind: str | None = None) -> Generation:
+    """The Generation of a device kind ("TPU v5 lite", ...); None: the current target's."""
+    if device_kind is None:
+        device_kind = current_target().device_kind
+    return GENERATIONS.get(_KINDS.get(device_kind or ""), PORTABLE)
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _compiler_params(vmem_limit: int):
     # jax >= 0.6 spells it CompilerParams; older releases had TPUCompilerParams.
     cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
-    return cls(dimension_semantics=("parallel", "parallel", "arbitrary"), **kw)
+    return cls(dimension_semantics=("parallel", "parallel", "arbitrary"),
+               vmem_limit_bytes=int(vmem_limit))
 
 
 def _vmem(shape, dtype):
@@ -36,6 +86,30 @@ def _vmem(shape, dtype):
     return mem(shape, dtype)
 
 
+def _lcm(a, b):
+    return a * b // math.gcd(a, b)
+
+
+def _sublanes(dtype, gen: Generation) -> int:
+    """Second-minor tiling of a `dtype` HBM array: a block's rows must be a multiple of it."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    if bits == 32:
+        return 8
+    return gen.sublanes16 if bits == 16 else 8 * (32 // bits)
+
+
+def _buf(rows: int, cols: int, dtype) -> int:
+    """VMEM bytes of a [rows, cols] buffer (padded to its native (8*packing, 128) tile)."""
+    item = jnp.dtype(dtype).itemsize
+    return round_up(max(rows, 1), 8 * (4 // item)) * round_up(max(cols, 1), 128) * item
+
+
+def _compute_dtype(dtype):
+    # 16-bit activations: dequantize straight to that dtype so the MXU runs natively (f32 acc).
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------- tiles
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     bm: int
@@ -44,49 +118,91 @@ class Tiles:
     mp: int  # padded sizes
     np_: int
     kp: int
+    vmem_limit: int = 16 * MiB
 
 
-def _compute_dtype(dtype):
-    # 16-bit activations: dequantize straight to that dtype so the MXU runs natively (f32 acc).
-    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+_BK_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128)
+# Pallas overlaps step s+1's DMA with step s; the first DMA is exposed. Prefer tiles giving at
+# least this many grid steps so the exposed part stays <= 1/8 of the weight stream.
+_MIN_STEPS = 8
+# Fraction of the VMEM limit the tile estimate may use (the estimate is approximate).
+_BUDGET = 0.8
+# Cap on a dequantized weight tile (bk * bn elements). 1M int4 elements are 512 KiB of codes per
+# grid step, enough to amortise the ~0.35 us per-step overhead against 0.8-1.6 TB/s of HBM;
+# larger tiles only add f32 temporaries (spilled through VMEM) and Mosaic compile time, which
+# grows with the unrolled tile (4M-element tiles took 10-20 s to compile).
+_MAX_TILE = 1 << 20
+_MAX_BM = 256
+# Mosaic's scoped VMEM beyond the double-buffered blocks and scratch, per weight-tile element,
+# measured from XLA:TPU's "Scoped allocation with size ..." reports (v5e, 1-3 MiB limits): ~0 for
+# int4 / int8 (dequant temporaries stay in vregs), up to ~30 for NF4 (code transpose + select
+# tree). Rounded up: an over-estimate only shrinks tiles, an under-estimate fails to compile.
+_AFFINE_TEMP_BYTES = 4
+_NF4_TEMP_BYTES = 32
 
 
-def choose_tiles(m: int, k: int, n: int, *, x_dtype, k_align: int, block_m=None, block_n=None,
-                 block_k=None) -> Tiles:
-    """Pick (bm, bn, bk) and padded sizes.
+def _bn_candidates(n: int, decode: bool, gen: Generation, m_blocks: int) -> list[int]:
+    if n % 128:
+        return [n] if n <= 2048 else [512]  # full-dim block (legal for any N) or pad
+    # Decode streams weights: wide tiles move more bytes per grid step. Prefill reuses each
+    # dequantized tile over bm rows: narrower tiles keep the f32 temporaries small.
+    prefs = (1024, 512, 256, 128) if decode else (512, 256, 128)
+    divisors = [c for c in prefs if n % c == 0]
+    # v6e / 7x: a 128-wide tile feeds half of the 256-wide MXU; use full-width tiles if N allows.
+    cands = [c for c in divisors if c % gen.mxu == 0] or divisors
+    if gen.cores > 1 and m_blocks % gen.cores:
+        # Megacore splits the parallel axes over 2 cores: keep the N blocks a multiple of 2.
+        cands.sort(key=lambda c: (n // c) % gen.cores != 0)
+    return cands
 
-    TPU block rules: last dim a multiple of 128 or the full dim, second-last a multiple of 8 (16
-    for bf16, 32 for uint8) or the full dim. `k_align` encodes the K-side rule of the format
-    (e.g. int4 g=128: bk/2 lane-aligned and bk/g a multiple of 8 -> bk % 1024 == 0) unless
-    bk == K, when every K-dependent block is full-dim."""
+
+def _pick_bk(k, k_align, fits: Callable[[int, int], bool], other_steps: int) -> int | None:
+    """bk for one (bm, bn): the largest legal bk (an aligned divisor of K, or K itself: a
+    full-dim block is always legal) within the tile cap and VMEM budget that still gives
+    >= _MIN_STEPS grid steps, else the fitting one giving the most steps. If none fits, a full-K
+    block up to 4x the cap (K=9728 with g=128 has no aligned divisor: the only alternative is
+    padding, i.e. copying the weight every call). None if even that does not fit."""
+    legal = {c for c in _BK_CANDIDATES if c < k and k % c == 0 and c % k_align == 0} | {k}
+    ok = sorted((c for c in legal if fits(c, _MAX_TILE)), reverse=True)
+    if not ok:
+        return k if fits(k, 4 * _MAX_TILE) else None
+    enough = [c for c in ok if other_steps * (k // c) >= _MIN_STEPS]
+    return enough[0] if enough else ok[-1]
+
+
+def choose_tiles(m: int, k: int, n: int, *, x_dtype, k_align: int, gen: Generation | None = None,
+                 vmem_need: Callable[[int, int, int], int] | None = None, block_m=None,
+                 block_n=None, block_k=None) -> Tiles:
+    """Pick (bm, bn, bk), padded sizes and the VMEM limit for generation `gen`.
+
+    Block rules: last dim a multiple of 128 or the full dim; second-last a multiple of the
+    dtype's sublane tiling or the full dim. `k_align` is the format's K-side rule (x halves
+    lane-aligned, scale rows per step a multiple of their tiling) unless bk == K (all K blocks
+    full-dim). `vmem_need(bm, bn, bk)` estimates the kernel's VMEM bytes."""
+    gen = gen or generation()
+    need = vmem_need or (lambda bm_, bn_, bk_: bk_ * bn_ * 16)
+    budget = gen.vmem_limit * _BUDGET
     sub = 16 if jnp.dtype(x_dtype).itemsize == 2 else 8
-    decode = m <= 16
-    bm = block_m or min(round_up(m, sub), 256)
-    if block_n is None:
-        if n % 128 == 0:
-            cands = (1024, 512, 256, 128) if decode else (512, 256, 128)
-            block_n = next(c for c in cands if n % c == 0)
-        elif n <= 2048:
-            block_n = n  # full-dim block: legal for any N and avoids copying (padding) the weight
-        else:
-            block_n = 512
-    bn = block_n
-    if block_k is None:
-        cands = [c for c in (4096, 2048, 1024, 512, 256) if c % k_align == 0 and c * bn <= _TILE_BUDGET]
-        block_k = next((c for c in cands if k % c == 0), None)
-        if block_k is None:
-            if k * bn <= 4 * _TILE_BUDGET:
-                block_k = k
-            else:
-                block_k = cands[-1] if cands else k_align
-    bk = block_k
-    return Tiles(bm, bn, bk, round_up(m, bm), round_up(n, bn), round_up(k, bk))
+    bm = block_m or min(round_up(m, sub), _MAX_BM)
+    while True:
+        m_blocks = cdiv(m, bm)
+        for bn in ([block_n] if block_n else _bn_candidates(n, bm <= 64, gen, m_blocks)):
+            other = m_blocks * cdiv(n, bn)
+            fits = lambda c, cap: c * bn <= cap and need(bm, bn, c) <= budget  # noqa: B023,E731
+            bk = block_k or _pick_bk(k, k_align, fits, other)
+            if bk is not None:
+                return Tiles(bm, bn, bk, round_up(m, bm), round_up(n, bn), round_up(k, bk),
+                             gen.vmem_limit)
+        if block_m or bm <= sub:
+            break
+        bm = max(sub, round_up(bm // 2, sub))
+    # Nothing legal fits without padding K (copies the weight every call): smallest aligned bk.
+    bn = block_n or _bn_candidates(n, bm <= 64, gen, cdiv(m, bm))[-1]
+    bk = block_k or round_up(k_align, 256)
+    return Tiles(bm, bn, bk, round_up(m, bm), round_up(n, bn), round_up(k, bk), gen.vmem_limit)
 
 
-def _lcm(a, b):
-    return a * b // math.gcd(a, b)
-
-
+# ------------------------------------------------------------------------------- kernel pieces
 def _affine_dequant(q, s, z, rows_per_group, dtype):
     """(q - z) * s for a [r, bn] tile with scale rows covering `rows_per_group` rows each."""
     q = q.astype(jnp.float32)
@@ -120,101 +236,164 @@ def _accumulate(acc_ref, o_ref, partial):
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
+def _zeros_rows(z_ref, zs_ref, rows):
+    """This K step's `rows` zero-point rows as f32.
+
+    Grouped zero points are uint8 [K/g, N]; uint8 HBM arrays are tiled 32 rows deep, so a
+    per-step block of bk/g (typically 8) rows is illegal (E2002). The wrapper hands the whole
+    [K/g, bn] column block instead (full dim: legal, fetched once per N block); it is widened to
+    f32 into a VMEM scratch at the first K step and sliced 8-row aligned after that. Values are
+    exact, so results are unchanged."""
+    if zs_ref is None:
+        return z_ref[...]
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _():
+        zs_ref[...] = z_ref[...].astype(jnp.float32)
+
+    if zs_ref.shape[0] == rows:
+        return zs_ref[...]
+    return zs_ref[pl.ds(pl.multiple_of(kk * rows, rows), rows), :]
+
+
+def _side_specs(per_channel, staged, sb, rows_total, bn):
+    """BlockSpecs for (scales, zeros): per-channel [1, bn]; grouped scales [bk/g, bn] per K step;
+    grouped zeros either per K step or (staged) the whole [K/g, bn] column."""
+    if per_channel:
+        spec = pl.BlockSpec((1, bn), lambda i, j, kk: (0, j))
+        return spec, spec
+    s_spec = pl.BlockSpec((sb, bn), lambda i, j, kk: (kk, j))
+    z_spec = pl.BlockSpec((rows_total, bn), lambda i, j, kk: (0, j)) if staged else s_spec
+    return s_spec, z_spec
+
+
+def _affine_vmem_need(*, fmt, x_dtype, s_dtype, g, per_channel, k_rows_total, gen):
+    """VMEM estimate (bytes) of the int4 / int8 kernel for tiles (bm, bn, bk): double-buffered
+    blocks + accumulator + zero-point staging + dequant temporaries."""
+    xb = jnp.dtype(x_dtype)
+
+    def need(bm, bn, bk):
+        code_rows = bk // 2 if fmt == "int4" else bk
+        sb = 1 if per_channel else bk // g
+        staged = _staged(per_channel, sb, bk, k_rows_total * g, gen)
+        zr = k_rows_total if staged else sb
+        io = (_buf(bm, bk, xb) + _buf(code_rows, bn, jnp.uint8) + _buf(sb, bn, s_dtype)
+              + _buf(zr, bn, jnp.uint8) + _buf(bm, bn, xb))
+        scratch = _buf(bm, bn, jnp.float32) + (_buf(zr, bn, jnp.float32) if staged else 0)
+        return 2 * io + scratch + _AFFINE_TEMP_BYTES * bk * bn
+
+    return need
+
+
+def _staged(per_channel, sb, bk, k, gen) -> bool:
+    """Whether grouped uint8 zeros must be staged (their per-step block is not tile-legal)."""
+    return not per_channel and bk != k and sb % _sublanes(jnp.uint8, gen) != 0
+
+
+def _affine_k_align(fmt, g, per_channel, s_dtype, gen) -> int:
+    # int4: each x half [bm, bk/2] is lane-aligned; every bk a multiple of the MXU depth.
+    base = _lcm(256 if fmt == "int4" else 128, gen.mxu)
+    if per_channel:
+        return base
+    return _lcm(base, g * _sublanes(s_dtype, gen))  # bk/g scale rows per step, tile-aligned
+
+
 # ---------------------------------------------------------------------------------------- int4
-def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *, rpg, cdt):
+def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *scratch, rpg, cdt):
+    zs_ref = scratch[0] if scratch else None
     c = c_ref[...].astype(jnp.int32)  # [bk/2, bn]; byte i = (k=2i low, k=2i+1 high)
-    s, z = s_ref[...], z_ref[...]
+    s = s_ref[...]
+    z = _zeros_rows(z_ref, zs_ref, s.shape[0])
     w_even = _affine_dequant(c & 0xF, s, z, rpg, cdt)
     w_odd = _affine_dequant(c >> 4, s, z, rpg, cdt)
     part = _dot(xe_ref[...].astype(cdt), w_even, cdt) + _dot(xo_ref[...].astype(cdt), w_odd, cdt)
     _accumulate(acc_ref, o_ref, part)
 
 
-def int4_matmul_tpu(x, codes, scales, zeros, group_size, *, interpret=False, block_m=None,
-                    block_n=None, block_k=None):
-    """x [M, K] @ dequant(codes uint8 [K/2, N], scales/zeros [K/g, N]) -> [M, N] in x.dtype."""
-    m, k, n, g, per_channel = affine_geometry("int4", x, codes, scales, group_size)
-    k_align = 256 if per_channel else _lcm(256, 8 * g)
-    t = choose_tiles(m, k, n, x_dtype=x.dtype, k_align=k_align, block_m=block_m,
-                     block_n=block_n, block_k=block_k)
+def plan_affine(fmt: str, m: int, k: int, n: int, g: int, per_channel: bool, *, x_dtype,
+                s_dtype, gen: Generation | None = None, block_m=None, block_n=None,
+                block_k=None) -> tuple[Tiles, bool]:
+    """(tiles, staged) of an int4 / int8 call: the Tiles, and whether the grouped uint8 zero
+    points are staged whole per N block (their per-step block would not be tile-legal)."""
+    gen = gen or generation()
+    k_align = _affine_k_align(fmt, g, per_channel, s_dtype, gen)
+    need = _affine_vmem_need(fmt=fmt, x_dtype=x_dtype, s_dtype=s_dtype, g=g,
+                             per_channel=per_channel, k_rows_total=k // g, gen=gen)
+    t = choose_tiles(m, k, n, x_dtype=x_dtype, k_align=k_align, gen=gen, vmem_need=need,
+                     block_m=block_m, block_n=block_n, block_k=block_k)
     if not per_channel and t.bk % g:
-        raise ValueError(f"int4: block_k={t.bk} must be a multiple of group_size={g}")
-    if t.bk % 2:
+        raise ValueError(f"{fmt}: block_k={t.bk} must be a multiple of group_size={g}")
+    if fmt == "int4" and t.bk % 2:
         raise ValueError("int4: block_k must be even")
+    return t, _staged(per_channel, 1 if per_channel else t.bk // g, t.bk, t.kp, gen)
+
+
+def _affine_call(fmt, kernel, x, codes, scales, zeros, g, per_channel, *, interpret, gen,
+                 block_m, block_n, block_k):
+    """Shared int4 / int8 wrapper: tiles, padding, block specs, the pallas_call."""
+    m, k = x.shape
+    n = codes.shape[1]
+    t, staged = plan_affine(fmt, m, k, n, g, per_channel, x_dtype=x.dtype, s_dtype=scales.dtype,
+                            gen=gen, block_m=block_m, block_n=block_n, block_k=block_k)
     cdt = _compute_dtype(x.dtype)
     xp = pad_to(x, (t.mp, t.kp))
-    xe, xo = split_even_odd(xp)
-    codes = pad_to(codes, (t.kp // 2, t.np_))
+    code_rows = t.kp // 2 if fmt == "int4" else t.kp
+    codes = pad_to(codes, (code_rows, t.np_))
     sg = 1 if per_channel else t.kp // g
     scales = pad_to(scales, (sg, t.np_))
     zeros = pad_to(zeros, (sg, t.np_))
     sb = 1 if per_channel else t.bk // g
-    s_map = (lambda i, j, kk: (0, j)) if per_channel else (lambda i, j, kk: (kk, j))
-    grid = (t.mp // t.bm, t.np_ // t.bn, t.kp // t.bk)
+    s_spec, z_spec = _side_specs(per_channel, staged, sb, sg, t.bn)
+    kb = t.bk // 2 if fmt == "int4" else t.bk
+    x_specs = [pl.BlockSpec((t.bm, kb), lambda i, j, kk: (i, kk))] * (2 if fmt == "int4" else 1)
+    x_args = split_even_odd(xp) if fmt == "int4" else (xp,)
+    scratch = [_vmem((t.bm, t.bn), jnp.float32)] + ([_vmem((sg, t.bn), jnp.float32)] if staged else [])
     bytes_accessed = (xp.size * xp.dtype.itemsize + codes.size + scales.size * scales.dtype.itemsize
                       + zeros.size + t.mp * t.np_ * x.dtype.itemsize)
+    rpg = 1 if per_channel else (g // 2 if fmt == "int4" else g)
     out = pl.pallas_call(
-        functools.partial(_int4_kernel, rpg=(g // 2) if not per_channel else 1, cdt=cdt),
+        functools.partial(kernel, rpg=rpg, cdt=cdt),
         out_shape=jax.ShapeDtypeStruct((t.mp, t.np_), x.dtype),
-        grid=grid,
-        in_specs=[
-            pl.BlockSpec((t.bm, t.bk // 2), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((t.bm, t.bk // 2), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((t.bk // 2, t.bn), lambda i, j, kk: (kk, j)),
-            pl.BlockSpec((sb, t.bn), s_map),
-            pl.BlockSpec((sb, t.bn), s_map),
-        ],
+        grid=(t.mp // t.bm, t.np_ // t.bn, t.kp // t.bk),
+        in_specs=[*x_specs, pl.BlockSpec((kb, t.bn), lambda i, j, kk: (kk, j)), s_spec, z_spec],
         out_specs=pl.BlockSpec((t.bm, t.bn), lambda i, j, kk: (i, j)),
-        scratch_shapes=[_vmem((t.bm, t.bn), jnp.float32)],
-        compiler_params=_compiler_params(vmem_limit_bytes=_VMEM_LIMIT),
+        scratch_shapes=scratch,
+        compiler_params=_compiler_params(t.vmem_limit),
         cost_estimate=pl.CostEstimate(flops=2 * t.mp * t.np_ * t.kp, transcendentals=0,
                                       bytes_accessed=int(bytes_accessed)),
         interpret=interpret,
-        name="lrmq_int4_matmul_tpu",
-    )(xe, xo, codes, scales, zeros)
+        name=f"lrmq_{fmt}_matmul_tpu",
+    )(*x_args, codes, scales, zeros)
     return out[:m, :n]
+
+
+def int4_matmul_tpu(x, codes, scales, zeros, group_size, *, interpret=False, gen=None,
+                    block_m=None, block_n=None, block_k=None):
+    """x [M, K] @ dequant(codes uint8 [K/2, N], scales/zeros [K/g, N]) -> [M, N] in x.dtype.
+
+    `gen`: the TPU Generation to tile for (default: the current target's)."""
+    _, _, _, g, per_channel = affine_geometry("int4", x, codes, scales, group_size)
+    return _affine_call("int4", _int4_kernel, x, codes, scales, zeros, g, per_channel,
+                        interpret=interpret, gen=gen, block_m=block_m, block_n=block_n,
+                        block_k=block_k)
 
 
 # ---------------------------------------------------------------------------------------- int8
-def _int8_kernel(x_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *, rpg, cdt):
-    w = _affine_dequant(c_ref[...], s_ref[...], z_ref[...], rpg, cdt)
+def _int8_kernel(x_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *scratch, rpg, cdt):
+    zs_ref = scratch[0] if scratch else None
+    s = s_ref[...]
+    w = _affine_dequant(c_ref[...], s, _zeros_rows(z_ref, zs_ref, s.shape[0]), rpg, cdt)
     _accumulate(acc_ref, o_ref, _dot(x_ref[...].astype(cdt), w, cdt))
 
 
-def int8_matmul_tpu(x, codes, scales, zeros, *, interpret=False, block_m=None, block_n=None,
-                    block_k=None):
+def int8_matmul_tpu(x, codes, scales, zeros, *, interpret=False, gen=None, block_m=None,
+                    block_n=None, block_k=None):
     """x [M, K] @ dequant(codes uint8 [K, N], scales/zeros [1 or K/g, N]) -> [M, N]."""
-    m, k, n, g, per_channel = affine_geometry("int8", x, codes, scales)
-    k_align = 128 if per_channel else _lcm(128, 8 * g)
-    t = choose_tiles(m, k, n, x_dtype=x.dtype, k_align=k_align, block_m=block_m,
-                     block_n=block_n, block_k=block_k)
-    if not per_channel and t.bk % g:
-        raise ValueError(f"int8: block_k={t.bk} must be a multiple of group_size={g}")
-    cdt = _compute_dtype(x.dtype)
-    xp = pad_to(x, (t.mp, t.kp))
-    codes = pad_to(codes, (t.kp, t.np_))
-    sg = 1 if per_channel else t.kp // g
-    scales = pad_to(scales, (sg, t.np_))
-    zeros = pad_to(zeros, (sg, t.np_))
-    sb = 1 if per_channel else t.bk // g
-    s_map = (lambda i, j, kk: (0, j)) if per_channel else (lambda i, j, kk: (kk, j))
-    out = pl.pallas_call(
-        functools.partial(_int8_kernel, rpg=g if not per_channel else 1, cdt=cdt),
-        out_shape=jax.ShapeDtypeStruct((t.mp, t.np_), x.dtype),
-        grid=(t.mp // t.bm, t.np_ // t.bn, t.kp // t.bk),
-        in_specs=[
-            pl.BlockSpec((t.bm, t.bk), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((t.bk, t.bn), lambda i, j, kk: (kk, j)),
-            pl.BlockSpec((sb, t.bn), s_map),
-            pl.BlockSpec((sb, t.bn), s_map),
-        ],
-        out_specs=pl.BlockSpec((t.bm, t.bn), lambda i, j, kk: (i, j)),
-        scratch_shapes=[_vmem((t.bm, t.bn), jnp.float32)],
-        compiler_params=_compiler_params(vmem_limit_bytes=_VMEM_LIMIT),
-        interpret=interpret,
-        name="lrmq_int8_matmul_tpu",
-    )(xp, codes, scales, zeros)
-    return out[:m, :n]
+    _, _, _, g, per_channel = affine_geometry("int8", x, codes, scales)
+    return _affine_call("int8", _int8_kernel, x, codes, scales, zeros, g, per_channel,
+                        interpret=interpret, gen=gen, block_m=block_m, block_n=block_n,
+                        block_k=block_k)
 
 
 # ----------------------------------------------------------------------------------------- nf4
@@ -235,19 +414,40 @@ def _nf4_kernel(xe_ref, xo_ref, c_ref, a_ref, o_ref, acc_ref, *, half_block, cdt
     _accumulate(acc_ref, o_ref, part)
 
 
-def nf4_matmul_tpu(x, codes, absmax, block_size: int = 64, *, interpret=False, block_m=None,
-                   block_n=None, block_k=None):
+def _nf4_vmem_need(x_dtype, block_size):
+    xb = jnp.dtype(x_dtype)
+
+    def need(bm, bn, bk):
+        io = (_buf(bm, bk, xb) + _buf(bn, bk // 2, jnp.uint8)
+              + _buf(bk // block_size, bn, jnp.float32) + _buf(bm, bn, xb))
+        return 2 * io + _buf(bm, bn, jnp.float32) + _NF4_TEMP_BYTES * bk * bn
+
+    return need
+
+
+def plan_nf4(m: int, k: int, n: int, block_size: int, *, x_dtype, gen: Generation | None = None,
+             block_m=None, block_n=None, block_k=None) -> Tiles:
+    # x halves and the [bn, bk/2] code tile lane-aligned; bk/bs f32 absmax rows tile-aligned.
+    gen = gen or generation()
+    k_align = _lcm(_lcm(256, gen.mxu), 8 * block_size)
+    t = choose_tiles(m, k, n, x_dtype=x_dtype, k_align=k_align, gen=gen,
+                     vmem_need=_nf4_vmem_need(x_dtype, block_size), block_m=block_m,
+                     block_n=block_n, block_k=block_k)
+    if t.bk % block_size:
+        raise ValueError(f"nf4: block_k={t.bk} must be a multiple of block_size={block_size}")
+    return t
+
+
+def nf4_matmul_tpu(x, codes, absmax, block_size: int = 64, *, interpret=False, gen=None,
+                   block_m=None, block_n=None, block_k=None):
     """x [M, K] @ w_t.T with codes uint8 [N, K/2] (bnb bytes), absmax [N, K/bs] (or flat)."""
     m, k = x.shape
     n = codes.shape[0]
     if codes.shape[1] * 2 != k or k % block_size or block_size % 2:
         raise ValueError(f"nf4: codes {codes.shape} / block_size {block_size} vs K={k}")
     nb = k // block_size
-    k_align = _lcm(256, 8 * block_size)
-    t = choose_tiles(m, k, n, x_dtype=x.dtype, k_align=k_align, block_m=block_m,
-                     block_n=block_n, block_k=block_k)
-    if t.bk % block_size:
-        raise ValueError(f"nf4: block_k={t.bk} must be a multiple of block_size={block_size}")
+    t = plan_nf4(m, k, n, block_size, x_dtype=x.dtype, gen=gen, block_m=block_m, block_n=block_n,
+                 block_k=block_k)
     cdt = _compute_dtype(x.dtype)
     xp = pad_to(x, (t.mp, t.kp))
     xe, xo = split_even_odd(xp)
@@ -255,6 +455,8 @@ def nf4_matmul_tpu(x, codes, absmax, block_size: int = 64, *, interpret=False, b
     # [K/bs, N]: small (1/16 of the bf16 weight bytes); lrmq can keep it pre-transposed.
     absmax_t = pad_to(absmax.reshape(n, nb).astype(jnp.float32).T, (t.kp // block_size, t.np_))
     ab = t.bk // block_size
+    bytes_accessed = (xp.size * xp.dtype.itemsize + codes.size + absmax_t.size * 4
+                      + t.mp * t.np_ * x.dtype.itemsize)
     out = pl.pallas_call(
         functools.partial(_nf4_kernel, half_block=block_size // 2, cdt=cdt),
         out_shape=jax.ShapeDtypeStruct((t.mp, t.np_), x.dtype),
@@ -267,7 +469,9 @@ def nf4_matmul_tpu(x, codes, absmax, block_size: int = 64, *, interpret=False, b
         ],
         out_specs=pl.BlockSpec((t.bm, t.bn), lambda i, j, kk: (i, j)),
         scratch_shapes=[_vmem((t.bm, t.bn), jnp.float32)],
-        compiler_params=_compiler_params(vmem_limit_bytes=_VMEM_LIMIT),
+        compiler_params=_compiler_params(t.vmem_limit),
+        cost_estimate=pl.CostEstimate(flops=2 * t.mp * t.np_ * t.kp, transcendentals=0,
+                                      bytes_accessed=int(bytes_accessed)),
         interpret=interpret,
         name="lrmq_nf4_matmul_tpu",
     )(xe, xo, codes, absmax_t)

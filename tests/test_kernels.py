@@ -184,16 +184,46 @@ def test_nf4_kernel(impl, m, k, n, dtype, kw):
 
 
 def test_tile_choice_decode_vs_prefill():
-    dec = pk_tpu.choose_tiles(4, 4096, 4096, x_dtype=jnp.bfloat16, k_align=1024)
-    pre = pk_tpu.choose_tiles(512, 4096, 4096, x_dtype=jnp.bfloat16, k_align=1024)
+    v5e = pk_tpu.GENERATIONS["v5e"]
+    dec = pk_tpu.choose_tiles(4, 4096, 4096, x_dtype=jnp.bfloat16, k_align=1024, gen=v5e)
+    pre = pk_tpu.choose_tiles(512, 4096, 4096, x_dtype=jnp.bfloat16, k_align=1024, gen=v5e)
     assert (dec.bm, dec.bn) == (16, 1024) and dec.bk % 1024 == 0 and 4096 % dec.bk == 0
     assert pre.bm == 256 and pre.bn == 512 and pre.mp == 512
-    odd = pk_tpu.choose_tiles(7, 384, 200, x_dtype=jnp.float32, k_align=1024)
+    odd = pk_tpu.choose_tiles(7, 384, 200, x_dtype=jnp.float32, k_align=1024, gen=v5e)
     assert (odd.bk, odd.bn, odd.kp, odd.np_) == (384, 200, 384, 200)  # full-dim blocks, no padding
+    assert dec.vmem_limit == 96 << 20  # 3/4 of v5e's 128 MiB VMEM
     gdec = pk_gpu.choose_tiles(1, 4096, 4096, k_unit=128)
     assert gdec.bm == 16 and gdec.bk == 128 and gdec.splits > 1  # split-K fills the SMs at decode
     gpre = pk_gpu.choose_tiles(2048, 4096, 4096, k_unit=128)
     assert gpre.splits == 1 and gpre.bm == 128
+
+
+@pytest.mark.parametrize("fmt,g,block_k", [("int4", 64, 256), ("int4", 128, 1024),
+                                            ("int8", 128, 256), ("int8", 32, 256)])
+def test_staged_zero_points_are_exact(fmt, g, block_k):
+    """Grouped uint8 zero points are staged whole per N block (a bk/g-row uint8 block is not
+    tile-legal on TPU) and widened to f32 in VMEM. With integer activations, power-of-two scales
+    and K=2048 every product and partial sum is exact in f32, so the kernel must equal the
+    reference bit for bit whatever the tiling."""
+    k, n, m = 2048, 256, 8
+    r = _rng("staged", fmt, g)
+    x = jnp.asarray(r.integers(-4, 5, (m, k)), jnp.float32)
+    scales = jnp.asarray(2.0 ** r.integers(-6, -2, (k // g, n)), jnp.float32)
+    zeros = jnp.asarray(r.integers(0, 16, (k // g, n)), jnp.uint8)
+    if fmt == "int4":
+        codes = jnp.asarray(ref.pack_int4(r.integers(0, 16, (k, n))))
+        t, staged = pk_tpu.plan_affine("int4", m, k, n, g, False, x_dtype=x.dtype,
+                                       s_dtype=scales.dtype, block_k=block_k)
+        y = pk_tpu.int4_matmul_tpu(x, codes, scales, zeros, g, interpret=True, block_k=block_k)
+        y_ref = ref.int4_matmul_reference(x, codes, scales, zeros, g)
+    else:
+        codes = jnp.asarray(r.integers(0, 16, (k, n)), jnp.uint8)
+        t, staged = pk_tpu.plan_affine("int8", m, k, n, g, False, x_dtype=x.dtype,
+                                       s_dtype=scales.dtype, block_k=block_k)
+        y = pk_tpu.int8_matmul_tpu(x, codes, scales, zeros, interpret=True, block_k=block_k)
+        y_ref = ref.int8_matmul_reference(x, codes, scales, zeros)
+    assert t.kp // t.bk > 1 and staged == ((block_k // g) % 32 != 0)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
 
 
 # ------------------------------------------------------------------------- dispatch and gradients

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lrmq.model.params import param
+from lrmq.model.params import LOGICAL_AXES_KEY, param
 
 
 def default_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -38,7 +38,8 @@ class Linear(nnx.Module):
         w = self.kernel.get_value()  # QuantizedKernel holds a pytree: not subscriptable
         if _is_quantized(w):
             from lrmq.quant.qmatmul import qmatmul  # packed weights: Pallas kernels / XLA fallback
-            y = qmatmul(x, w)
+            # logical axes: how the kernel call is partitioned on a multi-device mesh
+            y = qmatmul(x, w, axes=self.kernel.get_metadata().get(LOGICAL_AXES_KEY))
         else:
             y = self.dot_general(x, w.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
         y = y.astype(self.dtype)

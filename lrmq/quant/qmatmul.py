@@ -9,13 +9,26 @@ Dispatch (docs/DESIGN.md "Kernels"):
 * anything else (int 2/3/5/6/7 bits, NF4 whose blocks straddle rows) -> dequantize in XLA, then dot,
   with the weight behind `stop_gradient` (the packed base is frozen).
 
-Each kernel picks TPU / GPU / XLA by backend; on CPU they run the XLA reference path.
+Each kernel picks TPU / GPU / XLA by the compile *target* (`pallas_kernels.current_target`: the mesh
+in effect, else the default backend); on CPU they run the XLA reference path.
+
+Sharded programs: XLA cannot partition a Mosaic / Triton custom call ("Mosaic kernels cannot be
+automatically partitioned"). When a kernel (not the XLA path) is chosen and a mesh with more than one
+device is in effect, the call is wrapped in `jax.shard_map` (`kernel_specs`): the activation's leading
+(batch) dim stays sharded over the mesh's batch axes (replicated when it does not divide), the weight
+is gathered over its FSDP storage axes (XLA inserts the all-gather), stays split over the tensor axis
+on N (column-parallel) or on K (row-parallel, partial outputs `psum`-ed). The custom_vjp backward runs
+inside the same shard_map, so it is partitioned the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from lrmq.quant.qweight import QuantizedWeight, dequantize
 
@@ -36,19 +49,139 @@ def qmatmul_path(qw: QuantizedWeight) -> str:
     return "dequant"
 
 
-def qmatmul(x: jax.Array, qw: QuantizedWeight, *, impl: str = "auto") -> jax.Array:
-    """y[..., N] = x[..., K] @ dequantize(qw)[K, N]; gradient w.r.t. x only."""
+# ------------------------------------------------------------------------------ kernel operands
+def _kernel_arrays(qw: QuantizedWeight, path: str) -> tuple:
+    """The arrays the kernel takes, NF4 absmax as [N, K/bs] so it can be split on N and K."""
+    if path == "nf4":
+        return qw.codes, qw.scales.reshape(qw.N, qw.K // qw.block_size)
+    return qw.codes, qw.scales, qw.zeros
+
+
+def _call_kernel(path: str, qw: QuantizedWeight, impl: str, x, *arrays):
+    import pallas_kernels as pk
+
+    if path == "int4":
+        return pk.int4_matmul(x, *arrays, impl=impl)  # group size implied by the (local) scales
+    if path == "int8":
+        return pk.int8_matmul(x, *arrays, impl=impl)
+    return pk.nf4_matmul(x, *arrays, qw.block_size, impl=impl)
+
+
+# ------------------------------------------------------------------------------------ partitioning
+@dataclasses.dataclass(frozen=True)
+class KernelSpecs:
+    """shard_map specs of one kernel call: x, the kernel arrays, the output, and the axes the
+    partial outputs are summed over (row-parallel)."""
+
+    x: P
+    arrays: tuple
+    out: P
+    psum: tuple
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _batch_axes(mesh, lead: int | None) -> tuple:
+    """Mesh axes the activation's leading dim is split over: the `batch` rule's axes, dropping
+    trailing ones until the size divides (decode batches smaller than the mesh: replicated)."""
+    from lrmq.sharding import RULES
+
+    axes = tuple(a for a in _axes(RULES.get("batch")) if a in mesh.shape and mesh.shape[a] > 1)
+    if lead is None:
+        return ()
+    while axes and lead % _size(mesh, axes):
+        axes = axes[:-1]
+    return axes
+
+
+def _weight_axes(qw: QuantizedWeight, path: str, axes, mesh) -> tuple[tuple, tuple]:
+    """(K mesh axes, N mesh axes) the kernel keeps the weight split over: the weight's logical
+    sharding minus the batch (FSDP storage) axes, which are gathered; K only when every K-shaped
+    array (codes, group scales) splits evenly, so each shard holds whole groups."""
+    from lrmq.sharding import RULES, logical_to_spec
+
+    if axes is None or len(axes) != 2:
+        return (), ()
+    batch = set(_axes(RULES.get("batch")))
+    spec = tuple(logical_to_spec(tuple(axes), (qw.K, qw.N), mesh)) + (None, None)
+    k_ax, n_ax = (tuple(a for a in _axes(s) if a not in batch) for s in spec[:2])
+    if n_ax and qw.N % _size(mesh, n_ax):
+        n_ax = ()
+    if k_ax:
+        t = _size(mesh, k_ax)
+        unit = qw.block_size if path == "nf4" else (2 if path == "int4" else 1)
+        groups = qw.K // (qw.block_size if path == "nf4" else qw.group_size)
+        if qw.K % (t * unit) or (groups > 1 and groups % t):
+            k_ax = ()
+    return k_ax, n_ax
+
+
+def kernel_specs(x_shape: tuple, qw: QuantizedWeight, path: str, axes, mesh) -> KernelSpecs:
+    """Partition specs for running the kernel on `mesh` (see the module docstring)."""
+    k_ax, n_ax = _weight_axes(qw, path, axes, mesh)
+    batch = _batch_axes(mesh, x_shape[0] if len(x_shape) > 1 else None)
+    mid = [None] * max(len(x_shape) - 2, 0)
+    lead = [_entry(batch)] if len(x_shape) > 1 else []
+    k, n = _entry(k_ax), _entry(n_ax)
+    if path == "nf4":  # codes [N, K/2], absmax [N, K/bs]
+        arrays = (P(n, k), P(n, k))
+    else:  # codes [K/2 or K, N]; scales / zeros [K/g, N] ([1, N] per channel: never split on K)
+        per_channel = qw.scales.shape[0] == 1
+        side = P(None if per_channel else k, n)
+        arrays = (P(k, n), side, side)
+    return KernelSpecs(P(*lead, *mid, k), arrays, P(*lead, *mid, n), k_ax)
+
+
+def _manual(mesh) -> bool:
+    """Inside a shard_map already (some mesh axis is Manual): the caller partitions."""
+    manual = getattr(jax.sharding.AxisType, "Manual", None)
+    return any(t == manual for t in (getattr(mesh, "axis_types", ()) or ()))
+
+
+def _sharded_call(path, qw, impl, x, arrays, axes, mesh, target):
+    import pallas_kernels as pk
+
+    specs = kernel_specs(x.shape, qw, path, axes, mesh)
+
+    def body(x_local, *local):
+        with pk.target(target.platform, target.device_kind):  # the manual sub-mesh says less
+            y = _call_kernel(path, qw, impl, x_local, *local)
+        return jax.lax.psum(y, specs.psum) if specs.psum else y
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs.x, *specs.arrays), out_specs=specs.out,
+                       check_vma=False)
+    return fn(x, *arrays)
+
+
+def qmatmul(x: jax.Array, qw: QuantizedWeight, *, impl: str = "auto", axes=None) -> jax.Array:
+    """y[..., N] = x[..., K] @ dequantize(qw)[K, N]; gradient w.r.t. x only.
+
+    `axes`: the weight's logical (in, out) axes (the Linear's kernel metadata); with a kernel
+    target and a multi-device mesh in effect they decide how the kernel call is partitioned."""
     if x.shape[-1] != qw.K:
         raise ValueError(f"qmatmul: x has {x.shape[-1]} features, the weight expects K={qw.K} (shape {qw.shape})")
     import pallas_kernels as pk
 
     path = qmatmul_path(qw)
-    if path == "int4":
-        y = pk.int4_matmul(x, qw.codes, qw.scales, qw.zeros, qw.group_size, impl=impl)
-    elif path == "int8":
-        y = pk.int8_matmul(x, qw.codes, qw.scales, qw.zeros, impl=impl)
-    elif path == "nf4":
-        y = pk.nf4_matmul(x, qw.codes, qw.scales, qw.block_size, impl=impl)
+    if path == "dequant":
+        return _dequant_dot(x, qw).astype(x.dtype)
+    arrays = _kernel_arrays(qw, path)
+    impl_r, _ = pk.resolve_impl(impl)
+    mesh = pk.mesh_in_effect()
+    if impl_r == "xla" or mesh is None or mesh.size == 1 or _manual(mesh):
+        y = _call_kernel(path, qw, impl, x, *arrays)
     else:
-        y = _dequant_dot(x, qw)
+        y = _sharded_call(path, qw, impl, x, arrays, axes, mesh, pk.current_target())
     return y.astype(x.dtype)
