@@ -127,8 +127,10 @@ def window_nll(model, blocks, batch_size=8) -> np.ndarray:
         logp = jax.nn.log_softmax(nnx.merge(graphdef, state)(tokens).astype(jnp.float32)[:, :-1], axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0], axis=1)
 
-    return np.concatenate([np.asarray(nll(state, jnp.asarray(blocks[i:i + batch_size])))
-                           for i in range(0, len(blocks), batch_size)])
+    n = len(blocks)
+    padded = np.concatenate([blocks, blocks[:-n % batch_size]]) if n % batch_size else blocks  # one compiled shape
+    return np.concatenate([np.asarray(nll(state, jnp.asarray(padded[i:i + batch_size])))
+                           for i in range(0, len(padded), batch_size)])[:n]
 
 
 def z_score(diff) -> float:
@@ -262,13 +264,10 @@ def test_packed_equals_fake_quant_forward(hf_checkpoint):
 
 def test_awq_beats_rtn_w3(structured):
     from lrmq.checkpoint.load import load_model
-    from lrmq.perplexity import perplexity
     from lrmq.ptq.awq import AWQOptions, awq_quantize_model, rtn_quantize_model
 
     ev = eval_blocks(structured)
-    fp_m = load_model(structured["model"])
-    fp = window_nll(fp_m, ev)
-    assert np.exp(fp.mean()) == pytest.approx(perplexity(fp_m, ev, batch_size=8)["ppl"], rel=1e-5)
+    fp = window_nll(load_model(structured["model"]), ev)
     rtn_m = load_model(structured["model"])
     rtn_quantize_model(rtn_m, bits=3, group_size=128)
     rtn = window_nll(rtn_m, ev)
