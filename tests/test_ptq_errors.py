@@ -10,7 +10,7 @@ from test_quantlrm_model import qcfg, setup  # noqa: F401 (fixture)
 
 
 def _fails(cfg, match):
-    from lrmq.ptq.config import run_quantize
+    from lrmq.ptq.pipeline import run_quantize
 
     with pytest.raises(Exception, match=match):
         run_quantize(cfg)
@@ -42,7 +42,7 @@ def test_bad_calibration_field_and_missing_pair(setup, tmp_path):
 
 
 def test_existing_output_dir_untouched(setup, tmp_path):
-    from lrmq.ptq.config import run_quantize
+    from lrmq.ptq.pipeline import run_quantize
 
     out = tmp_path / "o"
     out.mkdir()

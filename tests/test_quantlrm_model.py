@@ -56,7 +56,7 @@ def qcfg(s, out, **kw):
 
 def test_end_to_end(setup):
     from lrmq.checkpoint.load import load_model
-    from lrmq.ptq.config import run_quantize
+    from lrmq.ptq.pipeline import run_quantize
     from lrmq.ptq.importance import importance_for_model
     from lrmq.quant.transforms import iter_linears, module_at
 
@@ -88,7 +88,7 @@ def test_end_to_end(setup):
 def test_grpo_run_dir_and_mapping(setup, tmp_path):
     import shutil
 
-    from lrmq.ptq.config import run_quantize
+    from lrmq.ptq.pipeline import run_quantize
 
     run = tmp_path / "run"
     shutil.copytree(setup["ft"], run / "final_policy")
@@ -109,7 +109,7 @@ def test_pseudo_ft_pair(setup, tmp_path):
     import shutil
 
     from lrmq.checkpoint.load import load_model
-    from lrmq.ptq.config import run_quantize
+    from lrmq.ptq.pipeline import run_quantize
     from lrmq.ptq.pseudo_ft import PseudoFTOptions, pseudo_finetune
 
     m = tmp_path / "m"

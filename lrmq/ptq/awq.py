@@ -40,11 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lrmq.ptq import layer_fn as lf
 from lrmq.ptq import layerwise as lw
-from lrmq.quant import packing
-from lrmq.quant.quantizers import (compute_qparams, dequantize_codes, exact_div, fake_quant, quantize_codes,
-                                   resolve_group_size)
-from lrmq.quant.qweight import QuantizedWeight
+from lrmq.ptq.result import PTQResult
+# rtn_quantize_model is re-exported: callers import it from here
+from lrmq.ptq.rtn import quantize_linear, rtn_quantize_model  # noqa: F401
+from lrmq.quant.quantizers import exact_div, fake_quant, resolve_group_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,23 +87,10 @@ MLP_IN = ScaleGroup("mlp_in", "mlp_norm", ("gate_proj", "up_proj"), "mlp_in", "m
 MLP_OUT = ScaleGroup("mlp_out", "up_proj", ("down_proj",), "down_in", "down_proj", "down_proj")
 
 
-def scale_groups(spec: lw.LayerSpec) -> list[ScaleGroup]:
+def scale_groups(spec: lf.LayerSpec) -> list[ScaleGroup]:
     if spec.post_norm:
         return [ATTN_OUT, MLP_OUT]
     return [ATTN_IN, ATTN_OUT, MLP_IN, MLP_OUT]
-
-
-@dataclasses.dataclass
-class PTQResult:
-    """What a model-level PTQ run produced (the model itself holds the fake-quant float weights)."""
-
-    method: str
-    packed: dict[str, QuantizedWeight]  # "layers.3.attn.q_proj" -> packed weight (same codes as the model)
-    info: dict = dataclasses.field(default_factory=dict)  # per-layer search results, timings
-    g_idx: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # GPTQ act-order only
-    bits: int = 4
-    group_size: int = 128
-    symmetric: bool = False
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -124,11 +112,7 @@ def activation_stat(ctx: lw.LayerContext, group: ScaleGroup, x) -> np.ndarray:
 
 
 def _inspect(kind: str, p, spec, x, pos):
-    if kind == "attn":
-        return lw.attn_block(p, spec, x, pos)
-    if kind == "mlp":
-        return lw.mlp_block(p, x)
-    return lw.linear(p, kind, x)
+    return lf.part_forward(p, spec, kind, x, pos)
 
 
 @partial(jax.jit, static_argnames=("bits", "group_size", "symmetric"))
@@ -202,14 +186,14 @@ def _vo_shapes_match(p) -> bool:
     return tuple(p["v_proj"].shape) == tuple(p["o_proj"].shape)
 
 
-def downsample_vo(s, spec: lw.LayerSpec):
+def downsample_vo(s, spec: lf.LayerSpec):
     """QuantLRM GQA: o-input scales [H*D] -> v-output scales [KVH*D] (mean over the query heads
     sharing each kv head). HF GQA maps query head h to kv head h // (H / KVH)."""
     g = spec.num_heads // spec.num_kv_heads
     return s.reshape(spec.num_kv_heads, g, spec.head_dim).mean(axis=1).reshape(-1)
 
 
-def upsample_vo(s_v, spec: lw.LayerSpec):
+def upsample_vo(s_v, spec: lf.LayerSpec):
     g = spec.num_heads // spec.num_kv_heads
     return jnp.repeat(s_v.reshape(spec.num_kv_heads, 1, spec.head_dim), g, axis=1).reshape(-1)
 
@@ -219,7 +203,7 @@ def apply_scale(p: dict, caps: dict, s_prev, s_fc, group: ScaleGroup):
     """Fold: prev_op /= s_prev (norm scale, or output columns + bias of a Linear); W *= s_fc (rows);
     the group's captured input /= s_fc. Returns new (params, captures) dicts."""
     p, caps = dict(p), dict(caps)
-    if group.prev in lw.LINEARS:
+    if group.prev in lf.LINEARS:
         p[group.prev] = exact_div(p[group.prev], s_prev[None, :])
         if group.prev + ".bias" in p:
             p[group.prev + ".bias"] = exact_div(p[group.prev + ".bias"], s_prev)
@@ -290,26 +274,6 @@ CLIP_SKIP = ("q_", "k_", "query", "key", "Wqkv")
 # ----------------------------------------------------------------------------- per layer
 
 
-@partial(jax.jit, static_argnames=("bits", "group_size", "symmetric"))
-def _quantize_jit(w, bits, group_size, symmetric):
-    scales, zeros = compute_qparams(w, bits, group_size, symmetric)
-    codes = quantize_codes(w, scales, zeros, bits, group_size)
-    return dequantize_codes(codes, scales, zeros, group_size, jnp.float32), codes, scales, zeros
-
-
-def quantize_linear(w, bits: int, group_size: int, symmetric: bool):
-    """(fake-quant float32 weight, packed QuantizedWeight) from one set of codes: the packed weight
-    dequantizes to exactly the fake-quant weight (same functions as ``quantize_weight``)."""
-    w = jnp.asarray(w, jnp.float32)
-    g = resolve_group_size(w.shape, group_size)
-    packing.packed_rows(w.shape[0], bits)
-    fq, codes, scales, zeros = _quantize_jit(w, bits, g, symmetric)
-    qw = QuantizedWeight(codes=jnp.asarray(packing.pack(np.asarray(codes), bits)), scales=scales, zeros=zeros,
-                         fmt="int", bits=bits, group_size=g, shape=tuple(int(d) for d in w.shape), dtype="float32",
-                         symmetric=bool(symmetric), double_quant=False)
-    return fq, qw
-
-
 def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activation_stat, result: PTQResult = None):
     """Scale search + fold + clip + quantize for one layer; returns the new float32 params."""
     p = dict(ctx.params)
@@ -340,13 +304,13 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
                 s_prev = s_fc = s
             p, caps = apply_scale(p, caps, s_prev, s_fc, group)
     if opts.clip:
-        for name in lw.LINEARS:
+        for name in lf.LINEARS:
             if any(t in name for t in CLIP_SKIP):
                 continue
             g = resolve_group_size(p[name].shape, opts.group_size)
-            mv = auto_clip(p[name], caps[lw.INPUT_OF[name]], dataclasses.replace(opts, group_size=g))
+            mv = auto_clip(p[name], caps[lf.INPUT_OF[name]], dataclasses.replace(opts, group_size=g))
             p[name] = apply_clip(p[name], mv, g)
-    for name in lw.LINEARS:
+    for name in lf.LINEARS:
         fq, qw = quantize_linear(p[name], opts.bits, opts.group_size, opts.symmetric)
         p[name] = fq
         if result is not None:
@@ -365,16 +329,4 @@ def awq_quantize_model(model, tokens, opts: AWQOptions = AWQOptions(), *, stat_f
     lw.run_layerwise(model, tokens, lambda ctx: awq_layer(ctx, opts, stat_fn, result), propagate=opts.propagate,
                      batch_size=opts.batch_size, desc=method.upper(), progress=progress, timings=timings)
     result.info["seconds_per_layer"] = timings
-    return result
-
-
-def rtn_quantize_model(model, *, bits: int = 4, group_size: int = 128, symmetric: bool = False) -> PTQResult:
-    """Plain round-to-nearest of the seven projections of every layer (AWQ's alpha=0, no clip)."""
-    result = PTQResult(method="rtn", packed={}, bits=bits, group_size=group_size, symmetric=symmetric)
-    for i, layer in enumerate(model.layers):
-        p = lw.get_layer_params(layer)
-        new = {}
-        for name in lw.LINEARS:
-            new[name], result.packed[lw.linear_path(i, name)] = quantize_linear(p[name], bits, group_size, symmetric)
-        lw.set_layer_params(layer, new)
     return result

@@ -1,7 +1,7 @@
 """Model-level exports of a PTQ result (every writer is atomic: a failure leaves no directory).
 
 Inputs: the model after PTQ (its Linears hold the fake-quant float weights, norms hold folded AWQ
-scales) and the :class:`lrmq.ptq.awq.PTQResult` whose ``packed`` maps ``layers.i.attn.q_proj`` to the
+scales) and the :class:`lrmq.ptq.result.PTQResult` whose ``packed`` maps ``layers.i.attn.q_proj`` to the
 ``QuantizedWeight`` with the same codes.
 
 * ``packed`` -- lrmq checkpoint whose Linears hold ``QuantizedKernel``s (``load_model`` reads it;

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lrmq.ptq import layerwise as lw
-from lrmq.ptq.awq import PTQResult
+from lrmq.ptq.layer_fn import INPUT_OF
+from lrmq.ptq.result import PTQResult
 from lrmq.ptq.gptq import gptq_codes, gptq_quantize
 from lrmq.quant import packing
 from lrmq.quant.qweight import QuantizedWeight
@@ -81,7 +82,7 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> di
     info = {}
     for stage in stages:
         caps = ctx.inputs(p if stage is not stages[0] else None)
-        hs = {name: hessian(caps[lw.INPUT_OF[name]]) for name in stage}
+        hs = {name: hessian(caps[INPUT_OF[name]]) for name in stage}
         del caps
         for name in stage:
             res = gptq_quantize(np.asarray(p[name]), hs[name], bits=opts.bits,

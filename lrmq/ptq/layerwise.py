@@ -1,5 +1,4 @@
-"""Streaming layer-by-layer PTQ driver and a functional decoder-layer forward that exposes every
-Linear's input.
+"""Streaming layer-by-layer PTQ driver.
 
 Pipeline (llm-awq ``run_awq`` / GPTQ ``llama_sequential`` structure)::
 
@@ -11,14 +10,10 @@ Pipeline (llm-awq ``run_awq`` / GPTQ ``llama_sequential`` structure)::
         write p_q back into the model (param dtype)
         x   = x' (propagate="fp")  or  layer(p_q, x) (propagate="quantized", GPTQ reference)
 
-The per-layer forward is a pure jitted function of a flat dict of float32 arrays, so methods call it
-with modified weights (scaled, fake-quantized) without touching the model. With ``capture=True`` it
-also returns each Linear's input:
-
-* ``attn_in``: input of q/k/v (``attn_norm(x)`` for pre-norm families, ``x`` for Olmo-3 post-norm)
-* ``o_in``: the attention output before ``o_proj`` ([.., heads*head_dim])
-* ``mlp_in``: input of gate/up (``mlp_norm(h)`` pre-norm, ``h`` post-norm)
-* ``down_in``: ``silu(gate(x)) * up(x)``
+``layer(p, x)`` is the model's own ``DecoderLayer`` run as a pure jitted function of the float32
+weights (:mod:`lrmq.ptq.layer_fn`), so methods call it with modified weights (scaled, fake-quantized)
+without touching the model; with ``capture=True`` it also returns each Linear's input, recorded
+through the linear seam (``attn_in``, ``o_in``, ``mlp_in``, ``down_in``: see ``layer_fn``).
 
 Everything here computes in float32 whatever the model's compute dtype (llm-awq searches in fp16).
 
@@ -37,154 +32,12 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lrmq.model.config import ModelConfig
-from lrmq.model.decoder import attend
-from lrmq.model.rope import apply_rope, inv_frequencies, rope_cos_sin
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# which captured input feeds which Linear
-INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
-            "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
-MODULE_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
-             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-NORMS = ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerSpec:
-    """Static (hashable) description of one decoder layer for the functional forward."""
-
-    post_norm: bool
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    qk_norm: str
-    eps: float
-    inv_freq: tuple
-    rope_scale: float
-    window: int | None
-
-
-def layer_spec(cfg: ModelConfig, i: int) -> LayerSpec:
-    lt = cfg.layer_types[i]
-    inv, scale = inv_frequencies(cfg.rope[lt], cfg.head_dim)
-    return LayerSpec(post_norm=cfg.norm_placement == "post", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, eps=float(cfg.rms_norm_eps),
-                     inv_freq=tuple(float(v) for v in inv), rope_scale=float(scale),
-                     window=cfg.sliding_window if lt == "sliding_attention" else None)
-
-
-# ----------------------------------------------------------------------------- params <-> module
-
-
-def _linear_of(layer, name):
-    return getattr(getattr(layer, MODULE_OF[name]), name)
-
-
-def get_layer_params(layer) -> dict[str, jax.Array]:
-    """Float32 copies: ``q_proj`` .. ``down_proj`` kernels [K, N], ``<name>.bias``, norms' scales."""
-    p: dict[str, jax.Array] = {}
-    for name in LINEARS:
-        lin = _linear_of(layer, name)
-        p[name] = jnp.asarray(lin.float_weight(), jnp.float32)
-        if lin.bias is not None:
-            p[name + ".bias"] = jnp.asarray(lin.bias[...], jnp.float32)
-    for n in NORMS:
-        if hasattr(layer, n):
-            p[n] = jnp.asarray(getattr(layer, n).scale[...], jnp.float32)
-    for n in ("q_norm", "k_norm"):
-        m = getattr(layer.attn, n, None)
-        if m is not None:
-            p[n] = jnp.asarray(m.scale[...], jnp.float32)
-    return p
-
-
-def set_layer_params(layer, p: dict[str, jax.Array], names=None) -> None:
-    """Write float weights back (cast to each variable's dtype). ``names``: restrict to these keys."""
-    for key, val in p.items():
-        if names is not None and key not in names:
-            continue
-        base, _, sub = key.partition(".")
-        if base in LINEARS:
-            lin = _linear_of(layer, base)
-            var = lin.bias if sub == "bias" else lin.kernel
-        elif base in ("q_norm", "k_norm"):
-            var = getattr(layer.attn, base).scale
-        else:
-            var = getattr(layer, base).scale
-        old = var.get_value()
-        var.set_value(jnp.asarray(val).astype(old.dtype))
-
-
-# ----------------------------------------------------------------------------- functional forward
-
-
-def rms_norm(x, scale, eps):
-    h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return scale * h
-
-
-def linear(p, name, x):
-    y = jnp.einsum("...k,kn->...n", x, p[name], preferred_element_type=jnp.float32)
-    b = p.get(name + ".bias")
-    return y if b is None else y + b
-
-
-def attn_core(p, spec: LayerSpec, x, positions):
-    """Attention output before o_proj, [B, T, H*D] (q/k norms, RoPE, GQA, causal/sliding mask)."""
-    b, t, _ = x.shape
-    q, k, v = linear(p, "q_proj", x), linear(p, "k_proj", x), linear(p, "v_proj", x)
-    if spec.qk_norm == "full":
-        q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
-    q = q.reshape(b, t, spec.num_heads, spec.head_dim)
-    k = k.reshape(b, t, spec.num_kv_heads, spec.head_dim)
-    v = v.reshape(b, t, spec.num_kv_heads, spec.head_dim)
-    if spec.qk_norm == "head":
-        q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
-    cos, sin = rope_cos_sin(positions, np.asarray(spec.inv_freq, np.float32), spec.rope_scale, jnp.float32)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = attend(q, k, v, positions, positions, spec.window)
-    return out.reshape(b, t, -1)
-
-
-def attn_block(p, spec, x, positions):
-    """The attention module (llm-awq inspects ``self_attn``: q/k/v -> attention -> o_proj)."""
-    return linear(p, "o_proj", attn_core(p, spec, x, positions))
-
-
-def mlp_act(p, x):
-    return jax.nn.silu(linear(p, "gate_proj", x)) * linear(p, "up_proj", x)
-
-
-def mlp_block(p, x):
-    return linear(p, "down_proj", mlp_act(p, x))
-
-
-def layer_forward(p, spec: LayerSpec, x, positions, capture: bool = False):
-    """One decoder layer in float32; with ``capture`` also the Linear inputs (see module doc)."""
-    if spec.post_norm:
-        attn_in = x
-        o_in = attn_core(p, spec, attn_in, positions)
-        h = x + rms_norm(linear(p, "o_proj", o_in), p["attn_out_norm"], spec.eps)
-        mlp_in = h
-        down_in = mlp_act(p, mlp_in)
-        out = h + rms_norm(linear(p, "down_proj", down_in), p["mlp_out_norm"], spec.eps)
-    else:
-        attn_in = rms_norm(x, p["attn_norm"], spec.eps)
-        o_in = attn_core(p, spec, attn_in, positions)
-        h = x + linear(p, "o_proj", o_in)
-        mlp_in = rms_norm(h, p["mlp_norm"], spec.eps)
-        down_in = mlp_act(p, mlp_in)
-        out = h + linear(p, "down_proj", down_in)
-    if not capture:
-        return out
-    return out, {"attn_in": attn_in, "o_in": o_in, "mlp_in": mlp_in, "down_in": down_in}
-
-
-_layer_forward_jit = jax.jit(layer_forward, static_argnames=("spec", "capture"))
+# the layer as a function lives in layer_fn; these names stay importable from here
+from lrmq.ptq.layer_fn import (INPUT_OF, LINEARS, MODULE_OF, LayerSpec, get_layer_params,  # noqa: F401
+                               layer_forward, layer_forward_jit, layer_spec, set_layer_params)
 
 
 def chunked(fn: Callable, *arrays, batch_size: int):
@@ -217,7 +70,7 @@ class LayerContext:
 
     def forward(self, params=None, capture: bool = False):
         p = self.params if params is None else params
-        return chunked(lambda x, pos: _layer_forward_jit(p, self.spec, x, pos, capture=capture), self.x,
+        return chunked(lambda x, pos: layer_forward_jit(p, self.spec, x, pos, capture=capture), self.x,
                        self.positions, batch_size=self.batch_size)
 
     def inputs(self, params=None) -> dict[str, jax.Array]:

@@ -31,8 +31,11 @@ from typing import Callable
 import numpy as np
 
 from lrmq.ptq import layerwise as lw
-from lrmq.ptq.awq import AWQOptions, PTQResult, ScaleGroup, awq_quantize_model
-from lrmq.ptq.importance import ALL_PROJ, importance_for_model, global_stats, plot_importance, save_importance_npz
+from lrmq.ptq.awq import AWQOptions, ScaleGroup, awq_quantize_model
+from lrmq.ptq.importance import ALL_PROJ, global_stats, importance_for_model
+from lrmq.ptq.importance_files import plot_importance, save_importance_npz
+from lrmq.ptq.layer_fn import LINEARS
+from lrmq.ptq.result import PTQResult
 
 ARCH_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "qk_norm", "norm_placement", "tie_word_embeddings")
@@ -117,7 +120,7 @@ class TensorSource:
             self._model = load_model(path)
             self.cfg = self._model.cfg
             self.entries = {p: (p + ".kernel", None) for p in
-                            (f"layers.{i}.{lw.MODULE_OF[n]}.{n}" for i in range(self.cfg.num_layers) for n in lw.LINEARS)}
+                            (lw.linear_path(i, n) for i in range(self.cfg.num_layers) for n in LINEARS)}
 
     def _mapped(self, path: str):
         from lrmq.checkpoint.safetensors_mmap import MappedSafetensors

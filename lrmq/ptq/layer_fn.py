@@ -1,0 +1,198 @@
+"""The model's own decoder layer as a pure function of float32 weights, with every Linear's input
+captured through the linear seam.
+
+PTQ never re-implements the layer: :func:`layer_spec` builds the model's ``DecoderLayer`` for the
+model config with float32 compute and params (abstractly: no weights are allocated) and keeps its
+``GraphDef``; :func:`layer_module` merges a flat dict of float32 weights into it, so a fix to the
+decoder, or a new family taught to it, reaches PTQ unchanged. With ``capture=True`` each Linear's
+``dot_general`` (the seam of ``lrmq.model.linear``: a plain function with ``jax.lax.dot_general``'s
+signature) is swapped for one that records its ``lhs`` -- the Linear's input, cast to the compute
+dtype -- and calls the original.
+
+The weights dict (``get_layer_params``) is keyed by owner name: ``q_proj`` .. ``down_proj`` kernels
+``[K, N]``, ``<linear>.bias``, and the norms' scales under the norm's name (``attn_norm``,
+``q_norm``, ...). Linears that read the same tensor share one captured input:
+
+* ``attn_in``: input of q/k/v (``attn_norm(x)`` for pre-norm families, ``x`` for Olmo-3 post-norm)
+* ``o_in``: the attention output before ``o_proj`` ([.., heads*head_dim])
+* ``mlp_in``: input of gate/up (``mlp_norm(h)`` pre-norm, ``h`` post-norm)
+* ``down_in``: ``silu(gate(x)) * up(x)``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lrmq.model.config import ModelConfig
+from lrmq.model.decoder import DecoderLayer, RMSNorm
+from lrmq.model.linear import Linear
+from lrmq.model.rope import inv_frequencies
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# which captured input feeds which Linear
+INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
+            "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+MODULE_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """Static (hashable) description of one decoder layer: a jit static argument.
+
+    ``graphdef`` is what runs. The other fields only describe the layer: AWQ's scale groups read
+    ``post_norm``, its GQA down/upsampling the head counts; the rest (attention details, kept first
+    so a hand-built spec such as tests/test_awq.py's still constructs) is never used to compute.
+    """
+
+    post_norm: bool
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: str
+    eps: float
+    inv_freq: tuple
+    rope_scale: float
+    window: int | None
+    graphdef: Any = None  # nnx GraphDef of the float32 DecoderLayer
+    param_paths: tuple = ()  # ((weights-dict key, state path), ...) to merge a weights dict into graphdef
+
+
+def param_key(path: tuple) -> str:
+    """Weights-dict key of a state path: ('attn', 'q_proj', 'kernel') -> 'q_proj', ... 'bias' ->
+    'q_proj.bias', ('attn_norm', 'scale') -> 'attn_norm'."""
+    owner, leaf = str(path[-2]), str(path[-1])
+    return owner if leaf in ("kernel", "scale") else f"{owner}.{leaf}"
+
+
+def layer_spec(cfg: ModelConfig, i: int) -> LayerSpec:
+    lt = cfg.layer_types[i]
+    cfg32 = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")  # all PTQ math is float32
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg32, lt, nnx.Rngs(0))))
+    paths = tuple((param_key(p), tuple(p)) for p, _ in nnx.to_flat_state(state))
+    keys = [k for k, _ in paths]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"decoder layer weights do not have unique owner names: {keys}")
+    inv, scale = inv_frequencies(cfg.rope[lt], cfg.head_dim)
+    return LayerSpec(post_norm=cfg.norm_placement == "post", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                     head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, eps=float(cfg.rms_norm_eps),
+                     inv_freq=tuple(float(v) for v in inv), rope_scale=float(scale),
+                     window=cfg.sliding_window if lt == "sliding_attention" else None,
+                     graphdef=graphdef, param_paths=paths)
+
+
+# ----------------------------------------------------------------------------- weights <-> module
+
+
+def _weight_vars(layer):
+    """(key, variable, Linear whose kernel it is or None) of every weight: Linear kernels and biases,
+    norm scales."""
+    for path, m in nnx.iter_modules(layer):
+        if isinstance(m, Linear):
+            yield str(path[-1]), m.kernel, m
+            if m.bias is not None:
+                yield f"{path[-1]}.bias", m.bias, None
+        elif isinstance(m, RMSNorm):
+            yield str(path[-1]), m.scale, None
+
+
+def get_layer_params(layer) -> dict[str, jax.Array]:
+    """Float32 copies of the layer's weights (packed kernels dequantized), keyed as the module doc says."""
+    return {key: jnp.asarray(var.get_value() if lin is None else lin.float_weight(), jnp.float32)
+            for key, var, lin in _weight_vars(layer)}
+
+
+def set_layer_params(layer, p: dict[str, jax.Array], names=None) -> None:
+    """Write float weights back (cast to each variable's dtype). ``names``: restrict to these keys."""
+    variables = {key: var for key, var, _ in _weight_vars(layer)}
+    for key, val in p.items():
+        if names is not None and key not in names:
+            continue
+        var = variables[key]
+        var.set_value(jnp.asarray(val).astype(var.get_value().dtype))
+
+
+def layer_module(spec: LayerSpec, p: dict[str, jax.Array]) -> DecoderLayer:
+    """The float32 DecoderLayer holding the weights ``p`` (traceable: ``p`` may hold tracers)."""
+    tree: dict = {}
+    for key, path in spec.param_paths:
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = p[key]
+    return nnx.merge(spec.graphdef, tree)
+
+
+def linears_of(module) -> dict[str, Linear]:
+    """Every Linear under ``module`` by attribute name (``q_proj`` ...)."""
+    return {str(path[-1]): m for path, m in nnx.iter_modules(module) if isinstance(m, Linear)}
+
+
+# ----------------------------------------------------------------------------- capture through the seam
+
+
+def _recorder(name: str, dot_general, seen: dict):
+    def record(lhs, rhs, *args, **kwargs):
+        seen[name] = lhs
+        return dot_general(lhs, rhs, *args, **kwargs)
+
+    return record
+
+
+@contextlib.contextmanager
+def recording_inputs(linears: dict[str, Linear]):
+    """Within the block, each Linear's input (the ``lhs`` its ``dot_general`` receives) is stored in
+    the yielded dict under the Linear's name; the original ``dot_general`` runs and is put back on
+    exit. Packed kernels bypass ``dot_general`` (qmatmul) and record nothing."""
+    seen: dict = {}
+    saved = {name: lin.dot_general for name, lin in linears.items()}
+    try:
+        for name, lin in linears.items():
+            lin.dot_general = _recorder(name, saved[name], seen)
+        yield seen
+    finally:
+        for name, lin in linears.items():
+            lin.dot_general = saved[name]
+
+
+def shared_inputs(seen: dict) -> dict:
+    """Per-Linear inputs -> per-input captures (``attn_in`` ...): q/k/v read one tensor, gate/up another."""
+    caps: dict = {}
+    for name in LINEARS:
+        if name in seen:
+            caps.setdefault(INPUT_OF[name], seen[name])
+    return caps
+
+
+# ----------------------------------------------------------------------------- forwards
+
+
+def layer_forward(p, spec: LayerSpec, x, positions, capture: bool = False):
+    """The layer on x [B, T, D] in float32; with ``capture`` also its Linears' inputs (module doc)."""
+    layer = layer_module(spec, p)
+    x, positions = jnp.asarray(x, jnp.float32), jnp.asarray(positions)
+    if not capture:
+        return layer(x, positions)[0]
+    with recording_inputs(linears_of(layer)) as seen:
+        out, _ = layer(x, positions)
+    return out, shared_inputs(seen)
+
+
+def part_forward(p, spec: LayerSpec, part: str, x, positions):
+    """One part of the layer, as llm-awq inspects it: ``attn`` (q/k/v -> attention -> o_proj),
+    ``mlp`` (gate/up -> down), or a single Linear by name."""
+    layer = layer_module(spec, p)
+    if part == "attn":
+        return layer.attn(x, positions)[0]
+    if part == "mlp":
+        return layer.mlp(x)
+    return linears_of(layer)[part](x)
+
+
+layer_forward_jit = jax.jit(layer_forward, static_argnames=("spec", "capture"))

@@ -1,0 +1,148 @@
+"""The one registry of PTQ methods, used by both forms of ``python -m lrmq.quantize``.
+
+A method is a small function ``fn(model, cfg: QuantizeConfig, inputs: MethodInputs) -> PTQResult``
+registered by name in :data:`PTQ_METHODS`. It quantizes ``model`` in place (each targeted kernel
+becomes its fake-quant weight; AWQ also folds scales into the norms) and returns the packed
+weights with the same codes. ``inputs`` carries what the pipeline read before loading the model:
+calibration token blocks for the methods registered with ``calibrated=True``, and QuantLRM's
+per-channel importances.
+
+    rtn       round-to-nearest int (llm-awq asymmetric; ``symmetric``), any Linear matching ``targets``
+    int8      rtn at 8 bits, symmetric
+    nf4       bitsandbytes NF4 + double quant, ``group_size`` = block size
+    awq       llm-awq scale search + clip            (calibrated)
+    gptq      IST-DASLab GPTQ                         (calibrated)
+    quantlrm  AWQ with fine-tuning importance         (calibrated; needs the importance pass)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from lrmq.quant.transforms import DEFAULT_TARGETS
+from lrmq.registry import Registry
+
+PTQ_METHODS: Registry[Callable] = Registry("ptq method")
+_CALIBRATED: set[str] = set()
+# methods that quantize the seven projections of every layer (layer by layer), not a `targets` regex
+LAYERWISE_METHODS = ("awq", "gptq", "quantlrm")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodInputs:
+    tokens: np.ndarray | None = None  # int32 [n_blocks, T] calibration blocks (calibrated methods)
+    importances: dict | None = None  # QuantLRM: module path -> [K] float32 importance
+
+
+def register(name: str, *, calibrated: bool = False):
+    """``@register("awq", calibrated=True)``: add a method; ``calibrated`` ones get ``inputs.tokens``."""
+
+    def deco(fn):
+        if calibrated:
+            _CALIBRATED.add(name)
+        return PTQ_METHODS.register(name)(fn)
+
+    return deco
+
+
+def needs_calibration(name: str) -> bool:
+    return name in _CALIBRATED
+
+
+def check_method_config(cfg) -> None:
+    """What a method requires of the config, checked before anything is loaded (ValueError)."""
+    try:
+        PTQ_METHODS.get(cfg.method)
+    except KeyError as e:
+        raise ValueError(e.args[0]) from None
+    if needs_calibration(cfg.method) and not cfg.calibration.path:
+        raise ValueError(f"method {cfg.method} needs calibration.path (flag --calibration): a local text/prompt file")
+    if cfg.method == "int8" and cfg.bits != 8:
+        raise ValueError(f"method int8 is 8-bit, got bits={cfg.bits} (use method rtn for other widths)")
+    if cfg.method == "nf4":
+        if cfg.bits != 4:
+            raise ValueError(f"method nf4 is 4-bit, got bits={cfg.bits}")
+        if cfg.group_size < 1:
+            raise ValueError(f"method nf4: group_size is the NF4 block size and must be positive, got {cfg.group_size}")
+        int_only = [f for f in cfg.outputs.formats if f in ("autoawq", "compressed_tensors")]
+        if int_only:
+            raise ValueError(f"method nf4 cannot be exported as {int_only} (int formats); use packed or fake_quant")
+    if cfg.method in LAYERWISE_METHODS and cfg.targets != DEFAULT_TARGETS:
+        raise ValueError(f"method {cfg.method} quantizes every projection of every layer; targets applies to "
+                         "rtn, int8 and nf4 only")
+
+
+# ----------------------------------------------------------------------------- options from the config
+
+
+def awq_options(cfg):
+    from lrmq.ptq.awq import AWQOptions
+
+    a = cfg.awq
+    return AWQOptions(bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, n_grid=a.n_grid,
+                      normalize=a.normalize, scale=a.scale, clip=a.clip, max_shrink=a.max_shrink,
+                      n_sample_token=a.n_sample_token, gqa_vo=a.gqa_vo, oc_batch=a.oc_batch, propagate=a.propagate,
+                      batch_size=cfg.calibration.batch_size)
+
+
+def gptq_options(cfg):
+    from lrmq.ptq.gptq_model import GPTQOptions
+
+    g = cfg.gptq
+    return GPTQOptions(bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, block_size=g.block_size,
+                       percdamp=g.percdamp, act_order=g.act_order, static_groups=g.static_groups,
+                       true_sequential=g.true_sequential, propagate=g.propagate,
+                       batch_size=cfg.calibration.batch_size)
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+@register("rtn")
+def rtn(model, cfg, inputs: MethodInputs):
+    from lrmq.ptq.rtn import rtn_quantize_model
+
+    return rtn_quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric,
+                              targets=cfg.targets)
+
+
+@register("int8")
+def int8(model, cfg, inputs: MethodInputs):
+    from lrmq.ptq.rtn import rtn_quantize_model
+
+    return rtn_quantize_model(model, bits=8, group_size=cfg.group_size, symmetric=True, targets=cfg.targets,
+                              method="int8")
+
+
+@register("nf4")
+def nf4(model, cfg, inputs: MethodInputs):
+    from lrmq.ptq.rtn import nf4_quantize_model
+
+    return nf4_quantize_model(model, block_size=cfg.group_size, targets=cfg.targets)
+
+
+@register("awq", calibrated=True)
+def awq(model, cfg, inputs: MethodInputs):
+    from lrmq.ptq.awq import awq_quantize_model
+
+    return awq_quantize_model(model, inputs.tokens, awq_options(cfg), progress=cfg.progress)
+
+
+@register("gptq", calibrated=True)
+def gptq(model, cfg, inputs: MethodInputs):
+    from lrmq.ptq.gptq_model import gptq_quantize_model
+
+    return gptq_quantize_model(model, inputs.tokens, gptq_options(cfg), progress=cfg.progress)
+
+
+@register("quantlrm", calibrated=True)
+def quantlrm(model, cfg, inputs: MethodInputs):
+    from lrmq.ptq.quantlrm import quantlrm_quantize_model
+
+    if inputs.importances is None:
+        raise ValueError("method quantlrm needs the importance pass (lrmq.ptq.pipeline.prepare runs it)")
+    opts = dataclasses.replace(awq_options(cfg), normalize=cfg.quantlrm.normalize, gqa_vo=cfg.quantlrm.gqa_vo)
+    return quantlrm_quantize_model(model, inputs.tokens, inputs.importances, opts, progress=cfg.progress)

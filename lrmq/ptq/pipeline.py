@@ -1,0 +1,145 @@
+"""One offline PTQ run, shared by both forms of ``python -m lrmq.quantize`` (flags and ``--config``).
+
+    prepare(cfg)          resolve the checkpoint, QuantLRM pair + importance pass, calibration blocks:
+                          every input is read and checked before the model is loaded
+    load_float_model(p)   the model, refusing an already quantized checkpoint
+    PTQ_METHODS.get(cfg.method)(model, cfg, prepared.inputs) -> PTQResult
+
+:func:`run_quantize` is the ``--config`` form: the above, then ``report.json``,
+``quantize_config.yaml``, QuantLRM's ``importance.npz`` / ``.png`` and the requested formats,
+written atomically into ``outputs.dir`` (a failure leaves no directory). The flag form writes its
+packed checkpoint and HF fake-quant copy itself (``lrmq.quantize``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+
+from lrmq.configlib import dump_config
+from lrmq.ptq.config import QuantizeConfig
+from lrmq.ptq.methods import PTQ_METHODS, MethodInputs, needs_calibration
+
+
+@dataclasses.dataclass
+class Prepared:
+    model_path: str  # the checkpoint to quantize
+    tokenizer_dir: str
+    inputs: MethodInputs
+    files: dict = dataclasses.field(default_factory=dict)  # extra output files {name: bytes} (QuantLRM)
+    report: dict = dataclasses.field(default_factory=dict)  # extra report fields (QuantLRM importance stats)
+
+
+def resolve_model_path(p: str) -> str:
+    from lrmq.rl.trainer import resolve_checkpoint
+
+    return resolve_checkpoint(p)
+
+
+def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str):
+    """int32 [n_blocks, block_size] from ``cfg.calibration`` (lrmq.ptq.calibration recipes)."""
+    from lrmq.ptq.calibration import calibration_blocks
+    from lrmq.tokenizer import Tokenizer
+
+    c = cfg.calibration
+    if not os.path.exists(c.path):
+        raise FileNotFoundError(f"calibration file not found: {c.path}")
+    tok = Tokenizer.from_dir(tokenizer_dir)
+    if c.source == "text":
+        kw = dict(text_field=c.text_field, n_samples=c.n_samples, block_size=c.block_size,
+                  max_doc_tokens=c.max_doc_tokens, seed=c.seed, add_special_tokens=c.add_special_tokens)
+    elif c.source == "reasoning":
+        kw = dict(text_field=c.text_field, max_tokens=c.max_tokens, block_size=c.block_size)
+    else:
+        kw = dict(template=c.template, n_samples=c.n_samples, block_size=c.block_size,
+                  max_doc_tokens=c.max_doc_tokens, problem_field=c.problem_field, answer_field=c.answer_field)
+    blocks = calibration_blocks(c.source, c.path, tok, **kw)
+    return blocks[: c.max_blocks] if c.max_blocks else blocks
+
+
+def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
+    """The QuantLRM pair's checks and importance pass: (model path to quantize, importances,
+    output files, report fields). The pair is read lazily and released before returning."""
+    from lrmq.ptq.quantlrm import (QuantLRMOptions, TensorSource, check_pair, compute_importance,
+                                   importance_artifacts, resolve_pair)
+
+    q = cfg.quantlrm
+    ft_dir, base_dir = resolve_pair(model_path, q.base, q.run_dir)
+    ft, base = TensorSource(ft_dir), TensorSource(base_dir)
+    check_pair(ft, base)
+    opts = QuantLRMOptions(targets=tuple(q.targets) if q.targets else None,
+                           stats_targets=tuple(q.stats_targets) if q.stats_targets else None, mapping=q.mapping,
+                           R=q.R, precision=q.precision, zero_chunks=q.zero_chunks, quantize=q.quantize)
+    imps, stats, targets, stats_targets = compute_importance(ft, base, opts)
+    if q.plot:
+        files = importance_artifacts(ft, base, imps, stats, q.mapping, q.R)
+    else:
+        import numpy as np
+
+        buf = io.BytesIO()
+        np.savez(buf, **imps)
+        files = {"importance.npz": buf.getvalue()}
+    report = {"importance_stats": dict(stats._asdict(), targets=list(targets), stats_targets=list(stats_targets))}
+    return (ft_dir if q.quantize == "finetuned" else base_dir), imps, files, report
+
+
+def prepare(cfg: QuantizeConfig) -> Prepared:
+    """Every input of the run, read and checked (FileNotFoundError, QuantLRMError, CalibrationError, ...)."""
+    from lrmq.checkpoint.load import checkpoint_kind
+
+    model_path = resolve_model_path(cfg.model) if cfg.model else None
+    importances, files, report = None, {}, {}
+    if cfg.method == "quantlrm":
+        model_path, importances, files, report = quantlrm_importance(cfg, model_path)
+    checkpoint_kind(model_path)  # clear error for a missing / non-checkpoint dir
+    tok_dir = cfg.tokenizer or model_path
+    tokens = calibration_tokens(cfg, tok_dir) if needs_calibration(cfg.method) else None
+    return Prepared(model_path, tok_dir, MethodInputs(tokens=tokens, importances=importances), files, report)
+
+
+def load_float_model(path: str):
+    """The model at ``path``; a checkpoint whose Linears are already packed is refused (ValueError)."""
+    from lrmq.checkpoint.load import load_model
+    from lrmq.quant.transforms import iter_linears
+
+    model = load_model(path)
+    packed = [p for p, lin in iter_linears(model, None) if hasattr(lin.kernel.get_value(), "codes")]
+    if packed:
+        raise ValueError(f"checkpoint {path} is already quantized ({packed[0]} is packed)")
+    return model
+
+
+def run_quantize(cfg: QuantizeConfig) -> dict:
+    """Prepare, quantize, export (atomically into ``cfg.outputs.dir``). Returns the report dict."""
+    from lrmq.ptq.exports import write_outputs
+
+    out_dir = cfg.outputs.dir
+    if os.path.exists(out_dir) and not cfg.outputs.overwrite:
+        raise FileExistsError(f"output directory {os.path.abspath(out_dir)} already exists (outputs.overwrite=true)")
+    prep = prepare(cfg)
+    model = load_float_model(prep.model_path)
+    result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
+    tokens = prep.inputs.tokens
+    report = {"method": cfg.method, "model": prep.model_path, "bits": cfg.bits, "group_size": cfg.group_size,
+              "symmetric": cfg.symmetric, "calibration_blocks": None if tokens is None else list(tokens.shape),
+              "formats": list(cfg.outputs.formats), "info": _jsonable(result.info), **prep.report}
+    extra = dict(prep.files)
+    extra["report.json"] = json.dumps(report, indent=2)
+    extra["quantize_config.yaml"] = dump_config(cfg)
+    tok_from = prep.tokenizer_dir if os.path.isdir(prep.tokenizer_dir) else None
+    write_outputs(model, result, out_dir, formats=cfg.outputs.formats, dtype=cfg.outputs.dtype,
+                  tokenizer_from=tok_from, overwrite=cfg.outputs.overwrite, extra_files=extra)
+    report["out_dir"] = out_dir
+    return report
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item"):
+        return x.item()
+    return x
