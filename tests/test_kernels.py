@@ -6,6 +6,7 @@ differ by at most 2*gamma_K*sum|x*w|. For bf16 activations the kernels (and the 
 round the dequantized weight to bf16 (relative 2^-9 per term -> 2^-9 * sum|x*w|) and both round
 the output to bf16 (half an ulp each -> 2^-8 * |y|).
 """
+import hashlib
 import os
 import subprocess
 import sys
@@ -29,7 +30,8 @@ IMPLS = ["tpu", "gpu"]
 
 
 def _rng(*key):
-    return np.random.default_rng(abs(hash(key)) % (2 ** 32))
+    # a digest of the key, not hash(): str hashes change with PYTHONHASHSEED, so data would differ per run
+    return np.random.default_rng(int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little"))
 
 
 def _bound(x, w_kn, y_ref):
