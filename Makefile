@@ -20,8 +20,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m lrmq.train --config configs/tiny_demo.yaml
 
+# JAX_PLATFORMS=cpu: the test extra installs libtpu (for ahead-of-time TPU compiles), and without it jax
+# would probe for a TPU at every start; the tests target TPUs through topologies, never the default backend.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/generate.py --quick

@@ -121,3 +121,19 @@ def test_generate_compile_only(tmp_path):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| generate |" in r.stdout and "fits:" in r.stdout and "v5e:2x4 (8 devices)" in r.stdout
+
+
+@pytest.mark.parametrize("quant", [{"mode": "qlora", "base_format": "nf4"}, {"mode": "qlora", "base_format": "int4",
+                                                                            "base_group_size": 32},
+                                   {"mode": "qat", "qat_scheme": "paper_int8"}])
+def test_train_modes_compile_for_a_multichip_slice(tmp_path, quant):
+    """QLoRA (packed base through the Mosaic kernels, inside shard_map) and QAT train steps with layer remat,
+    and their rollouts, compile for 8 v5e chips."""
+    from lrmq import aot
+
+    cfg = tiny_train_config(str(tmp_path), mesh={"fsdp": 8}, model={"remat": "full"}, quant=quant)
+    run = aot.abstract_run(cfg, aot.make_mesh(aot.MeshConfig(1, 8, 1), devices=list(aot.topology_devices("v5e:2x4"))))
+    step, _ = aot.compile_train_step(run)
+    rollout, _ = aot.compile_rollout(run)
+    kernels = ["tpu_custom_call" in c.as_text() for c in (step, rollout)]
+    assert kernels == ([True, True] if quant["mode"] == "qlora" else [False, False])

@@ -169,7 +169,10 @@ def make_dot_general(scheme: str, w=None, *, group_size: int = 0, stochastic_rou
                              "RTN, as the paper); use int8/int4/w8a8")
         if group_size:
             raise ValueError("qat_scheme='paper_int8' is per-tensor; qat_group_size must be 0")
-        return PerTensorSTEDotGeneral(scale=float(jax.device_get(per_tensor_scale(w, 8))))
+        scale = per_tensor_scale(w, 8)
+        if isinstance(scale, jax.core.Tracer):  # abstract weights (lrmq.aot compiles without them): the frozen
+            return PerTensorSTEDotGeneral(scale=1.0)  # scale is a constant; its value changes no shape or byte
+        return PerTensorSTEDotGeneral(scale=float(jax.device_get(scale)))
     if scheme not in SCHEMES:
         raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
     bits = 4 if scheme == "int4" else 8
