@@ -133,12 +133,22 @@ _BUDGET = 0.8
 # grows with the unrolled tile (4M-element tiles took 10-20 s to compile).
 _MAX_TILE = 1 << 20
 _MAX_BM = 256
-# Mosaic's scoped VMEM beyond the double-buffered blocks and scratch, per weight-tile element,
-# measured from XLA:TPU's "Scoped allocation with size ..." reports (v5e, 1-3 MiB limits): ~0 for
-# int4 / int8 (dequant temporaries stay in vregs), up to ~30 for NF4 (code transpose + select
-# tree). Rounded up: an over-estimate only shrinks tiles, an under-estimate fails to compile.
+# Mosaic's scoped VMEM beyond the double-buffered blocks and scratch (bytes per element), read
+# off XLA:TPU's "Scoped allocation with size ..." reports: the dequantized weight tile (int4 /
+# int8: 4; NF4: ~30 for the code transpose and select tree), and with f32 activations the bf16x3
+# split that HIGHEST-precision dots make of both operands (6 per x and per weight element; e.g.
+# int8 g128, M=256, a full-K 9728x256 tile, f32: 53.6 MiB measured). Rounded up: an
+# over-estimate only shrinks tiles, an under-estimate fails to compile (E1001 scoped VMEM OOM).
 _AFFINE_TEMP_BYTES = 4
 _NF4_TEMP_BYTES = 32
+_F32_SPLIT_BYTES = 6
+
+
+def _temporaries(bm, bn, bk, x_dtype, per_weight) -> int:
+    t = per_weight * bk * bn
+    if jnp.dtype(x_dtype).itemsize == 4:
+        t += _F32_SPLIT_BYTES * (bm * bk + bk * bn)
+    return t
 
 
 def _bn_candidates(n: int, decode: bool, gen: Generation, m_blocks: int) -> list[int]:
@@ -281,7 +291,7 @@ def _affine_vmem_need(*, fmt, x_dtype, s_dtype, g, per_channel, k_rows_total, ge
         io = (_buf(bm, bk, xb) + _buf(code_rows, bn, jnp.uint8) + _buf(sb, bn, s_dtype)
               + _buf(zr, bn, jnp.uint8) + _buf(bm, bn, xb))
         scratch = _buf(bm, bn, jnp.float32) + (_buf(zr, bn, jnp.float32) if staged else 0)
-        return 2 * io + scratch + _AFFINE_TEMP_BYTES * bk * bn
+        return 2 * io + scratch + _temporaries(bm, bn, bk, x_dtype, _AFFINE_TEMP_BYTES)
 
     return need
 
@@ -420,7 +430,8 @@ def _nf4_vmem_need(x_dtype, block_size):
     def need(bm, bn, bk):
         io = (_buf(bm, bk, xb) + _buf(bn, bk // 2, jnp.uint8)
               + _buf(bk // block_size, bn, jnp.float32) + _buf(bm, bn, xb))
-        return 2 * io + _buf(bm, bn, jnp.float32) + _NF4_TEMP_BYTES * bk * bn
+        return 2 * io + _buf(bm, bn, jnp.float32) + _temporaries(bm, bn, bk, x_dtype,
+                                                                  _NF4_TEMP_BYTES)
 
     return need
 

@@ -238,17 +238,28 @@ def test_int4_bf16_scales_and_group128_regression(tpu):
         assert not failures, _fmt_failures(failures)
 
 
-def test_largest_vmem_tiles_compile_where_vmem_is_small(tpu):
-    # v4 (16 MiB VMEM, limit 12 MiB) is where the VMEM estimate decides the tile: an
-    # under-estimate would fail to compile here first.
-    gen = pk_tpu.GENERATIONS["v4"]
+def _vmem_estimate(gen, case) -> int:
+    fmt, g, m, k, n, dt = case
+    t, _ = _plan(gen, case)
+    if fmt == "nf4":
+        return pk_tpu._nf4_vmem_need(dt, g)(t.bm, t.bn, t.bk)
+    need = pk_tpu._affine_vmem_need(fmt=fmt, x_dtype=dt, s_dtype=jnp.float32, g=g or k,
+                                    per_channel=g == 0, k_rows_total=k // (g or k), gen=gen)
+    return need(t.bm, t.bn, t.bk)
+
+
+@pytest.mark.parametrize("gen_name", ["v4", "v5p"])
+def test_largest_vmem_tiles_compile_where_vmem_is_small(tpu, gen_name):
+    """Where the VMEM budget decides the tile (v4: 12 MiB limit; v5p: 48 MiB, with full-K
+    blocks such as K=9728 and f32 activations, whose HIGHEST-precision dots split both operands
+    into bf16x3), compile each format's largest estimate: an under-estimate fails here first."""
+    gen = pk_tpu.GENERATIONS[gen_name]
     pick = {}
-    for case in _cases(shapes=[(4096, 4096), (14336, 4096)], ms=(16, 512)):
-        t, _ = _plan(gen, case)
-        est = t.bm * t.bn * t.bk
+    for case in _cases(shapes=[(4096, 4096), (9728, 2560), (14336, 4096)], ms=(16, 256, 512)):
+        est = _vmem_estimate(gen, case)
         if case[0] not in pick or est > pick[case[0]][0]:
             pick[case[0]] = (est, case)
-    failures = _compile_all(tpu("v4"), [c for _, c in pick.values()])
+    failures = _compile_all(tpu(gen_name), [c for _, c in pick.values()])
     assert not failures, _fmt_failures(failures)
 
 
