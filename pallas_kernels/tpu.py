@@ -173,9 +173,11 @@ def _pick_bk(k, k_align, fits: Callable[[int, int], bool], other_steps: int) -> 
     block up to 4x the cap (K=9728 with g=128 has no aligned divisor: the only alternative is
     padding, i.e. copying the weight every call). None if even that does not fit."""
     legal = {c for c in _BK_CANDIDATES if c < k and k % c == 0 and c % k_align == 0} | {k}
-    ok = sorted((c for c in legal if fits(c, _MAX_TILE)), reverse=True)
+    ok = sorted((c for c in legal if fits(c, _MAX_TILE, _BUDGET)), reverse=True)
     if not ok:
-        return k if fits(k, 4 * _MAX_TILE) else None
+        # The last resort before padding may use the whole limit (the estimate's margin is for
+        # choosing between legal tiles; K=N=1000 f32 on v4: 10.9 MiB estimated, compiles at 12).
+        return k if fits(k, 4 * _MAX_TILE, 1.0) else None
     enough = [c for c in ok if other_steps * (k // c) >= _MIN_STEPS]
     return enough[0] if enough else ok[-1]
 
@@ -191,14 +193,14 @@ def choose_tiles(m: int, k: int, n: int, *, x_dtype, k_align: int, gen: Generati
     full-dim). `vmem_need(bm, bn, bk)` estimates the kernel's VMEM bytes."""
     gen = gen or generation()
     need = vmem_need or (lambda bm_, bn_, bk_: bk_ * bn_ * 16)
-    budget = gen.vmem_limit * _BUDGET
     sub = 16 if jnp.dtype(x_dtype).itemsize == 2 else 8
     bm = block_m or min(round_up(m, sub), _MAX_BM)
     while True:
         m_blocks = cdiv(m, bm)
         for bn in ([block_n] if block_n else _bn_candidates(n, bm <= 64, gen, m_blocks)):
             other = m_blocks * cdiv(n, bn)
-            fits = lambda c, cap: c * bn <= cap and need(bm, bn, c) <= budget  # noqa: B023,E731
+            fits = lambda c, cap, frac: (  # noqa: B023,E731
+                c * bn <= cap and need(bm, bn, c) <= frac * gen.vmem_limit)
             bk = block_k or _pick_bk(k, k_align, fits, other)
             if bk is not None:
                 return Tiles(bm, bn, bk, round_up(m, bm), round_up(n, bn), round_up(k, bk),
@@ -246,75 +248,112 @@ def _accumulate(acc_ref, o_ref, partial):
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _zeros_rows(z_ref, zs_ref, rows):
-    """This K step's `rows` zero-point rows as f32.
+def _step_rows(ref, staged_ref, rows):
+    """This K step's `rows` rows of a grouped side array (scales or zero points) as f32.
 
-    Grouped zero points are uint8 [K/g, N]; uint8 HBM arrays are tiled 32 rows deep, so a
-    per-step block of bk/g (typically 8) rows is illegal (E2002). The wrapper hands the whole
-    [K/g, bn] column block instead (full dim: legal, fetched once per N block); it is widened to
-    f32 into a VMEM scratch at the first K step and sliced 8-row aligned after that. Values are
-    exact, so results are unchanged."""
-    if zs_ref is None:
-        return z_ref[...]
+    Per-step blocks of bk/g rows must be a multiple of the array's HBM row tiling: 32 for uint8
+    zero points (bk/g is typically 8: E2002), 8 for f32 scales (K=9728 with g=128 has no such bk
+    but K itself). Such arrays are staged instead: the wrapper hands the whole [K/g, bn] column
+    block (full dim: legal, fetched once per N block), widened to f32 into a VMEM scratch at the
+    first K step and read per step after that. Values are exact, so results are unchanged.
+    With rows a multiple of 8 the scratch is [K/g, bn], sliced at 8-aligned offsets; otherwise
+    Mosaic cannot prove a dynamic row offset aligned (E2003), so the scratch is
+    [steps, rows, bn], filled by static slices and indexed on its leading axis."""
+    if staged_ref is None:
+        return ref[...]
     kk = pl.program_id(2)
+    per_step = staged_ref.ndim == 3
 
     @pl.when(kk == 0)
     def _():
-        zs_ref[...] = z_ref[...].astype(jnp.float32)
+        v = ref[...].astype(jnp.float32)
+        if not per_step:
+            staged_ref[...] = v
+            return
+        for i in range(staged_ref.shape[0]):
+            staged_ref[i] = v[i * rows:(i + 1) * rows]
 
-    if zs_ref.shape[0] == rows:
-        return zs_ref[...]
-    return zs_ref[pl.ds(pl.multiple_of(kk * rows, rows), rows), :]
+    if per_step:
+        return staged_ref[kk]
+    if staged_ref.shape[0] == rows:
+        return staged_ref[...]
+    return staged_ref[pl.ds(pl.multiple_of(kk * rows, rows), rows), :]
+
+
+def _staging_shape(rows_total, rows, bn) -> tuple[int, ...]:
+    """Shape of one staging scratch (see `_step_rows`)."""
+    return (rows_total, bn) if rows % 8 == 0 else (rows_total // rows, rows, bn)
+
+
+def _staging_bytes(rows_total, rows, bn) -> int:
+    if rows % 8 == 0:
+        return _buf(rows_total, bn, jnp.float32)
+    return rows_total // rows * _buf(rows, bn, jnp.float32)
 
 
 def _side_specs(per_channel, staged, sb, rows_total, bn):
-    """BlockSpecs for (scales, zeros): per-channel [1, bn]; grouped scales [bk/g, bn] per K step;
-    grouped zeros either per K step or (staged) the whole [K/g, bn] column."""
+    """BlockSpecs for (scales, zeros): per-channel [1, bn]; grouped ones [bk/g, bn] per K step,
+    or (staged: `staged` = (scales, zeros) flags) the whole [K/g, bn] column."""
     if per_channel:
         spec = pl.BlockSpec((1, bn), lambda i, j, kk: (0, j))
         return spec, spec
-    s_spec = pl.BlockSpec((sb, bn), lambda i, j, kk: (kk, j))
-    z_spec = pl.BlockSpec((rows_total, bn), lambda i, j, kk: (0, j)) if staged else s_spec
-    return s_spec, z_spec
+    step = pl.BlockSpec((sb, bn), lambda i, j, kk: (kk, j))
+    whole = pl.BlockSpec((rows_total, bn), lambda i, j, kk: (0, j))
+    return tuple(whole if st else step for st in staged)
 
 
 def _affine_vmem_need(*, fmt, x_dtype, s_dtype, g, per_channel, k_rows_total, gen):
     """VMEM estimate (bytes) of the int4 / int8 kernel for tiles (bm, bn, bk): double-buffered
-    blocks + accumulator + zero-point staging + dequant temporaries."""
+    blocks + accumulator + side-array staging + dequant temporaries."""
     xb = jnp.dtype(x_dtype)
 
     def need(bm, bn, bk):
         code_rows = bk // 2 if fmt == "int4" else bk
         sb = 1 if per_channel else bk // g
-        staged = _staged(per_channel, sb, bk, k_rows_total * g, gen)
-        zr = k_rows_total if staged else sb
-        io = (_buf(bm, bk, xb) + _buf(code_rows, bn, jnp.uint8) + _buf(sb, bn, s_dtype)
+        s_st, z_st = _staging(per_channel, sb, bk, k_rows_total * g, s_dtype, gen)
+        sr, zr = (k_rows_total if s_st else sb), (k_rows_total if z_st else sb)
+        io = (_buf(bm, bk, xb) + _buf(code_rows, bn, jnp.uint8) + _buf(sr, bn, s_dtype)
               + _buf(zr, bn, jnp.uint8) + _buf(bm, bn, xb))
-        scratch = _buf(bm, bn, jnp.float32) + (_buf(zr, bn, jnp.float32) if staged else 0)
+        scratch = (_buf(bm, bn, jnp.float32)
+                   + (s_st + z_st) * _staging_bytes(k_rows_total, sb, bn))
         return 2 * io + scratch + _temporaries(bm, bn, bk, x_dtype, _AFFINE_TEMP_BYTES)
 
     return need
 
 
+def _staging(per_channel, sb, bk, k, s_dtype, gen) -> tuple[bool, bool]:
+    """(scales, zeros) staged whole per N block: their per-step block would not be tile-legal."""
+    if per_channel or bk == k:
+        return False, False
+    return sb % _sublanes(s_dtype, gen) != 0, sb % _sublanes(jnp.uint8, gen) != 0
+
+
 def _staged(per_channel, sb, bk, k, gen) -> bool:
     """Whether grouped uint8 zeros must be staged (their per-step block is not tile-legal)."""
-    return not per_channel and bk != k and sb % _sublanes(jnp.uint8, gen) != 0
+    return _staging(per_channel, sb, bk, k, jnp.float32, gen)[1]
 
 
-def _affine_k_align(fmt, g, per_channel, s_dtype, gen) -> int:
+def _affine_k_align(fmt, g, per_channel, s_dtype, gen, stage_scales=False) -> int:
     # int4: each x half [bm, bk/2] is lane-aligned; every bk a multiple of the MXU depth.
     base = _lcm(256 if fmt == "int4" else 128, gen.mxu)
     if per_channel:
         return base
+    if stage_scales:  # any whole number of groups per step
+        return _lcm(base, g)
     return _lcm(base, g * _sublanes(s_dtype, gen))  # bk/g scale rows per step, tile-aligned
 
 
+def _side_rows(refs, scratch, staged, sb):
+    """(scale rows, zero rows) of this K step; `scratch` holds the staging buffers in order."""
+    it = iter(scratch)
+    return tuple(_step_rows(r, next(it) if st else None, sb) for r, st in zip(refs, staged))
+
+
 # ---------------------------------------------------------------------------------------- int4
-def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *scratch, rpg, cdt):
-    zs_ref = scratch[0] if scratch else None
+def _int4_kernel(xe_ref, xo_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *scratch, rpg, cdt,
+                 staged, sb):
     c = c_ref[...].astype(jnp.int32)  # [bk/2, bn]; byte i = (k=2i low, k=2i+1 high)
-    s = s_ref[...]
-    z = _zeros_rows(z_ref, zs_ref, s.shape[0])
+    s, z = _side_rows((s_ref, z_ref), scratch, staged, sb)
     w_even = _affine_dequant(c & 0xF, s, z, rpg, cdt)
     w_odd = _affine_dequant(c >> 4, s, z, rpg, cdt)
     part = _dot(xe_ref[...].astype(cdt), w_even, cdt) + _dot(xo_ref[...].astype(cdt), w_odd, cdt)
@@ -325,13 +364,20 @@ def plan_affine(fmt: str, m: int, k: int, n: int, g: int, per_channel: bool, *, 
                 s_dtype, gen: Generation | None = None, block_m=None, block_n=None,
                 block_k=None) -> tuple[Tiles, bool]:
     """(tiles, staged) of an int4 / int8 call: the Tiles, and whether the grouped uint8 zero
-    points are staged whole per N block (their per-step block would not be tile-legal)."""
+    points are staged whole per N block (their per-step block would not be tile-legal). Scales
+    are staged too where no K step with whole scale tiles fits without padding K (see
+    `_staging`)."""
     gen = gen or generation()
-    k_align = _affine_k_align(fmt, g, per_channel, s_dtype, gen)
     need = _affine_vmem_need(fmt=fmt, x_dtype=x_dtype, s_dtype=s_dtype, g=g,
                              per_channel=per_channel, k_rows_total=k // g, gen=gen)
-    t = choose_tiles(m, k, n, x_dtype=x_dtype, k_align=k_align, gen=gen, vmem_need=need,
-                     block_m=block_m, block_n=block_n, block_k=block_k)
+    t = None
+    for stage_scales in (False, True):
+        k_align = _affine_k_align(fmt, g, per_channel, s_dtype, gen, stage_scales)
+        t = choose_tiles(m, k, n, x_dtype=x_dtype, k_align=k_align, gen=gen, vmem_need=need,
+                         block_m=block_m, block_n=block_n, block_k=block_k)
+        # Padding K copies the whole weight every call; staged scales (a few KiB) avoid it.
+        if t.kp == k or per_channel or block_k:
+            break
     if not per_channel and t.bk % g:
         raise ValueError(f"{fmt}: block_k={t.bk} must be a multiple of group_size={g}")
     if fmt == "int4" and t.bk % 2:
@@ -344,7 +390,7 @@ def _affine_call(fmt, kernel, x, codes, scales, zeros, g, per_channel, *, interp
     """Shared int4 / int8 wrapper: tiles, padding, block specs, the pallas_call."""
     m, k = x.shape
     n = codes.shape[1]
-    t, staged = plan_affine(fmt, m, k, n, g, per_channel, x_dtype=x.dtype, s_dtype=scales.dtype,
+    t, _ = plan_affine(fmt, m, k, n, g, per_channel, x_dtype=x.dtype, s_dtype=scales.dtype,
                             gen=gen, block_m=block_m, block_n=block_n, block_k=block_k)
     cdt = _compute_dtype(x.dtype)
     xp = pad_to(x, (t.mp, t.kp))
@@ -354,16 +400,18 @@ def _affine_call(fmt, kernel, x, codes, scales, zeros, g, per_channel, *, interp
     scales = pad_to(scales, (sg, t.np_))
     zeros = pad_to(zeros, (sg, t.np_))
     sb = 1 if per_channel else t.bk // g
+    staged = _staging(per_channel, sb, t.bk, t.kp, scales.dtype, gen or generation())
     s_spec, z_spec = _side_specs(per_channel, staged, sb, sg, t.bn)
     kb = t.bk // 2 if fmt == "int4" else t.bk
     x_specs = [pl.BlockSpec((t.bm, kb), lambda i, j, kk: (i, kk))] * (2 if fmt == "int4" else 1)
     x_args = split_even_odd(xp) if fmt == "int4" else (xp,)
-    scratch = [_vmem((t.bm, t.bn), jnp.float32)] + ([_vmem((sg, t.bn), jnp.float32)] if staged else [])
+    scratch = ([_vmem((t.bm, t.bn), jnp.float32)]
+               + [_vmem(_staging_shape(sg, sb, t.bn), jnp.float32)] * sum(staged))
     bytes_accessed = (xp.size * xp.dtype.itemsize + codes.size + scales.size * scales.dtype.itemsize
                       + zeros.size + t.mp * t.np_ * x.dtype.itemsize)
     rpg = 1 if per_channel else (g // 2 if fmt == "int4" else g)
     out = pl.pallas_call(
-        functools.partial(kernel, rpg=rpg, cdt=cdt),
+        functools.partial(kernel, rpg=rpg, cdt=cdt, staged=staged, sb=sb),
         out_shape=jax.ShapeDtypeStruct((t.mp, t.np_), x.dtype),
         grid=(t.mp // t.bm, t.np_ // t.bn, t.kp // t.bk),
         in_specs=[*x_specs, pl.BlockSpec((kb, t.bn), lambda i, j, kk: (kk, j)), s_spec, z_spec],
@@ -390,10 +438,9 @@ def int4_matmul_tpu(x, codes, scales, zeros, group_size, *, interpret=False, gen
 
 
 # ---------------------------------------------------------------------------------------- int8
-def _int8_kernel(x_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *scratch, rpg, cdt):
-    zs_ref = scratch[0] if scratch else None
-    s = s_ref[...]
-    w = _affine_dequant(c_ref[...], s, _zeros_rows(z_ref, zs_ref, s.shape[0]), rpg, cdt)
+def _int8_kernel(x_ref, c_ref, s_ref, z_ref, o_ref, acc_ref, *scratch, rpg, cdt, staged, sb):
+    s, z = _side_rows((s_ref, z_ref), scratch, staged, sb)
+    w = _affine_dequant(c_ref[...], s, z, rpg, cdt)
     _accumulate(acc_ref, o_ref, _dot(x_ref[...].astype(cdt), w, cdt))
 
 

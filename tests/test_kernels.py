@@ -201,10 +201,13 @@ def test_tile_choice_decode_vs_prefill():
 
 
 @pytest.mark.parametrize("fmt,g,block_k", [("int4", 64, 256), ("int4", 128, 1024),
-                                            ("int8", 128, 256), ("int8", 32, 256)])
+                                            ("int4", 128, 512), ("int8", 128, 256),
+                                            ("int8", 32, 256)])
 def test_staged_zero_points_are_exact(fmt, g, block_k):
     """Grouped uint8 zero points are staged whole per N block (a bk/g-row uint8 block is not
-    tile-legal on TPU) and widened to f32 in VMEM. With integer activations, power-of-two scales
+    tile-legal on TPU) and widened to f32 in VMEM; so are f32 scales when bk/g is not a multiple
+    of 8 (K=9728 g=128 on v4: the only alternative is padding K), then per K step in a
+    [steps, bk/g, bn] scratch. With integer activations, power-of-two scales
     and K=2048 every product and partial sum is exact in f32, so the kernel must equal the
     reference bit for bit whatever the tiling."""
     k, n, m = 2048, 256, 8
@@ -225,6 +228,9 @@ def test_staged_zero_points_are_exact(fmt, g, block_k):
         y = pk_tpu.int8_matmul_tpu(x, codes, scales, zeros, interpret=True, block_k=block_k)
         y_ref = ref.int8_matmul_reference(x, codes, scales, zeros)
     assert t.kp // t.bk > 1 and staged == ((block_k // g) % 32 != 0)
+    scales_staged, _ = pk_tpu._staging(False, block_k // g, t.bk, t.kp, scales.dtype,
+                                       pk_tpu.generation())
+    assert scales_staged == ((block_k // g) % 8 != 0)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
 
 

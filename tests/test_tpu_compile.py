@@ -106,7 +106,8 @@ def _legality_class(gen, case):
     """What decides whether Mosaic accepts a call: everything but the exact sizes."""
     t, staged = _plan(gen, case)
     fmt, g, m, k, n, dt = case
-    return fmt, g, dt.name, t.bn == t.np_, t.bk == t.kp, staged, t.bm <= 64
+    scales_staged = fmt != "nf4" and g != 0 and t.bk != k and (t.bk // g) % 8 != 0
+    return fmt, g, dt.name, t.bn == t.np_, t.bk == t.kp, staged, scales_staged, t.bm <= 64
 
 
 def _representatives(gen, cases):
@@ -172,8 +173,10 @@ def test_full_grid_tile_plans_are_legal_and_never_pad_weights(gen_name):
         assert t.bk == k or t.bk % gen.mxu == 0, where
         assert t.bm % (16 if dt.itemsize == 2 else 8) == 0 and t.mp >= m, where
         unit = (k if g == 0 else g) if fmt != "nf4" else 64
-        if t.bk != k and unit != k:  # scale / absmax rows per step fill whole sublane tiles
-            assert (t.bk // unit) % 8 == 0, where
+        if t.bk != k and unit != k and (t.bk // unit) % 8:
+            # scale / absmax rows per step fill whole sublane tiles, or (affine formats, only
+            # where no such K step fits) the scales are staged whole per N block
+            assert fmt != "nf4" and k % (8 * g) != 0, where
         if fmt != "nf4":
             rows = 1 if g == 0 else t.bk // g
             assert staged == (g != 0 and t.bk != k and rows % 32 != 0), where
@@ -252,14 +255,24 @@ def _vmem_estimate(gen, case) -> int:
 def test_largest_vmem_tiles_compile_where_vmem_is_small(tpu, gen_name):
     """Where the VMEM budget decides the tile (v4: 12 MiB limit; v5p: 48 MiB, with full-K
     blocks such as K=9728 and f32 activations, whose HIGHEST-precision dots split both operands
-    into bf16x3), compile each format's largest estimate: an under-estimate fails here first."""
+    into bf16x3), compile each format's largest estimate: an under-estimate fails here first.
+    Plus every legality class of K=9728 g128 (no 8-row-aligned K step divides it: a full-K block
+    where it fits, else staged scales with 4 scale rows per step; v4 f32 needs the latter), and
+    on v4 the single-tile K=N=1000 f32 calls allowed the whole VMEM limit."""
     gen = pk_tpu.GENERATIONS[gen_name]
     pick = {}
     for case in _cases(shapes=[(4096, 4096), (9728, 2560), (14336, 4096)], ms=(16, 256, 512)):
         est = _vmem_estimate(gen, case)
         if case[0] not in pick or est > pick[case[0]][0]:
             pick[case[0]] = (est, case)
-    failures = _compile_all(tpu(gen_name), [c for _, c in pick.values()])
+    odd_k = _representatives(gen, list(_cases(kernels=[("int4", 128), ("int8", 128)],
+                                              shapes=[(9728, 2560)], ms=(1, 256))))
+    if gen_name == "v4":
+        assert any(_legality_class(gen, c)[6] for c in odd_k), "no staged-scale case on v4"
+        # K=N=1000: one full 1000x1000 tile, estimated above the 0.8 margin, under the limit
+        odd_k += [("int4", 0, 300, 1000, 1000, jnp.dtype(jnp.float32)),
+                  ("int8", 0, 8, 1000, 1000, jnp.dtype(jnp.float32))]
+    failures = _compile_all(tpu(gen_name), [c for _, c in pick.values()] + odd_k)
     assert not failures, _fmt_failures(failures)
 
 
