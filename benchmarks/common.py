@@ -192,3 +192,19 @@ def count_params(tree: Any) -> int:
     import numpy as np
 
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree) if hasattr(x, "shape")))
+
+
+def source_commit() -> str | None:
+    """The lrmq commit measured: $LRMQ_COMMIT (set when running from an exported snapshot), else git HEAD
+    (with "+dirty" when tracked files differ)."""
+    import subprocess
+
+    if os.environ.get("LRMQ_COMMIT"):
+        return os.environ["LRMQ_COMMIT"]
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "lrmq"],
+                               capture_output=True, text=True).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
