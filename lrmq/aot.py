@@ -17,21 +17,23 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError
-from lrmq.generation.engine import Generator
+from lrmq.generation.engine import Generator, generation_chunk
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.model.params import LOGICAL_AXES_KEY
-from lrmq.quant.qweight import QuantizedKernel
-from lrmq.quant.training import prepare_for_training, qweight_shardings
+from lrmq.model.presets import preset_config
+from lrmq.quant.qkernel import QuantizedKernel
+from lrmq.quant.training import pack_linears, prepare_for_training, trainable_filter
+from lrmq.quant.transforms import qweight_shardings
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings
-from lrmq.sharding import MeshConfig, batch_sharding, logical_to_spec, make_mesh
+from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, logical_to_spec, make_mesh
 
 GIB = 1024 ** 3
 # HBM per chip by device kind (public Cloud TPU specs), for topologies compiled without the hardware.
@@ -70,9 +72,6 @@ def hbm_bytes(device) -> int | None:
 # ----------------------------------------------------------------------------- abstract state
 def model_config(cfg: TrainConfig) -> ModelConfig:
     """The architecture: the checkpoint's config.json when it is here, else the `model.shapes` preset."""
-    from lrmq.model.presets import preset_config
-    from lrmq.rl.trainer import resolve_checkpoint
-
     m = cfg.model
     path = resolve_checkpoint(m.checkpoint)
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -114,15 +113,13 @@ class AbstractRun:
 
 
 def abstract_run(cfg: TrainConfig, mesh) -> AbstractRun:
-    from lrmq.rl.trainer import trainable_filter
-
     mcfg = model_config(cfg)
 
     def build():
         return prepare_for_training(Decoder(mcfg, nnx.Rngs(cfg.run.seed)), cfg.quant, seed=cfg.run.seed)
 
     model = nnx.eval_shape(build)
-    graphdef, trainable, rest = nnx.split(model, trainable_filter(cfg), ...)
+    graphdef, trainable, rest = nnx.split(model, trainable_filter(cfg.quant.mode), ...)
     trainable = _with_shardings(trainable, _variable_shardings(trainable, mesh))
     rest = _with_shardings(rest, _variable_shardings(rest, mesh))
     return AbstractRun(cfg, mcfg, mesh, graphdef, trainable, rest)
@@ -198,9 +195,6 @@ def compile_generate(graphdef, state, mesh, *, batch: int, prompt_len: int, max_
 
 def compile_rollout(run: AbstractRun):
     """(compiled, seconds) of one rollout: prefill + decode of every sequence of a step at once."""
-    from lrmq.rl.trainer import generation_chunk
-    from lrmq.sharding import batch_divisor
-
     r = run.cfg.rollout
     rows = generation_chunk(r.generation_batch, r.prompts_per_step * r.group_size, batch_divisor(run.mesh))
     return compile_generate(run.graphdef, (run.trainable, run.rest), run.mesh, batch=rows, prompt_len=r.max_prompt_len,
@@ -211,7 +205,6 @@ def compile_rollout(run: AbstractRun):
 def abstract_model(mcfg: ModelConfig, mesh, pack: str | None = None):
     """(graphdef, state) of a Decoder as sharded ShapeDtypeStructs (for generation-only compiles);
     `pack` ("int4" | "int8" | "nf4") packs every decoder linear as PTQ would."""
-    from lrmq.quant.training import pack_linears
 
     def build():
         model = Decoder(mcfg, nnx.Rngs(0))

@@ -408,7 +408,7 @@ def dump_config(cfg: Any) -> str:
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Atomic write, to a local path or a URL (gs://...): readers never see half a file."""
-    from lrmq.checkpoint.atomic import atomic_write_text
+    from lrmq.atomic import atomic_write_text
 
     atomic_write_text(path, dump_config(cfg))
 

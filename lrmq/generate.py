@@ -12,6 +12,16 @@ import json
 import sys
 import time
 
+from lrmq import aot
+from lrmq.checkpoint.load import load_model
+from lrmq.configlib import ConfigError
+from lrmq.generation.engine import Generator
+from lrmq.generation.sampling import SamplingConfig
+from lrmq.model.config import ModelConfig
+from lrmq.model.presets import preset_config
+from lrmq.sharding import make_mesh
+from lrmq.tokenizer import Tokenizer
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lrmq.generate", description=__doc__.splitlines()[0])
@@ -68,13 +78,6 @@ def read_prompts(args) -> list[str]:
 
 def compile_only(args) -> int:
     """--compile-only: per-device memory, FLOPs and compile time of one generate call."""
-    from lrmq import aot
-    from lrmq.configlib import ConfigError
-    from lrmq.generation.sampling import SamplingConfig
-    from lrmq.model.config import ModelConfig
-    from lrmq.model.presets import preset_config
-    from lrmq.sharding import make_mesh
-
     try:
         mcfg = (preset_config(args.shapes, dtype=args.dtype) if args.shapes
                 else ModelConfig.from_hf_file(args.checkpoint, dtype=args.dtype))
@@ -106,11 +109,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return compile_only(args)
-    from lrmq.checkpoint.load import load_model
-    from lrmq.generation.engine import Generator
-    from lrmq.generation.sampling import SamplingConfig
-    from lrmq.tokenizer import Tokenizer
-
     prompts = read_prompts(args)
     try:
         model = load_model(args.checkpoint, dtype=args.dtype)

@@ -22,6 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lrmq.checkpoint.hf import CheckpointError
+from lrmq.checkpoint.load import load_model
+from lrmq.ptq.calibration import load_documents
+from lrmq.quant.quantizers import QUANTIZERS
+from lrmq.quant.transforms import iter_linears
+from lrmq.tokenizer import Tokenizer
+
 
 def read_text(path: str, text_field: str = "text") -> str:
     """The evaluation text: a .txt file as is, or the ``text_field`` rows of jsonl/json/parquet joined by "\\n\\n"."""
@@ -30,7 +37,6 @@ def read_text(path: str, text_field: str = "text") -> str:
     if path.endswith(".txt"):
         with open(path, encoding="utf-8") as f:
             return f.read()
-    from lrmq.ptq.calibration import load_documents
 
     return "\n\n".join(str(t) for t in load_documents(path, text_field=text_field)["text"])
 
@@ -74,9 +80,6 @@ def perplexity(model, blocks: np.ndarray, *, batch_size: int = 1) -> dict:
 
 def apply_fake_quant(model, method: str, bits: int, group_size: int) -> None:
     """Replace the seven projections' kernels by ``QUANTIZERS[method]`` fake-quant weights, in place."""
-    from lrmq.quant.quantizers import QUANTIZERS
-    from lrmq.quant.transforms import iter_linears
-
     fn = QUANTIZERS.get(method)
     for _, lin in iter_linears(model):
         w = lin.kernel.get_value()
@@ -97,10 +100,6 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=128)
     a = ap.parse_args(argv)
-    from lrmq.checkpoint.hf import CheckpointError
-    from lrmq.checkpoint.load import load_model
-    from lrmq.tokenizer import Tokenizer
-
     try:
         text = read_text(a.text_file, a.text_field)
         tok = Tokenizer.from_dir(a.tokenizer or a.checkpoint)

@@ -24,8 +24,17 @@ import json
 import os
 import sys
 
-from lrmq.ptq.methods import PTQ_METHODS  # noqa: F401  (the registry, importable from here)
-from lrmq.quant.transforms import DEFAULT_TARGETS
+from lrmq.checkpoint.hf import save_hf_model
+from lrmq.checkpoint.load import checkpoint_kind
+from lrmq.checkpoint.orbax_io import save_lrmq
+from lrmq.configlib import add_config_args
+from lrmq.ptq.config import QuantizeConfig, load_quantize_config
+from lrmq.ptq.exports import packed_kernels
+from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config
+from lrmq.ptq.pipeline import load_float_model, prepare, resolve_model_path, run_quantize
+from lrmq.quant.quantizers import check_bits
+from lrmq.quant.training import param_bytes
+from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
 
 # (bits, group_size) of a method when the flags leave them unset; otherwise QuantizeConfig's 4 / 128
 FLAG_DEFAULTS = {"int8": (8, -1), "nf4": (4, 64)}
@@ -60,8 +69,6 @@ def parse_args(argv=None):
 
 def config_from_flags(args):
     """The QuantizeConfig of a flag-form run (the importance plot is a config-form output: off)."""
-    from lrmq.ptq.config import QuantizeConfig
-
     bits, group = FLAG_DEFAULTS.get(args.method, (4, 128))
     cfg = QuantizeConfig(model=args.checkpoint, method=args.method, bits=bits if args.bits is None else args.bits,
                          group_size=group if args.group_size is None else args.group_size,
@@ -73,9 +80,6 @@ def config_from_flags(args):
 
 def check_flags(args, cfg) -> None:
     """Flag errors found without reading any checkpoint (UsageError)."""
-    from lrmq.ptq.methods import check_method_config
-    from lrmq.quant.quantizers import check_bits
-
     if args.method not in PTQ_METHODS:
         raise UsageError(f"--method {args.method!r} is not registered; known: {PTQ_METHODS.names()}")
     if args.bits is not None:
@@ -96,9 +100,6 @@ def check_flags(args, cfg) -> None:
 
 def check_targets(model, cfg) -> None:
     """--targets matches a Linear, and (int methods) --group-size divides each one's K."""
-    from lrmq.ptq.methods import LAYERWISE_METHODS
-    from lrmq.quant.transforms import iter_linears
-
     if cfg.method in LAYERWISE_METHODS:
         return
     found = iter_linears(model, cfg.targets)
@@ -114,11 +115,6 @@ def check_targets(model, cfg) -> None:
 
 def write_flag_outputs(model, result, args, tokenizer_from: str) -> tuple[int, int]:
     """OUT (packed lrmq checkpoint) and OUT2 (fake-quant HF); returns the model's bytes before / after packing."""
-    from lrmq.checkpoint.hf import save_hf_model
-    from lrmq.checkpoint.orbax_io import save_lrmq
-    from lrmq.ptq.exports import packed_kernels
-    from lrmq.quant.training import param_bytes
-
     before = param_bytes(model)["total"]
     with packed_kernels(model, result):
         after = param_bytes(model)["total"]
@@ -130,9 +126,6 @@ def write_flag_outputs(model, result, args, tokenizer_from: str) -> tuple[int, i
 
 def run(args) -> dict:
     """Quantize per the flags; returns a small summary. Raises UsageError (or another INPUT_ERRORS) on bad input."""
-    from lrmq.checkpoint.load import checkpoint_kind
-    from lrmq.ptq.pipeline import load_float_model, prepare, resolve_model_path
-
     cfg = config_from_flags(args)
     check_flags(args, cfg)
     try:
@@ -150,10 +143,6 @@ def run(args) -> dict:
 
 def config_main(argv) -> int:
     """`--config F [key=value ...]`: lrmq.ptq.pipeline.run_quantize; prints a JSON summary."""
-    from lrmq.configlib import add_config_args
-    from lrmq.ptq.config import load_quantize_config
-    from lrmq.ptq.pipeline import run_quantize
-
     ap = argparse.ArgumentParser(prog="python -m lrmq.quantize", description="Offline PTQ from a YAML config")
     add_config_args(ap, required=True)
     args = ap.parse_args(argv)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lrmq.model.params import LOGICAL_AXES_KEY
@@ -133,3 +134,13 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     placed = jax.tree.map(lambda a, s: jax.device_put(a, s), pure, pure_sh)
     nnx.replace_by_pure_dict(state, placed)
     return nnx.merge(gdef, state)
+
+
+def host_array(x) -> np.ndarray:
+    """A global jax.Array as numpy on this process, gathering shards other hosts hold.
+
+    Non-fully-addressable arrays need a collective: every process must call this for the same
+    array in the same order."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

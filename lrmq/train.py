@@ -10,6 +10,12 @@ import logging
 import os
 import sys
 
+from lrmq import aot
+from lrmq.atomic import atomic_write_text
+from lrmq.configlib import ConfigError, add_config_args, config_from_args, dump_config
+from lrmq.rl.config import TrainConfig
+from lrmq.rl.trainer import GRPOTrainer
+
 
 def maybe_init_distributed() -> None:
     """Multi-process runs: set LRMQ_COORDINATOR, LRMQ_NUM_PROCESSES, LRMQ_PROCESS_ID (see launch/), or run on
@@ -25,8 +31,6 @@ def maybe_init_distributed() -> None:
 
 
 def main(argv=None) -> int:
-    from lrmq.configlib import ConfigError, add_config_args, config_from_args, dump_config
-
     ap = argparse.ArgumentParser(prog="python -m lrmq.train", description=__doc__.splitlines()[0])
     add_config_args(ap)
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -43,7 +47,6 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    from lrmq.rl.config import TrainConfig
 
     try:
         cfg = config_from_args(TrainConfig, args)
@@ -56,7 +59,6 @@ def main(argv=None) -> int:
     if args.compile_only:
         return compile_only(cfg, args.topology or cfg.mesh.topology, args.report)
     maybe_init_distributed()
-    from lrmq.rl.trainer import GRPOTrainer
 
     try:
         trainer = GRPOTrainer(cfg)
@@ -83,9 +85,6 @@ def compile_only(cfg, topology: str, report_path: str | None) -> int:
     """--compile-only: 0 when the step and the rollout fit, 3 when they do not, 2 on a config error."""
     import json
 
-    from lrmq import aot
-    from lrmq.configlib import ConfigError
-
     try:
         devices = aot.topology_devices(topology) if topology else None
         report = aot.check_fit(cfg, devices, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -98,8 +97,6 @@ def compile_only(cfg, topology: str, report_path: str | None) -> int:
     print(report.table())
     print(aot.verdict(report, cfg))
     if report_path:
-        from lrmq.checkpoint.atomic import atomic_write_text
-
         atomic_write_text(report_path, json.dumps(aot.report_dict(report, cfg, target), indent=1) + "\n")
     return 0 if report.fits else 3
 

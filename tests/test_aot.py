@@ -104,7 +104,7 @@ def test_trainer_preflight_then_trains_with_the_compiled_step(tmp_path):
 
 
 def test_generation_chunk_sizes():
-    from lrmq.rl.trainer import generation_chunk
+    from lrmq.generation.engine import generation_chunk
 
     assert generation_chunk(0, 64, 8) == 64  # 0: everything at once
     assert generation_chunk(100, 64, 8) == 64

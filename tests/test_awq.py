@@ -245,7 +245,7 @@ def test_packed_equals_fake_quant_forward(hf_checkpoint):
     from lrmq.checkpoint.hf import load_hf_model
     from lrmq.ptq.awq import AWQOptions, awq_quantize_model
     from lrmq.ptq.exports import packed_kernels
-    from lrmq.quant.qweight import dequantize
+    from lrmq.quant.formats import dequantize
     from lrmq.quant.transforms import module_at
 
     d, _ = hf_checkpoint("olmo3")
@@ -264,7 +264,8 @@ def test_packed_equals_fake_quant_forward(hf_checkpoint):
 
 def test_awq_beats_rtn_w3(structured):
     from lrmq.checkpoint.load import load_model
-    from lrmq.ptq.awq import AWQOptions, awq_quantize_model, rtn_quantize_model
+    from lrmq.ptq.awq import AWQOptions, awq_quantize_model
+    from lrmq.ptq.rtn import rtn_quantize_model
 
     ev = eval_blocks(structured)
     fp = window_nll(load_model(structured["model"]), ev)

@@ -229,7 +229,8 @@ def test_failed_lrmq_restore_is_a_checkpoint_error(hf_checkpoint, tmp_path):
 
 # ------------------------------------------------------------------------------------------ packed weights
 def test_quantized_kernels_round_trip(hf_checkpoint, tmp_path):
-    from lrmq.quant import qweight
+    from lrmq.quant.formats import quantize_weight
+    from lrmq.quant.qkernel import QuantizedKernel
 
     src, _ = hf_checkpoint("qwen3")
     model = load_model(src)
@@ -243,8 +244,8 @@ def test_quantized_kernels_round_trip(hf_checkpoint, tmp_path):
         for k in path.split("."):
             lin = lin[int(k)] if k.isdigit() else getattr(lin, k)
         old = lin.kernel
-        lin.kernel = qweight.QuantizedKernel(qweight.quantize_weight(old.get_value(), **kw),
-                                             **{"logical_axes": old.get_metadata()["logical_axes"]})
+        lin.kernel = QuantizedKernel(quantize_weight(old.get_value(), **kw),
+                                     **{"logical_axes": old.get_metadata()["logical_axes"]})
     dst = str(tmp_path / "q")
     save_lrmq(model, dst)
     restored = load_lrmq(dst)
@@ -257,7 +258,7 @@ def test_quantized_kernels_round_trip(hf_checkpoint, tmp_path):
     for path, var in a.items():
         assert type(b[path]) is type(var), path
         va, vb = var.get_value(), b[path].get_value()
-        if isinstance(var, qweight.QuantizedKernel):
+        if isinstance(var, QuantizedKernel):
             assert vb.static() == va.static(), path
             assert b[path].get_metadata()["logical_axes"] == var.get_metadata()["logical_axes"]
         assert jax.tree.structure(va) == jax.tree.structure(vb), path

@@ -47,7 +47,7 @@ def quantized(hf_checkpoint):
 
 
 def _codes(qw):
-    from lrmq.quant.qweight import unpacked_codes
+    from lrmq.quant.formats import unpacked_codes
 
     return np.asarray(unpacked_codes(qw)), np.asarray(qw.scales), np.asarray(qw.zeros)
 

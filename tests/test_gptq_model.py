@@ -15,9 +15,9 @@ def structured(tmp_path_factory):
 
 def test_gptq_beats_rtn_w3(structured):
     from lrmq.checkpoint.load import load_model
-    from lrmq.ptq.awq import rtn_quantize_model
+    from lrmq.ptq.rtn import rtn_quantize_model
     from lrmq.ptq.gptq_model import GPTQOptions, gptq_quantize_model
-    from lrmq.quant.qweight import dequantize
+    from lrmq.quant.formats import dequantize
     from lrmq.quant.transforms import module_at
 
     ev = eval_blocks(structured)

@@ -12,7 +12,7 @@ import torch
 
 from lrmq.quant.nf4 import DYNAMIC_MAP, NF4_CODE, NF4_THRESHOLDS, nf4_absmax, nf4_dequantize, nf4_fake_quant, nf4_quantize
 from lrmq.quant.packing import unpack_nibbles_high_first
-from lrmq.quant.qweight import dequantize, quantize_weight
+from lrmq.quant.formats import dequantize, quantize_weight
 
 f32 = np.float32
 

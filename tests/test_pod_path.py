@@ -117,7 +117,7 @@ def test_url_text_and_directories(gcs, monkeypatch):
     from etils import epath
 
     from lrmq import paths
-    from lrmq.checkpoint.atomic import atomic_dir, atomic_write_text
+    from lrmq.atomic import atomic_dir, atomic_write_text
 
     atomic_write_text(gcs + "/t/config.yaml", "a: 1\n")
     assert epath.Path(gcs + "/t/config.yaml").read_text() == "a: 1\n"

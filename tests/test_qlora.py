@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lrmq.quant.lora import LoRA, load_lora, lora_state, merge_lora, save_lora, set_lora_dropout
+from lrmq.checkpoint.peft import load_lora, lora_state, save_lora
+from lrmq.quant.lora import LoRA, merge_lora, set_lora_dropout
 from lrmq.quant.qmatmul import qmatmul, qmatmul_path
-from lrmq.quant.qweight import QuantizedKernel, dequantize, quantize_weight
+from lrmq.quant.formats import dequantize, quantize_weight
+from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.training import export_float_model, param_bytes, prepare_for_training
 from lrmq.quant.transforms import iter_linears
 from lrmq.rl.config import QuantSection

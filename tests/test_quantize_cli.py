@@ -19,7 +19,7 @@ TOK = (jnp.arange(16).reshape(2, 8) * 7) % 200
                                                    ("int8", [], "int", 8), ("nf4", [], "nf4", 4)])
 def test_quantize_round_trip(scratch_ckpt, tmp_path, method, extra, fmt, bits):  # noqa: F811
     from lrmq.checkpoint.load import checkpoint_kind, load_model
-    from lrmq.quant.qweight import QuantizedKernel
+    from lrmq.quant.qkernel import QuantizedKernel
     from lrmq.quant.transforms import iter_linears
 
     out, fake = str(tmp_path / "packed"), str(tmp_path / "fake")

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from lrmq.ptq import importance as imp
+from lrmq.ptq.importance_files import plot_importance, save_importance_npz
 from lrmq.ptq.median import Stats, positive_stats
 
 
@@ -282,13 +283,13 @@ def test_importance_for_model_matches_direct(tmp_path):
     np.testing.assert_array_equal(res2["layers.1.o_proj"],
                                   imp.channel_importance(imp.abs_delta(pairs[7][1], pairs[7][2]), st2))
     path = tmp_path / "imp" / "x.npz"
-    imp.save_importance_npz(str(path), res)
+    save_importance_npz(str(path), res)
     with np.load(path) as z:
         assert sorted(z.files) == sorted(res)
         np.testing.assert_array_equal(z["layers.1.gate_proj"], res["layers.1.gate_proj"])
     assert [p for p in os.listdir(path.parent) if p.endswith(".tmp")] == []
     png = tmp_path / "imp.png"
-    imp.plot_importance(str(png), imp.abs_delta(pairs[0][1], pairs[0][2]), stats_all, res)
+    plot_importance(str(png), imp.abs_delta(pairs[0][1], pairs[0][2]), stats_all, res)
     assert png.stat().st_size > 1000
 
 

@@ -10,15 +10,9 @@ from safetensors.numpy import load_file, save_file
 
 from lrmq.quant.packing import pack, pack_nibbles_high_first, unpack, unpack_nibbles_high_first
 from lrmq.quant.quantizers import fake_quant
-from lrmq.quant.qweight import (
-    QuantizedKernel,
-    QuantizedWeight,
-    dequantize,
-    from_flat_dict,
-    quantize_weight,
-    to_flat_dict,
-    unpacked_codes,
-)
+from lrmq.quant.formats import dequantize, quantize_weight, unpacked_codes
+from lrmq.quant.qkernel import QuantizedKernel
+from lrmq.quant.qweight import QuantizedWeight, from_flat_dict, to_flat_dict
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])

@@ -355,8 +355,9 @@ def _abstract_qlora_decoder(mesh):
     from lrmq.model.config import ModelConfig
     from lrmq.model.decoder import Decoder
     from lrmq.model.params import LOGICAL_AXES_KEY
-    from lrmq.quant.qweight import QuantizedKernel
-    from lrmq.quant.training import prepare_for_training, qweight_shardings
+    from lrmq.quant.qkernel import QuantizedKernel
+    from lrmq.quant.training import prepare_for_training
+    from lrmq.quant.transforms import qweight_shardings
     from lrmq.rl.config import QuantSection
     from lrmq.sharding import logical_to_spec
 
@@ -411,8 +412,8 @@ def test_packed_decoder_compiles_for_a_multichip_tpu_slice(tpu):
 # ----------------------------------------------- subprocess body: 8 forced CPU devices (numerics)
 def _sharded_numerics() -> None:
     from lrmq.quant.qmatmul import kernel_specs, qmatmul, qmatmul_path
-    from lrmq.quant.qweight import dequantize, quantize_weight
-    from lrmq.quant.training import place_qweight
+    from lrmq.quant.formats import dequantize, quantize_weight
+    from lrmq.quant.transforms import place_qweight
     from lrmq.sharding import batch_sharding, make_mesh
 
     assert len(jax.devices()) == 8

@@ -125,7 +125,7 @@ def test_grpo_qat_runs_without_nan(scratch_ckpt, tmp_path, quant):
 
 def test_grpo_qlora_updates_only_adapters(scratch_ckpt, tmp_path):
     from flax import nnx
-    from lrmq.quant.qweight import QuantizedKernel
+    from lrmq.quant.qkernel import QuantizedKernel
 
     tr = make_trainer(grpo_config(scratch_ckpt, str(tmp_path), mode="qlora", lr=1e-3))
     rest_before = jax.tree.map(np.asarray, tr.rest)

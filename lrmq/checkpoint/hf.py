@@ -4,7 +4,7 @@ Import streams one tensor at a time from memory-mapped safetensors straight onto
 (`jax.make_array_from_callback` materializes only the local shards), so peak host memory stays near
 one tensor. Export writes into a temporary directory and renames it into place: a failed export
 leaves nothing behind (for a URL `out_dir`: staged locally, then uploaded with config.json last; see
-lrmq.checkpoint.atomic).
+lrmq.atomic).
 
 Multi-controller runs (one process per host): parameters sharded over hosts are not readable by one
 process alone. Every process must call `save_hf_model`; each tensor is gathered in turn (a collective
@@ -26,12 +26,12 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from lrmq.checkpoint.atomic import atomic_dir
+from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf_names import expand
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
-from lrmq.sharding import logical_to_spec
 from lrmq.model.params import LOGICAL_AXES_KEY
+from lrmq.sharding import host_array, logical_to_spec
 
 # Tensors some exporters write that carry no information for us.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -176,18 +176,6 @@ def _place(arr: np.ndarray, axes, mesh) -> jax.Array:
         return jnp.asarray(arr)
     sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(axes, arr.shape, mesh))
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
-
-
-def host_array(x) -> np.ndarray:
-    """A global jax.Array as numpy on this process, gathering shards other hosts hold.
-
-    Non-fully-addressable arrays need a collective: every process must call this for the same
-    array in the same order."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:

@@ -8,6 +8,14 @@ from lrmq.checkpoint.hf import CheckpointError, load_hf_model
 from lrmq.checkpoint.orbax_io import is_lrmq_checkpoint, load_lrmq
 from lrmq.model.decoder import Decoder
 
+# The tiny Qwen3 shipped with the package (`model.checkpoint: tiny`).
+TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint path, with the alias "tiny" for the shipped tiny model."""
+    return TINY_MODEL_DIR if path == "tiny" else path
+
 
 def is_hf_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and (

@@ -23,11 +23,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from lrmq.checkpoint.atomic import atomic_dir
+from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import CheckpointError, copy_tokenizer_files
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.model.params import LOGICAL_AXES_KEY
+from lrmq.quant.qkernel import QuantizedKernel
+from lrmq.quant.qweight import QuantizedWeight
 from lrmq.sharding import state_shardings
 
 FORMAT_VERSION = 1
@@ -65,13 +67,6 @@ def _lookup(tree, path: str):
     return tree
 
 
-def _quant_types():
-    """(QuantizedKernel, QuantizedWeight); imported lazily: float checkpoints need no lrmq.quant stack."""
-    from lrmq.quant.qweight import QuantizedKernel, QuantizedWeight
-
-    return QuantizedKernel, QuantizedWeight
-
-
 def _is_quantized_value(v) -> bool:
     return hasattr(v, "codes") and hasattr(v, "static") and hasattr(v, "arrays")
 
@@ -90,7 +85,7 @@ def _manifest(model: Decoder) -> dict[str, dict[str, Any]]:
         value = var.get_value()
         axes = var.get_metadata().get(LOGICAL_AXES_KEY)
         entry: dict[str, Any] = {"logical_axes": list(axes) if axes is not None else None}
-        if _is_quantized_value(value) and isinstance(var, _quant_types()[0]):
+        if _is_quantized_value(value) and isinstance(var, QuantizedKernel):
             if path not in base or not path.endswith(".kernel"):
                 problems.append(f"{path}: packed weight where the decoder has no Linear kernel")
                 continue
@@ -191,7 +186,6 @@ def _read_manifest(path: str) -> dict[str, dict[str, Any]]:
 
 def _install_quantized(abstract: Decoder, path: str, entry: dict[str, Any]) -> None:
     """Swap the abstract float kernel at `path` for an abstract QuantizedKernel of the saved layout."""
-    QuantizedKernel, QuantizedWeight = _quant_types()
     *mod_path, attr = path.split(".")
     module = abstract
     for k in mod_path:

@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from lrmq.atomic import atomic_write_text
+
 OPS = ("+", "-", "*")
 
 
@@ -115,8 +117,6 @@ def make_splits(
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
     """One JSON object per line; atomic (temp file + os.replace)."""
-    from lrmq.checkpoint.atomic import atomic_write_text
-
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 

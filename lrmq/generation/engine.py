@@ -20,6 +20,7 @@ from flax import nnx
 
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.model.decoder import Decoder, KVCache, positions_from_mask
+from lrmq.sharding import batch_divisor, batch_sharding
 
 
 @dataclass
@@ -121,7 +122,6 @@ class Generator:
         p = prompt_bucket or bucket_length(max(len(x) for x in prompts), self.min_bucket)
         tokens, mask = left_pad(prompts, p, self.pad_id)
         if self.mesh is not None:  # batch must divide the data axes; pad with copies of the first prompt
-            from lrmq.sharding import batch_divisor, batch_sharding
 
             div = batch_divisor(self.mesh)
             extra = (-n) % div
@@ -141,3 +141,14 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens
     """One-shot convenience wrapper around Generator."""
     return Generator(model, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh).generate(
         model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+
+
+def generation_chunk(generation_batch: int, n: int, divisor: int) -> int:
+    """Rows per generate call: generation_batch (0 = all n), a multiple of the data-parallel divisor that
+    divides n, so every chunk has the same shape (one compile)."""
+    if not generation_batch or generation_batch >= n:
+        return n
+    size = max(divisor, generation_batch // divisor * divisor)
+    while n % size:
+        size -= divisor
+    return max(size, divisor)

@@ -1,8 +1,10 @@
 """The linear seam: every projection in the model goes through `Linear`.
 
-The weight representation (float `nnx.Param`, or a packed `QuantizedWeight`), the `dot_general`
-(plain, or an AQT quantized one for QAT) and an optional LoRA adapter are attributes that
-transforms in `lrmq.quant` set by module path. The model code never changes.
+The weight representation (float `nnx.Param`, or a packed `lrmq.quant.qkernel.QuantizedKernel`),
+the `dot_general` (plain, or an AQT quantized one for QAT) and an optional LoRA adapter are
+attributes that transforms in `lrmq.quant` set by module path. The model code never changes, and
+imports nothing from `lrmq.quant`: a packed kernel variable brings its own `packed_matmul` and
+`dequantized`, as a float kernel arrives with `dot_general`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lrmq.model.params import LOGICAL_AXES_KEY, param
+from lrmq.model.params import param
 
 
 def default_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -35,12 +37,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
-        w = self.kernel.get_value()  # QuantizedKernel holds a pytree: not subscriptable
-        if _is_quantized(w):
-            from lrmq.quant.qmatmul import qmatmul  # packed weights: Pallas kernels / XLA fallback
-            # logical axes: how the kernel call is partitioned on a multi-device mesh
-            y = qmatmul(x, w, axes=self.kernel.get_metadata().get(LOGICAL_AXES_KEY))
+        if _is_packed(self.kernel):
+            y = self.kernel.packed_matmul(x)
         else:
+            w = self.kernel.get_value()
             y = self.dot_general(x, w.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
         y = y.astype(self.dtype)
         if self.lora is not None:
@@ -51,12 +51,9 @@ class Linear(nnx.Module):
 
     def float_weight(self) -> jax.Array:
         """The [in, out] weight as float (dequantized if packed), without adapters."""
-        w = self.kernel.get_value()  # QuantizedKernel holds a pytree: not subscriptable
-        if _is_quantized(w):
-            from lrmq.quant.qweight import dequantize
-            return dequantize(w)
-        return w
+        return self.kernel.dequantized() if _is_packed(self.kernel) else self.kernel.get_value()
 
 
-def _is_quantized(w) -> bool:
-    return not isinstance(w, (jax.Array, jnp.ndarray)) and hasattr(w, "codes")
+def _is_packed(kernel) -> bool:
+    # Looked up on the class: nnx.Variable forwards unknown attributes to its value.
+    return callable(getattr(type(kernel), "packed_matmul", None))

@@ -43,8 +43,7 @@ import numpy as np
 from lrmq.ptq import layer_fn as lf
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.result import PTQResult
-# rtn_quantize_model is re-exported: callers import it from here
-from lrmq.ptq.rtn import quantize_linear, rtn_quantize_model  # noqa: F401
+from lrmq.ptq.rtn import quantize_linear
 from lrmq.quant.quantizers import exact_div, fake_quant, resolve_group_size
 
 

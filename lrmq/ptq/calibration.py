@@ -26,6 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
+from lrmq.data.prompts import _datasets, format_prompt, load_prompt_dataset
+
 
 class CalibrationError(ValueError):
     """Calibration data that cannot be used; the message names the file."""
@@ -43,8 +45,6 @@ def _require(path: str, what: str) -> str:
 
 def load_documents(path: str, *, text_field: str = "text"):
     """A ``datasets.Dataset`` with one ``text`` column (file order)."""
-    from lrmq.data.prompts import _datasets
-
     ds_lib = _datasets()
     path = _require(path, "calibration file")
     ext = os.path.splitext(path)[1].lower()
@@ -105,8 +105,6 @@ def reasoning_blocks(docs, tokenizer, *, max_tokens: int = 128 * 2048, block_siz
 def prompt_blocks(path: str, tokenizer, *, template: str = "chat", n_samples: int = 128, block_size: int = 512,
                   max_doc_tokens: int = 512, seed: int | None = None, problem_field: str = "problem",
                   answer_field: str = "answer", solution_field: str | None = "solution") -> np.ndarray:
-    from lrmq.data.prompts import format_prompt, load_prompt_dataset
-
     path = _require(path, "calibration prompt dataset")
     ds = load_prompt_dataset(path, problem_field=problem_field, answer_field=answer_field,
                              solution_field=solution_field)

@@ -30,14 +30,14 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from lrmq.checkpoint.atomic import atomic_dir
+from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import copy_tokenizer_files, flat_params, save_hf_model
 from lrmq.checkpoint.hf_names import expand
 from lrmq.checkpoint.orbax_io import save_lrmq
 from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.ptq import export_formats as ef
 from lrmq.quant import packing
-from lrmq.quant.qweight import QuantizedKernel
+from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.transforms import module_at
 
 FORMATS = ("packed", "fake_quant", "autoawq", "compressed_tensors")

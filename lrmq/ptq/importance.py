@@ -27,8 +27,6 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from lrmq.ptq import fused
-# the output files of the importance pass live in importance_files; importable from here as before
-from lrmq.ptq.importance_files import plot_importance, save_importance_npz  # noqa: F401
 from lrmq.ptq.median import DEFAULT_BRACKET, Histogram, NoPositiveValues, Stats, pmap, positive_stats
 from lrmq.registry import Registry
 

@@ -9,6 +9,7 @@ from typing import Mapping
 
 import numpy as np
 
+from lrmq.ptq.importance import MAPPINGS
 from lrmq.ptq.median import Stats
 
 
@@ -40,7 +41,6 @@ def plot_importance(
     """Two panels: histogram of positive |dW| (log x) with the mapping overlaid; importance per channel."""
     import matplotlib
 
-    from lrmq.ptq.importance import MAPPINGS  # importance re-exports this module: import late
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

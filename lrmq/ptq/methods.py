@@ -22,6 +22,10 @@ from typing import Callable
 
 import numpy as np
 
+from lrmq.ptq.awq import AWQOptions, awq_quantize_model
+from lrmq.ptq.gptq_model import GPTQOptions, gptq_quantize_model
+from lrmq.ptq.quantlrm import quantlrm_quantize_model
+from lrmq.ptq.rtn import nf4_quantize_model, rtn_quantize_model
 from lrmq.quant.transforms import DEFAULT_TARGETS
 from lrmq.registry import Registry
 
@@ -79,8 +83,6 @@ def check_method_config(cfg) -> None:
 
 
 def awq_options(cfg):
-    from lrmq.ptq.awq import AWQOptions
-
     a = cfg.awq
     return AWQOptions(bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, n_grid=a.n_grid,
                       normalize=a.normalize, scale=a.scale, clip=a.clip, max_shrink=a.max_shrink,
@@ -89,8 +91,6 @@ def awq_options(cfg):
 
 
 def gptq_options(cfg):
-    from lrmq.ptq.gptq_model import GPTQOptions
-
     g = cfg.gptq
     return GPTQOptions(bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, block_size=g.block_size,
                        percdamp=g.percdamp, act_order=g.act_order, static_groups=g.static_groups,
@@ -103,45 +103,33 @@ def gptq_options(cfg):
 
 @register("rtn")
 def rtn(model, cfg, inputs: MethodInputs):
-    from lrmq.ptq.rtn import rtn_quantize_model
-
     return rtn_quantize_model(model, bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric,
                               targets=cfg.targets)
 
 
 @register("int8")
 def int8(model, cfg, inputs: MethodInputs):
-    from lrmq.ptq.rtn import rtn_quantize_model
-
     return rtn_quantize_model(model, bits=8, group_size=cfg.group_size, symmetric=True, targets=cfg.targets,
                               method="int8")
 
 
 @register("nf4")
 def nf4(model, cfg, inputs: MethodInputs):
-    from lrmq.ptq.rtn import nf4_quantize_model
-
     return nf4_quantize_model(model, block_size=cfg.group_size, targets=cfg.targets)
 
 
 @register("awq", calibrated=True)
 def awq(model, cfg, inputs: MethodInputs):
-    from lrmq.ptq.awq import awq_quantize_model
-
     return awq_quantize_model(model, inputs.tokens, awq_options(cfg), progress=cfg.progress)
 
 
 @register("gptq", calibrated=True)
 def gptq(model, cfg, inputs: MethodInputs):
-    from lrmq.ptq.gptq_model import gptq_quantize_model
-
     return gptq_quantize_model(model, inputs.tokens, gptq_options(cfg), progress=cfg.progress)
 
 
 @register("quantlrm", calibrated=True)
 def quantlrm(model, cfg, inputs: MethodInputs):
-    from lrmq.ptq.quantlrm import quantlrm_quantize_model
-
     if inputs.importances is None:
         raise ValueError("method quantlrm needs the importance pass (lrmq.ptq.pipeline.prepare runs it)")
     opts = dataclasses.replace(awq_options(cfg), normalize=cfg.quantlrm.normalize, gqa_vo=cfg.quantlrm.gqa_vo)

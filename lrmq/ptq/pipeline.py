@@ -18,9 +18,22 @@ import io
 import json
 import os
 
+from lrmq.checkpoint.load import checkpoint_kind, load_model, resolve_checkpoint
 from lrmq.configlib import dump_config
+from lrmq.ptq.calibration import calibration_blocks
 from lrmq.ptq.config import QuantizeConfig
+from lrmq.ptq.exports import write_outputs
 from lrmq.ptq.methods import PTQ_METHODS, MethodInputs, needs_calibration
+from lrmq.ptq.quantlrm import (
+    QuantLRMOptions,
+    TensorSource,
+    check_pair,
+    compute_importance,
+    importance_artifacts,
+    resolve_pair,
+)
+from lrmq.quant.transforms import iter_linears
+from lrmq.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -33,16 +46,11 @@ class Prepared:
 
 
 def resolve_model_path(p: str) -> str:
-    from lrmq.rl.trainer import resolve_checkpoint
-
     return resolve_checkpoint(p)
 
 
 def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str):
     """int32 [n_blocks, block_size] from ``cfg.calibration`` (lrmq.ptq.calibration recipes)."""
-    from lrmq.ptq.calibration import calibration_blocks
-    from lrmq.tokenizer import Tokenizer
-
     c = cfg.calibration
     if not os.path.exists(c.path):
         raise FileNotFoundError(f"calibration file not found: {c.path}")
@@ -62,9 +70,6 @@ def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str):
 def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
     """The QuantLRM pair's checks and importance pass: (model path to quantize, importances,
     output files, report fields). The pair is read lazily and released before returning."""
-    from lrmq.ptq.quantlrm import (QuantLRMOptions, TensorSource, check_pair, compute_importance,
-                                   importance_artifacts, resolve_pair)
-
     q = cfg.quantlrm
     ft_dir, base_dir = resolve_pair(model_path, q.base, q.run_dir)
     ft, base = TensorSource(ft_dir), TensorSource(base_dir)
@@ -87,8 +92,6 @@ def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
 
 def prepare(cfg: QuantizeConfig) -> Prepared:
     """Every input of the run, read and checked (FileNotFoundError, QuantLRMError, CalibrationError, ...)."""
-    from lrmq.checkpoint.load import checkpoint_kind
-
     model_path = resolve_model_path(cfg.model) if cfg.model else None
     importances, files, report = None, {}, {}
     if cfg.method == "quantlrm":
@@ -101,9 +104,6 @@ def prepare(cfg: QuantizeConfig) -> Prepared:
 
 def load_float_model(path: str):
     """The model at ``path``; a checkpoint whose Linears are already packed is refused (ValueError)."""
-    from lrmq.checkpoint.load import load_model
-    from lrmq.quant.transforms import iter_linears
-
     model = load_model(path)
     packed = [p for p, lin in iter_linears(model, None) if hasattr(lin.kernel.get_value(), "codes")]
     if packed:
@@ -113,8 +113,6 @@ def load_float_model(path: str):
 
 def run_quantize(cfg: QuantizeConfig) -> dict:
     """Prepare, quantize, export (atomically into ``cfg.outputs.dir``). Returns the report dict."""
-    from lrmq.ptq.exports import write_outputs
-
     out_dir = cfg.outputs.dir
     if os.path.exists(out_dir) and not cfg.outputs.overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(out_dir)} already exists (outputs.overwrite=true)")

@@ -33,6 +33,14 @@ import numpy as np
 import optax
 from flax import nnx
 
+from lrmq.atomic import atomic_dir
+from lrmq.checkpoint.hf import save_hf_model
+from lrmq.checkpoint.load import checkpoint_kind, load_model
+from lrmq.checkpoint.orbax_io import read_lrmq_config
+from lrmq.data.synthetic import read_jsonl
+from lrmq.model.config import ModelConfig
+from lrmq.tokenizer import Tokenizer
+
 
 @dataclasses.dataclass(frozen=True)
 class PseudoFTOptions:
@@ -50,7 +58,6 @@ def load_traces(path: str, tokenizer, seq_len: int) -> tuple[np.ndarray, np.ndar
     """(tokens int32 [n, seq_len], loss mask float32 [n, seq_len]) with the mask on predicted tokens."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"traces file not found: {path}")
-    from lrmq.data.synthetic import read_jsonl
 
     rows = read_jsonl(path)
     if not rows:
@@ -116,10 +123,6 @@ def sft(model, tokens: np.ndarray, mask: np.ndarray, opts: PseudoFTOptions = Pse
 
 
 def _stored_param_dtype(path: str) -> str:
-    from lrmq.checkpoint.load import checkpoint_kind
-    from lrmq.checkpoint.orbax_io import read_lrmq_config
-    from lrmq.model.config import ModelConfig
-
     cfg = read_lrmq_config(path) if checkpoint_kind(path) == "lrmq" else ModelConfig.from_hf_file(path)
     return cfg.param_dtype
 
@@ -127,11 +130,6 @@ def _stored_param_dtype(path: str) -> str:
 def pseudo_finetune(checkpoint: str, traces: str, out_dir: str, opts: PseudoFTOptions = PseudoFTOptions(), *,
                     tokenizer: str | None = None, dtype: str | None = None, overwrite: bool = False) -> dict:
     """Write ``out_dir/before`` (the model as given) and ``out_dir/after`` (after SFT), atomically."""
-    from lrmq.checkpoint.atomic import atomic_dir
-    from lrmq.checkpoint.hf import save_hf_model
-    from lrmq.checkpoint.load import load_model
-    from lrmq.tokenizer import Tokenizer
-
     tok_dir = tokenizer or checkpoint
     tok = Tokenizer.from_dir(tok_dir)
     tokens, mask = load_traces(traces, tok, opts.seq_len)

@@ -30,12 +30,19 @@ from typing import Callable
 
 import numpy as np
 
+from lrmq.checkpoint.hf import flat_params, tensor_index
+from lrmq.checkpoint.hf_names import expand
+from lrmq.checkpoint.load import checkpoint_kind, load_model
+from lrmq.checkpoint.safetensors_mmap import MappedSafetensors
+from lrmq.model.config import ModelConfig
+from lrmq.model.decoder import Decoder
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.awq import AWQOptions, ScaleGroup, awq_quantize_model
 from lrmq.ptq.importance import ALL_PROJ, global_stats, importance_for_model
 from lrmq.ptq.importance_files import plot_importance, save_importance_npz
 from lrmq.ptq.layer_fn import LINEARS
 from lrmq.ptq.result import PTQResult
+from lrmq.quant.transforms import module_at
 
 ARCH_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "qk_norm", "norm_placement", "tie_word_embeddings")
@@ -94,12 +101,6 @@ class TensorSource:
     def __init__(self, path: str):
         from flax import nnx
 
-        from lrmq.checkpoint.hf import flat_params, tensor_index
-        from lrmq.checkpoint.hf_names import expand
-        from lrmq.checkpoint.load import checkpoint_kind
-        from lrmq.model.config import ModelConfig
-        from lrmq.model.decoder import Decoder
-
         self.path = path
         self.kind = checkpoint_kind(path)
         self._model = None
@@ -115,16 +116,12 @@ class TensorSource:
                         raise QuantLRMError(f"{path}: tensor {hf} is missing")
                     self.entries[ours[: -len(".kernel")]] = (hf, index[hf])
         else:
-            from lrmq.checkpoint.load import load_model
-
             self._model = load_model(path)
             self.cfg = self._model.cfg
             self.entries = {p: (p + ".kernel", None) for p in
                             (lw.linear_path(i, n) for i in range(self.cfg.num_layers) for n in LINEARS)}
 
     def _mapped(self, path: str):
-        from lrmq.checkpoint.safetensors_mmap import MappedSafetensors
-
         if path not in self._files:  # headers only; every tensor is mapped on its own when read
             self._files[path] = MappedSafetensors(path)
         return self._files[path]
@@ -136,8 +133,6 @@ class TensorSource:
             for p, (hf, f) in self.entries.items():
                 out[p] = (hf, self._mapped(f).shape(hf))  # the header `get` reads through, parsed once
         else:
-            from lrmq.quant.transforms import module_at
-
             for p, (name, _) in self.entries.items():
                 out[p] = (name, tuple(module_at(self._model, p).float_weight().shape))
         return out
@@ -147,7 +142,6 @@ class TensorSource:
         if self.kind == "hf":
             # zero-copy view into the file's mmap (the importance pass reads each weight once)
             return self._mapped(f)[hf].T
-        from lrmq.quant.transforms import module_at
 
         return np.asarray(module_at(self._model, path).float_weight())
 

@@ -22,7 +22,7 @@ import numpy as np
 from lrmq.ptq.result import PTQResult
 from lrmq.quant import packing
 from lrmq.quant.quantizers import compute_qparams, dequantize_codes, quantize_codes, resolve_group_size
-from lrmq.quant.qweight import QuantizedWeight
+from lrmq.quant.qweight import QuantizedWeight, dequantize, quantize_weight
 from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
 
 
@@ -63,8 +63,6 @@ def rtn_quantize_model(model, *, bits: int = 4, group_size: int = 128, symmetric
 
 def nf4_quantize_model(model, *, block_size: int = 64, targets: str = DEFAULT_TARGETS) -> PTQResult:
     """bitsandbytes NF4 with double quantization (``block_size`` values per absmax) of every targeted Linear."""
-    from lrmq.quant.qweight import dequantize, quantize_weight
-
     result = PTQResult(method="nf4", packed={}, bits=4, group_size=block_size, symmetric=True)
     for path, lin in iter_linears(model, targets):
         qw = quantize_weight(lin.float_weight(), fmt="nf4", bits=4, block_size=block_size, double_quant=True)

@@ -15,27 +15,30 @@ replicated (lrmq.sharding.RULES).
 The mask's key is `fold_in(fold_in(key(seed), crc32(path)), hash(x))` (see `lrmq.quant.qat.data_hash`):
 no RNG state needs threading through the jitted step; it changes with every batch and micro-batch and
 is reproducible on resume. `model.set_attributes`-style toggling works too: `set_lora_dropout(model, m)`.
+Adapter files (peft names): `lrmq.checkpoint.peft`.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.quant.qat import data_key, path_salt
-from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears, kernel_axes, require_linears
+from lrmq.quant.transforms import (
+    DEFAULT_TARGETS,
+    iter_linears,
+    kernel_axes,
+    require_linears,
+    restore_float_kernel,
+)
+from lrmq.sharding import logical_to_spec
 
 DROPOUT_MODES = ("train", "off", "always")
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _drop(x, rate: float, seed: int, salt: int):
@@ -127,8 +130,6 @@ def _param_dtype(model):
 
 
 def _place(module, mesh):
-    from lrmq.sharding import logical_to_spec
-
     for var in (module.a, module.b):
         spec = logical_to_spec(var.get_metadata()[LOGICAL_AXES_KEY], var.get_value().shape, mesh)
         var.set_value(jax.device_put(var.get_value(), jax.sharding.NamedSharding(mesh, spec)))
@@ -151,8 +152,6 @@ def merge_lora(model) -> list[str]:
 
     A packed base is dequantized first: the merged kernel is always a float `nnx.Param` (param dtype),
     keeping the kernel's logical axes and (when sharded) its sharding."""
-    from lrmq.quant.training import restore_float_kernel
-
     merged = []
     for path, lin in lora_linears(model):
         w = lin.float_weight().astype(jnp.float32) + lin.lora.delta()
@@ -160,90 +159,3 @@ def merge_lora(model) -> list[str]:
         lin.lora = None
         merged.append(path)
     return merged
-
-
-# ----------------------------------------------------------------------------- adapter files (peft-like)
-def hf_module_name(path: str) -> str:
-    """'layers.3.attn.q_proj' -> 'model.layers.3.self_attn.q_proj' (HF module name, no '.weight')."""
-    from lrmq.checkpoint.hf_names import NAME_MAP
-
-    kernel = path + ".kernel"
-    for hf, ours, _ in NAME_MAP:
-        if not ours.endswith(".kernel") or not hf.endswith(".weight"):
-            continue
-        if "{i}" in ours:
-            pre, post = ours.split("{i}")
-            if kernel.startswith(pre) and kernel.endswith(post):
-                i = kernel[len(pre):len(kernel) - len(post)]
-                if i.isdigit():
-                    return hf.format(i=i)[: -len(".weight")]
-        elif kernel == ours:
-            return hf[: -len(".weight")]
-    raise KeyError(f"no Hugging Face name for module {path!r}")
-
-
-def lora_state(model) -> dict[str, np.ndarray]:
-    """Adapters alone, HF-peft names and orientation: `base_model.model.<hf>.lora_A.weight` [r, in],
-    `...lora_B.weight` [out, r] (float32)."""
-    out = {}
-    for path, lin in lora_linears(model):
-        name = "base_model.model." + hf_module_name(path)
-        out[name + ".lora_A.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(lin.lora.a[...]), np.float32).T)
-        out[name + ".lora_B.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(lin.lora.b[...]), np.float32).T)
-    return out
-
-
-def adapter_config(model) -> dict:
-    lins = lora_linears(model)
-    if not lins:
-        raise ValueError("the model has no LoRA adapters")
-    first = lins[0][1].lora
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.rank, "lora_alpha": first.alpha,
-            "lora_dropout": first.rate, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-            "target_modules": sorted({p.rsplit(".", 1)[-1] for p, _ in lins}),
-            "base_model_name_or_path": None}
-
-
-def save_lora(model, out_dir: str, *, overwrite: bool = False) -> str:
-    """adapter_model.safetensors + adapter_config.json (atomic directory write)."""
-    from safetensors.numpy import save_file
-
-    from lrmq.checkpoint.atomic import atomic_dir
-
-    tensors, cfg = lora_state(model), adapter_config(model)
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(cfg, f, indent=2)
-    return out_dir
-
-
-def load_lora(model, adapter_dir: str) -> list[str]:
-    """Load adapters saved by `save_lora` into a model that already has adapters on the same modules
-    (e.g. after `prepare_for_training`); shapes and the module set must match. Keeps shardings."""
-    from safetensors.numpy import load_file
-
-    wpath = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
-    if not os.path.isfile(wpath):
-        raise FileNotFoundError(f"{wpath}: no adapter weights")
-    tensors = load_file(wpath)
-    lins = lora_linears(model)
-    want = set()
-    for path, lin in lins:
-        name = "base_model.model." + hf_module_name(path)
-        for key, var, tr in ((name + ".lora_A.weight", lin.lora.a, True), (name + ".lora_B.weight", lin.lora.b, True)):
-            want.add(key)
-            if key not in tensors:
-                raise KeyError(f"{wpath}: missing {key}")
-            arr = tensors[key].T if tr else tensors[key]
-            old = var.get_value()
-            if tuple(arr.shape) != tuple(old.shape):
-                raise ValueError(f"{wpath}: {key} has shape {tensors[key].shape}, the model needs "
-                                 f"{tuple(old.shape[::-1])}")
-            new = jnp.asarray(arr, old.dtype)
-            sh = getattr(old, "sharding", None)
-            var.set_value(jax.device_put(new, sh) if sh is not None else new)
-    extra = sorted(set(tensors) - want)
-    if extra:
-        raise ValueError(f"{wpath}: adapters for modules the model does not adapt: {extra[:5]}")
-    return [p for p, _ in lins]

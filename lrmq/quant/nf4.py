@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lrmq.quant.quantizers import exact_div
 from lrmq.quant.packing import pack_nibbles_high_first, unpack_nibbles_high_first
+from lrmq.quant.quantizers import QUANTIZERS, exact_div
+from lrmq.quant.qweight import QuantizedWeight
 
 # bnb get_4bit_type("nf4"), index 0..15 (float32 values).
 NF4_CODE = np.array(
@@ -209,8 +210,6 @@ def _nf4_quant_impl(w, block_size, double_quant):
 
 def nf4_quantize(w, block_size: int = 64, double_quant: bool = True):
     """Quantize lrmq [K, N] to a bitsandbytes NF4 `QuantizedWeight`."""
-    from lrmq.quant.qweight import QuantizedWeight  # local: qweight imports this module
-
     _check_weight(w, block_size)
     K, N = w.shape
     codes, scales, extra = _nf4_quant_impl(w, int(block_size), bool(double_quant))
@@ -261,3 +260,11 @@ def _nf4_dequant_impl(codes, absmax, bs, dtype):
 
 def nf4_fake_quant(w, block_size: int = 64, double_quant: bool = True):
     return nf4_dequantize(nf4_quantize(w, block_size, double_quant))
+
+
+@QUANTIZERS.register("nf4")
+def nf4(w, *, bits: int = 4, group_size: int = 64):
+    """bitsandbytes NF4 with double quantization; group_size is bnb's block size (flattened torch order)."""
+    if bits != 4:
+        raise ValueError(f"quantizer 'nf4' needs bits=4, got bits={bits}")
+    return nf4_fake_quant(w, block_size=group_size, double_quant=True)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from lrmq.model.linear import Linear, default_dot_general
 from lrmq.quant.quantizers import fake_quant_per_tensor, per_tensor_scale
-from lrmq.quant.transforms import DEFAULT_TARGETS, require_linears
+from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears, require_linears
 
 SCHEMES = ("paper_int8", "int8", "int4", "w8a8")
 
@@ -203,8 +203,6 @@ def apply_qat(model, scheme: str = "paper_int8", *, pattern: str = DEFAULT_TARGE
 
 def remove_qat(model) -> None:
     """Restore the plain dot_general on every Linear."""
-    from lrmq.quant.transforms import iter_linears
-
     for _, lin in iter_linears(model, None):
         lin.dot_general = default_dot_general
 

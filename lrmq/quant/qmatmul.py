@@ -30,7 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from lrmq.quant.qweight import QuantizedWeight, dequantize
+import pallas_kernels as pk
+from lrmq.quant.formats import PACKINGS, Packing, dequantize, packing_of
+from lrmq.quant.qweight import QuantizedWeight
+from lrmq.sharding import RULES, logical_to_spec
 
 
 def _dequant_dot(x, qw: QuantizedWeight):
@@ -39,32 +42,10 @@ def _dequant_dot(x, qw: QuantizedWeight):
 
 
 def qmatmul_path(qw: QuantizedWeight) -> str:
-    """Which path `qmatmul` takes for this weight: 'int4' | 'int8' | 'nf4' | 'dequant'."""
-    if qw.fmt == "nf4":
-        return "nf4" if qw.K % qw.block_size == 0 else "dequant"
-    if qw.fmt == "int" and qw.bits == 4:
-        return "int4"
-    if qw.fmt == "int" and qw.bits == 8:
-        return "int8"
-    return "dequant"
-
-
-# ------------------------------------------------------------------------------ kernel operands
-def _kernel_arrays(qw: QuantizedWeight, path: str) -> tuple:
-    """The arrays the kernel takes, NF4 absmax as [N, K/bs] so it can be split on N and K."""
-    if path == "nf4":
-        return qw.codes, qw.scales.reshape(qw.N, qw.K // qw.block_size)
-    return qw.codes, qw.scales, qw.zeros
-
-
-def _call_kernel(path: str, qw: QuantizedWeight, impl: str, x, *arrays):
-    import pallas_kernels as pk
-
-    if path == "int4":
-        return pk.int4_matmul(x, *arrays, impl=impl)  # group size implied by the (local) scales
-    if path == "int8":
-        return pk.int8_matmul(x, *arrays, impl=impl)
-    return pk.nf4_matmul(x, *arrays, qw.block_size, impl=impl)
+    """Which path `qmatmul` takes for this weight: a `PACKINGS` name ('int4' | 'int8' | 'nf4') or
+    'dequant'."""
+    p = packing_of(qw)
+    return p.name if p is not None else "dequant"
 
 
 # ------------------------------------------------------------------------------------ partitioning
@@ -96,8 +77,6 @@ def _entry(axes: tuple):
 def _batch_axes(mesh, lead: int | None) -> tuple:
     """Mesh axes the activation's leading dim is split over: the `batch` rule's axes, dropping
     trailing ones until the size divides (decode batches smaller than the mesh: replicated)."""
-    from lrmq.sharding import RULES
-
     axes = tuple(a for a in _axes(RULES.get("batch")) if a in mesh.shape and mesh.shape[a] > 1)
     if lead is None:
         return ()
@@ -106,12 +85,10 @@ def _batch_axes(mesh, lead: int | None) -> tuple:
     return axes
 
 
-def _weight_axes(qw: QuantizedWeight, path: str, axes, mesh) -> tuple[tuple, tuple]:
+def _weight_axes(qw: QuantizedWeight, packing: Packing, axes, mesh) -> tuple[tuple, tuple]:
     """(K mesh axes, N mesh axes) the kernel keeps the weight split over: the weight's logical
     sharding minus the batch (FSDP storage) axes, which are gathered; K only when every K-shaped
     array (codes, group scales) splits evenly, so each shard holds whole groups."""
-    from lrmq.sharding import RULES, logical_to_spec
-
     if axes is None or len(axes) != 2:
         return (), ()
     batch = set(_axes(RULES.get("batch")))
@@ -121,27 +98,22 @@ def _weight_axes(qw: QuantizedWeight, path: str, axes, mesh) -> tuple[tuple, tup
         n_ax = ()
     if k_ax:
         t = _size(mesh, k_ax)
-        unit = qw.block_size if path == "nf4" else (2 if path == "int4" else 1)
-        groups = qw.K // (qw.block_size if path == "nf4" else qw.group_size)
+        unit, groups = packing.k_split(qw)
         if qw.K % (t * unit) or (groups > 1 and groups % t):
             k_ax = ()
     return k_ax, n_ax
 
 
-def kernel_specs(x_shape: tuple, qw: QuantizedWeight, path: str, axes, mesh) -> KernelSpecs:
+def kernel_specs(x_shape: tuple, qw: QuantizedWeight, packing: Packing | str, axes,
+                 mesh) -> KernelSpecs:
     """Partition specs for running the kernel on `mesh` (see the module docstring)."""
-    k_ax, n_ax = _weight_axes(qw, path, axes, mesh)
+    packing = PACKINGS.get(packing) if isinstance(packing, str) else packing
+    k_ax, n_ax = _weight_axes(qw, packing, axes, mesh)
     batch = _batch_axes(mesh, x_shape[0] if len(x_shape) > 1 else None)
     mid = [None] * max(len(x_shape) - 2, 0)
     lead = [_entry(batch)] if len(x_shape) > 1 else []
     k, n = _entry(k_ax), _entry(n_ax)
-    if path == "nf4":  # codes [N, K/2], absmax [N, K/bs]
-        arrays = (P(n, k), P(n, k))
-    else:  # codes [K/2 or K, N]; scales / zeros [K/g, N] ([1, N] per channel: never split on K)
-        per_channel = qw.scales.shape[0] == 1
-        side = P(None if per_channel else k, n)
-        arrays = (P(k, n), side, side)
-    return KernelSpecs(P(*lead, *mid, k), arrays, P(*lead, *mid, n), k_ax)
+    return KernelSpecs(P(*lead, *mid, k), packing.specs(k, n, qw), P(*lead, *mid, n), k_ax)
 
 
 def _manual(mesh) -> bool:
@@ -150,19 +122,17 @@ def _manual(mesh) -> bool:
     return any(t == manual for t in (getattr(mesh, "axis_types", ()) or ()))
 
 
-def _sharded_call(path, qw, impl, x, arrays, axes, mesh, target):
-    import pallas_kernels as pk
-
-    specs = kernel_specs(x.shape, qw, path, axes, mesh)
+def _sharded_call(packing: Packing, qw, impl, x, operands, axes, mesh, target):
+    specs = kernel_specs(x.shape, qw, packing, axes, mesh)
 
     def body(x_local, *local):
         with pk.target(target.platform, target.device_kind):  # the manual sub-mesh says less
-            y = _call_kernel(path, qw, impl, x_local, *local)
+            y = packing.call(x_local, *local, qw=qw, impl=impl)
         return jax.lax.psum(y, specs.psum) if specs.psum else y
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs.x, *specs.arrays), out_specs=specs.out,
                        check_vma=False)
-    return fn(x, *arrays)
+    return fn(x, *operands)
 
 
 def qmatmul(x: jax.Array, qw: QuantizedWeight, *, impl: str = "auto", axes=None) -> jax.Array:
@@ -172,16 +142,14 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, impl: str = "auto", axes=None)
     target and a multi-device mesh in effect they decide how the kernel call is partitioned."""
     if x.shape[-1] != qw.K:
         raise ValueError(f"qmatmul: x has {x.shape[-1]} features, the weight expects K={qw.K} (shape {qw.shape})")
-    import pallas_kernels as pk
-
-    path = qmatmul_path(qw)
-    if path == "dequant":
+    packing = packing_of(qw)
+    if packing is None:
         return _dequant_dot(x, qw).astype(x.dtype)
-    arrays = _kernel_arrays(qw, path)
+    operands = packing.operands(qw)
     impl_r, _ = pk.resolve_impl(impl)
     mesh = pk.mesh_in_effect()
     if impl_r == "xla" or mesh is None or mesh.size == 1 or _manual(mesh):
-        y = _call_kernel(path, qw, impl, x, *arrays)
+        y = packing.call(x, *operands, qw=qw, impl=impl)
     else:
-        y = _sharded_call(path, qw, impl, x, arrays, axes, mesh, pk.current_target())
+        y = _sharded_call(packing, qw, impl, x, operands, axes, mesh, pk.current_target())
     return y.astype(x.dtype)

@@ -19,7 +19,7 @@ import numpy as np
 
 from lrmq.registry import Registry
 
-QUANTIZERS: Registry = Registry("quantizer")
+QUANTIZERS: Registry = Registry("quantizer")  # "nf4" is registered by lrmq.quant.nf4
 
 # llm-awq clamps (max - min) at 1e-5 (asymmetric) and absmax at 1e-5 (symmetric branch) so constant
 # groups get a finite scale.
@@ -196,13 +196,3 @@ def int8_per_channel(w, *, bits: int = 8, group_size: int = -1):
     if bits != 8:
         raise ValueError(f"quantizer 'int8' needs bits=8, got bits={bits}")
     return fake_quant(w, 8, group_size, symmetric=True)
-
-
-@QUANTIZERS.register("nf4")
-def nf4(w, *, bits: int = 4, group_size: int = 64):
-    """bitsandbytes NF4 with double quantization; group_size is bnb's block size (flattened torch order)."""
-    from lrmq.quant.nf4 import nf4_fake_quant  # local: nf4 imports this module
-
-    if bits != 4:
-        raise ValueError(f"quantizer 'nf4' needs bits=4, got bits={bits}")
-    return nf4_fake_quant(w, block_size=group_size, double_quant=True)

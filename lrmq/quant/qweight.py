@@ -1,5 +1,8 @@
 """`QuantizedWeight`: the packed weight pytree shared by model, kernels, checkpoints and export.
 
+How each format is made, read back and served: `lrmq.quant.formats`; the nnx variable that holds one
+in a model: `lrmq.quant.qkernel.QuantizedKernel`.
+
 Field layouts are fixed by docs/DESIGN.md ("Packed formats"). Arrays are pytree leaves (None when a
 format does not use them); format metadata is static (hashable, part of the treedef), so jit retraces
 per format and `jax.tree` maps over the arrays only.
@@ -13,20 +16,11 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
 
-from lrmq.quant import packing
-from lrmq.quant.quantizers import (
-    check_bits,
-    compute_qparams,
-    dequantize_codes,
-    quantize_codes,
-    resolve_group_size,
-)
 
 ARRAY_FIELDS = ("codes", "scales", "zeros", "absmax_codes", "absmax_scales", "absmax_offset")
 STATIC_FIELDS = ("fmt", "bits", "group_size", "shape", "dtype", "symmetric", "block_size", "double_quant")
-FORMATS = ("int", "nf4")
 
 
 @struct.dataclass
@@ -73,73 +67,6 @@ class QuantizedWeight:
 
     def static(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in STATIC_FIELDS}
-
-
-class QuantizedKernel(nnx.Variable):
-    """Non-trainable nnx variable holding one `QuantizedWeight` (read it with `.get_value()`).
-
-    A Variable may hold any pytree in flax 0.12: it survives nnx.split/merge, nnx.jit / jax.jit of the
-    split state, and orbax StandardSave/StandardRestore of `nnx.state(model)` (tests/test_qweight.py).
-    It is not an `nnx.Param`, so optimizers filtering on Param / LoRAParam never see it.
-    """
-
-
-def quantize_weight(
-    w,
-    *,
-    fmt: str = "int",
-    bits: int = 4,
-    group_size: int = 128,
-    symmetric: bool = False,
-    block_size: int = 64,
-    double_quant: bool = True,
-) -> QuantizedWeight:
-    """Quantize a float [K, N] weight. fmt="int": RTN (asym = llm-awq) packed along K; fmt="nf4": bnb."""
-    if fmt == "nf4":
-        from lrmq.quant.nf4 import nf4_quantize
-
-        if bits != 4:
-            raise ValueError(f"fmt='nf4' needs bits=4, got bits={bits}")
-        return nf4_quantize(w, block_size=block_size, double_quant=double_quant)
-    if fmt != "int":
-        raise ValueError(f"unknown fmt {fmt!r}; known: {list(FORMATS)}")
-    bits = check_bits(bits)
-    if w.ndim != 2:
-        raise ValueError(f"weight must be 2-D [K, N] (in, out), got shape {tuple(w.shape)}")
-    g = resolve_group_size(w.shape, group_size)
-    packing.packed_rows(w.shape[0], bits)  # fail early with a shape message
-    scales, zeros = compute_qparams(w, bits, g, symmetric)
-    codes = quantize_codes(w, scales, zeros, bits, g)
-    return QuantizedWeight(
-        codes=packing.pack(codes, bits),
-        scales=scales,
-        zeros=zeros,
-        fmt="int",
-        bits=bits,
-        group_size=g,
-        shape=(int(w.shape[0]), int(w.shape[1])),
-        dtype=jnp.dtype(w.dtype).name,
-        symmetric=bool(symmetric),
-        double_quant=False,
-    )
-
-
-def unpacked_codes(qw: QuantizedWeight):
-    """Int codes uint8 [K, N] (fmt="int")."""
-    if qw.fmt != "int":
-        raise ValueError(f"unpacked_codes needs fmt='int', got fmt={qw.fmt!r}")
-    return packing.unpack(qw.codes, qw.bits, qw.K)
-
-
-def dequantize(qw: QuantizedWeight):
-    """QuantizedWeight -> [K, N] array in qw.dtype."""
-    if qw.fmt == "nf4":
-        from lrmq.quant.nf4 import nf4_dequantize
-
-        return nf4_dequantize(qw)
-    if qw.fmt != "int":
-        raise ValueError(f"unknown fmt {qw.fmt!r}; known: {list(FORMATS)}")
-    return dequantize_codes(unpacked_codes(qw), qw.scales, qw.zeros, qw.group_size, qw.dtype)
 
 
 def _key(prefix: str, name: str) -> str:

@@ -1,17 +1,34 @@
-"""Walk a model's `Linear` modules by a regex over dotted module paths (`layers.3.attn.q_proj`).
+"""Walk a model's `Linear` modules and swap their kernels.
 
 All quantization transforms (`apply_qat`, `apply_lora`, `quantize_linears`, PTQ methods) select their
-targets with `iter_linears(model, pattern)`; the model code never changes.
+targets with `iter_linears(model, pattern)`, a regex over dotted module paths
+(`layers.3.attn.q_proj`); the model code never changes. A kernel is swapped for a packed
+`QuantizedKernel` (`set_packed_kernel`) or back to a float `nnx.Param` (`restore_float_kernel`),
+keeping its logical axes and the mesh it lives on.
+
+Sharding of packed weights (when a mesh is given or the float kernel was sharded): every array is
+placed by `qweight_shardings` from its format's `array_axes` (`lrmq.quant.formats`): int
+codes/scales/zeros `[rows, N]` get (in-axis, out-axis) of the kernel; NF4 codes `[N, K/2]` get
+(out-axis, in-axis); NF4 per-block absmax / absmax codes (flat, N-major) are split along the
+out-axis' mesh axes when the length divides; the tiny double-quant second-level scales and offset
+are replicated. Any axis the mesh does not divide stays replicated (`logical_to_spec`).
 """
 
 from __future__ import annotations
 
 import re
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.linear import Linear
 from lrmq.model.params import LOGICAL_AXES_KEY
+from lrmq.quant.formats import storage_format
+from lrmq.quant.qkernel import QuantizedKernel
+from lrmq.quant.qweight import ARRAY_FIELDS, QuantizedWeight
+from lrmq.sharding import logical_to_spec
 
 # QuantSection.targets' default: the seven projections of every layer; lm_head is never matched.
 DEFAULT_TARGETS = r".*\.(q|k|v|o|gate|up|down)_proj$"
@@ -53,3 +70,59 @@ def module_at(model: nnx.Module, path: str):
     for k in path.split("."):
         m = m[int(k)] if k.isdigit() else getattr(m, k)
     return m
+
+
+# ----------------------------------------------------------------------------- kernel swaps
+def is_packed(lin: Linear) -> bool:
+    return isinstance(lin.kernel, QuantizedKernel)
+
+
+def mesh_of(arr):
+    """The mesh of a NamedSharding-placed array (None otherwise)."""
+    sh = getattr(arr, "sharding", None)
+    return sh.mesh if isinstance(sh, NamedSharding) else None
+
+
+def qweight_shardings(qw: QuantizedWeight, axes, mesh) -> QuantizedWeight:
+    """A QuantizedWeight-shaped pytree of NamedShardings (see the module docstring)."""
+    named = dict(zip(("in", "out"), tuple(axes) if axes is not None else (None, None)))
+    array_axes = storage_format(qw.fmt).array_axes
+
+    def spec_for(name, a):
+        which = array_axes(name, a.ndim)
+        if which is None:
+            return P()
+        return logical_to_spec(tuple(named[w] for w in which), a.shape, mesh)
+
+    return qw.replace(**{k: (NamedSharding(mesh, spec_for(k, getattr(qw, k)))
+                             if getattr(qw, k) is not None else None) for k in ARRAY_FIELDS})
+
+
+def place_qweight(qw: QuantizedWeight, axes, mesh) -> QuantizedWeight:
+    sh = qweight_shardings(qw, axes, mesh)
+    return jax.tree.map(lambda a, s: jax.device_put(a, s), qw, sh)
+
+
+def set_packed_kernel(lin: Linear, qw: QuantizedWeight, mesh=None) -> None:
+    """Replace a Linear's kernel by a QuantizedKernel (float kernel dropped), keeping its logical axes."""
+    if tuple(qw.shape) != (lin.in_features, lin.out_features):
+        raise ValueError(f"packed weight shape {qw.shape} != Linear ({lin.in_features}, {lin.out_features})")
+    axes = kernel_axes(lin)
+    mesh = mesh if mesh is not None else mesh_of(lin.kernel.get_value() if not is_packed(lin) else None)
+    if mesh is not None:
+        qw = place_qweight(qw, axes, mesh)
+    lin.kernel = QuantizedKernel(qw, **{LOGICAL_AXES_KEY: axes})
+
+
+def restore_float_kernel(model, lin: Linear, w, dtype=None) -> None:
+    """Set a float [K, N] `nnx.Param` kernel (param dtype of the model unless `dtype`), keeping axes and
+    the mesh of the current kernel (sharded by its logical axes)."""
+    axes = kernel_axes(lin)
+    cfg = getattr(model, "cfg", None)
+    dt = jnp.dtype(dtype or (cfg.param_dtype if cfg is not None else jnp.float32))
+    w = jnp.asarray(w).astype(dt)
+    leaves = jax.tree.leaves(lin.kernel.get_value())
+    mesh = mesh_of(leaves[0]) if leaves else None
+    if mesh is not None:
+        w = jax.device_put(w, NamedSharding(mesh, logical_to_spec(axes, w.shape, mesh)))
+    lin.kernel = nnx.Param(w, **{LOGICAL_AXES_KEY: axes})

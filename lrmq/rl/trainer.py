@@ -8,7 +8,6 @@ cheap next to generation) and then places its own shards of the train batch.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from typing import Any
@@ -18,26 +17,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrmq import paths
+from lrmq import aot, paths
+from lrmq.checkpoint.hf import save_hf_model
+from lrmq.checkpoint.load import load_model, resolve_checkpoint
 from lrmq.configlib import ConfigError, save_config
-from lrmq.generation.engine import Generator, left_pad
+from lrmq.data.pipeline import PromptPipeline
+from lrmq.data.prompts import format_prompt, load_prompt_dataset
+from lrmq.data.synthetic import make_splits
+from lrmq.generation.engine import Generator, generation_chunk, left_pad
 from lrmq.generation.sampling import SamplingConfig
+from lrmq.quant.training import export_float_model, prepare_for_training, trainable_filter
 from lrmq.rl.advantages import compute_advantages
 from lrmq.rl.batch import build_batch, truncate_left
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.rewards import score_completions
 from lrmq.rl.run_state import RunCheckpointer, RunLogs
 from lrmq.rl.step import init_opt_state, make_optimizer, make_ref_logprobs, make_train_step
-from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, make_mesh
+from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, host_array, make_mesh
+from lrmq.tokenizer import Tokenizer
 
 log = logging.getLogger("lrmq.train")
-
-TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
-
-
-def resolve_checkpoint(path: str) -> str:
-    return TINY_MODEL_DIR if path == "tiny" else path
-
 
 # ----------------------------------------------------------------------------- data
 
@@ -45,12 +44,9 @@ def resolve_checkpoint(path: str) -> str:
 def load_datasets(cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
     d = cfg.data
     if not d.train_files:
-        from lrmq.data.synthetic import make_splits
-
         train, held = make_splits(d.synthetic_train_size, d.synthetic_eval_size, seed=d.synthetic_seed)
         strip = lambda rows: [{"problem": r["problem"], "answer": str(r["answer"])} for r in rows]
         return strip(train), strip(held)
-    from lrmq.data.prompts import load_prompt_dataset
 
     kw = dict(problem_field=d.problem_field, answer_field=d.answer_field, solution_field=d.solution_field)
     train = load_prompt_dataset(d.train_files, **kw)
@@ -64,18 +60,10 @@ def load_datasets(cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
 # ----------------------------------------------------------------------------- model
 
 
-def trainable_filter(cfg: TrainConfig):
-    return nnx.LoRAParam if cfg.quant.mode == "qlora" else nnx.Param
-
-
 def build_model(cfg: TrainConfig, mesh):
-    from lrmq.checkpoint.load import load_model
-
     model = load_model(resolve_checkpoint(cfg.model.checkpoint), mesh=mesh, dtype=cfg.model.dtype,
                        param_dtype=cfg.model.param_dtype)
     if cfg.quant.mode != "none":
-        from lrmq.quant.training import prepare_for_training
-
         model = prepare_for_training(model, cfg.quant, seed=cfg.run.seed, mesh=mesh)
     return model
 
@@ -90,7 +78,6 @@ class GRPOTrainer:
         paths.ensure_dir(self.run_dir)
         self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
         self._check_mesh()
-        from lrmq.tokenizer import Tokenizer
 
         ckpt = resolve_checkpoint(cfg.model.checkpoint)
         self.tokenizer = Tokenizer.from_dir(ckpt)
@@ -98,7 +85,7 @@ class GRPOTrainer:
         with jax.set_mesh(self.mesh):
             model = build_model(cfg, self.mesh)
         self.model_cfg = model.cfg
-        self.graphdef, self.trainable, self.rest = nnx.split(model, trainable_filter(cfg), ...)
+        self.graphdef, self.trainable, self.rest = nnx.split(model, trainable_filter(cfg.quant.mode), ...)
         self.tx, self.schedule = make_optimizer(cfg)
         with jax.set_mesh(self.mesh):
             self.opt_state = init_opt_state(self.tx, self.trainable, self.mesh)
@@ -112,7 +99,6 @@ class GRPOTrainer:
             self.ref_trainable = self._reference_params()
         self.generator = Generator(model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
                                    graphdef=self.graphdef)
-        from lrmq.data.pipeline import PromptPipeline
 
         self.pipeline = PromptPipeline(self.train_rows, batch_size=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
                                        process_index=0, process_count=1)
@@ -146,8 +132,6 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ rollout
     def _encode_prompts(self, problems: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
-        from lrmq.data.prompts import format_prompt
-
         ids, truncated = [], 0
         for p in problems:
             t = self.tokenizer.encode(format_prompt(self.cfg.data.template, p, self.tokenizer))
@@ -169,7 +153,7 @@ class GRPOTrainer:
                 out = self.generator.generate_padded(
                     self.states(), jax.device_put(tokens[sl], sh), jax.device_put(mask[sl], sh),
                     key if size >= n else jax.random.fold_in(key, i), max_new_tokens=max_new, sampling=sampling)
-            parts.append([to_host(x) for x in out])
+            parts.append([host_array(x) for x in out])
         return [np.concatenate(xs) for xs in zip(*parts)] if len(parts) > 1 else parts[0]
 
     def rollout(self, batch: dict[str, list], key) -> tuple[Any, dict[str, float]]:
@@ -260,7 +244,6 @@ class GRPOTrainer:
         on_accel = self.mesh.devices.flat[0].platform != "cpu"
         if r.preflight == "off" or (r.preflight == "auto" and not on_accel):
             return None
-        from lrmq import aot
 
         cfg = self.cfg
         batch = aot.abstract_batch(cfg, self.mesh)
@@ -310,12 +293,8 @@ class GRPOTrainer:
     def export_policy(self, out_dir: str):
         """HF export of the current policy. Every process must call it: sharded parameters are gathered
         tensor by tensor (collectives), and process 0 writes."""
-        from lrmq.checkpoint.hf import save_hf_model
-
         model = nnx.merge(self.graphdef, self.trainable, self.rest)
         if self.cfg.quant.mode != "none":
-            from lrmq.quant.training import export_float_model
-
             model = export_float_model(model)
         save_hf_model(model, out_dir, tokenizer_from=resolve_checkpoint(self.cfg.model.checkpoint), overwrite=True)
 
@@ -389,25 +368,6 @@ class GRPOTrainer:
                 signal.signal(s, h)
             self.writer.flush()
             self.logs.sync(force=True)
-
-
-def generation_chunk(generation_batch: int, n: int, divisor: int) -> int:
-    """Rows per generate call: generation_batch (0 = all n), a multiple of the data-parallel divisor that
-    divides n, so every chunk has the same shape (one compile)."""
-    if not generation_batch or generation_batch >= n:
-        return n
-    size = max(divisor, generation_batch // divisor * divisor)
-    while n % size:
-        size -= divisor
-    return max(size, divisor)
-
-
-def to_host(x) -> np.ndarray:
-    """Global array -> numpy on every process (gathers shards held by other hosts: a collective, so
-    every process must call it for the same array)."""
-    from lrmq.checkpoint.hf import host_array
-
-    return host_array(x)
 
 
 class NullWriter:

@@ -1,0 +1,103 @@
+"""LoRA adapter files with Hugging Face peft names: `adapter_model.safetensors` + `adapter_config.json`.
+
+`save_lora(model, dir)` writes the adapters of a model prepared by `lrmq.quant.training` (atomic
+directory write); `load_lora(model, dir)` loads them back into a model with adapters on the same
+modules. Tensor names are `base_model.model.<HF module>.lora_A.weight` [r, in] and `...lora_B.weight`
+[out, r], the HF module names coming from the one name table (`lrmq.checkpoint.hf_names`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from lrmq.atomic import atomic_dir
+from lrmq.checkpoint.hf_names import NAME_MAP
+from lrmq.quant.lora import lora_linears
+from lrmq.sharding import host_array
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def hf_module_name(path: str) -> str:
+    """'layers.3.attn.q_proj' -> 'model.layers.3.self_attn.q_proj' (HF module name, no '.weight')."""
+    kernel = path + ".kernel"
+    for hf, ours, _ in NAME_MAP:
+        if not ours.endswith(".kernel") or not hf.endswith(".weight"):
+            continue
+        if "{i}" in ours:
+            pre, post = ours.split("{i}")
+            if kernel.startswith(pre) and kernel.endswith(post):
+                i = kernel[len(pre):len(kernel) - len(post)]
+                if i.isdigit():
+                    return hf.format(i=i)[: -len(".weight")]
+        elif kernel == ours:
+            return hf[: -len(".weight")]
+    raise KeyError(f"no Hugging Face name for module {path!r}")
+
+
+def lora_state(model) -> dict[str, np.ndarray]:
+    """Adapters alone, HF-peft names and orientation: `base_model.model.<hf>.lora_A.weight` [r, in],
+    `...lora_B.weight` [out, r] (float32)."""
+    out = {}
+    for path, lin in lora_linears(model):
+        name = "base_model.model." + hf_module_name(path)
+        out[name + ".lora_A.weight"] = np.ascontiguousarray(host_array(lin.lora.a[...]).astype(np.float32).T)
+        out[name + ".lora_B.weight"] = np.ascontiguousarray(host_array(lin.lora.b[...]).astype(np.float32).T)
+    return out
+
+
+def adapter_config(model) -> dict:
+    lins = lora_linears(model)
+    if not lins:
+        raise ValueError("the model has no LoRA adapters")
+    first = lins[0][1].lora
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.rank, "lora_alpha": first.alpha,
+            "lora_dropout": first.rate, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "target_modules": sorted({p.rsplit(".", 1)[-1] for p, _ in lins}),
+            "base_model_name_or_path": None}
+
+
+def save_lora(model, out_dir: str, *, overwrite: bool = False) -> str:
+    """adapter_model.safetensors + adapter_config.json (atomic directory write)."""
+    tensors, cfg = lora_state(model), adapter_config(model)
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+            json.dump(cfg, f, indent=2)
+    return out_dir
+
+
+def load_lora(model, adapter_dir: str) -> list[str]:
+    """Load adapters saved by `save_lora` into a model that already has adapters on the same modules
+    (e.g. after `prepare_for_training`); shapes and the module set must match. Keeps shardings."""
+    wpath = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    if not os.path.isfile(wpath):
+        raise FileNotFoundError(f"{wpath}: no adapter weights")
+    tensors = load_file(wpath)
+    lins = lora_linears(model)
+    want = set()
+    for path, lin in lins:
+        name = "base_model.model." + hf_module_name(path)
+        for key, var, tr in ((name + ".lora_A.weight", lin.lora.a, True), (name + ".lora_B.weight", lin.lora.b, True)):
+            want.add(key)
+            if key not in tensors:
+                raise KeyError(f"{wpath}: missing {key}")
+            arr = tensors[key].T if tr else tensors[key]
+            old = var.get_value()
+            if tuple(arr.shape) != tuple(old.shape):
+                raise ValueError(f"{wpath}: {key} has shape {tensors[key].shape}, the model needs "
+                                 f"{tuple(old.shape[::-1])}")
+            new = jnp.asarray(arr, old.dtype)
+            sh = getattr(old, "sharding", None)
+            var.set_value(jax.device_put(new, sh) if sh is not None else new)
+    extra = sorted(set(tensors) - want)
+    if extra:
+        raise ValueError(f"{wpath}: adapters for modules the model does not adapt: {extra[:5]}")
+    return [p for p, _ in lins]

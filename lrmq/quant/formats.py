@@ -1,0 +1,173 @@
+"""Weight formats as one table: how each packed layout is made, read back, served and sharded.
+
+* `STORAGE`: the storage formats of `QuantizedWeight.fmt`, "int" (2..8 bits, groups and packing
+  along K) and "nf4" (bitsandbytes bytes): quantize, dequantize, and the logical axes of every
+  array (how it is sharded).
+* `PACKINGS`: the layouts a Pallas kernel serves, by name ("int4", "int8", "nf4"): the quantize
+  options that make one, which weights the kernel accepts, its operands, its call, and how the
+  operands split on a mesh. `qmatmul`, `pack_linears`, `lrmq.generate --pack` and the QLoRA bases
+  read this table. A new kernel format is one `Packing` here plus its kernel in `pallas_kernels`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels as pk
+from lrmq.quant import packing
+from lrmq.quant.nf4 import nf4_dequantize, nf4_quantize
+from lrmq.quant.quantizers import (
+    check_bits,
+    compute_qparams,
+    dequantize_codes,
+    quantize_codes,
+    resolve_group_size,
+)
+from lrmq.quant.qweight import QuantizedWeight
+from lrmq.registry import Registry
+
+
+# ------------------------------------------------------------------------------ storage formats
+@dataclasses.dataclass(frozen=True)
+class StorageFormat:
+    """One `QuantizedWeight.fmt`. `array_axes(name, ndim)`: for each dim of that array, "in" or
+    "out" (the weight axis it follows, so it is sharded like the kernel's logical axis), or None
+    for a replicated array."""
+
+    name: str
+    quantize: Callable[..., QuantizedWeight]
+    dequantize: Callable[[QuantizedWeight], jax.Array]
+    array_axes: Callable[[str, int], tuple | None]
+
+
+STORAGE: Registry = Registry("weight format")
+
+
+def _int_quantize(w, *, bits: int = 4, group_size: int = 128, symmetric: bool = False,
+                  **_ignored) -> QuantizedWeight:
+    """RTN (asymmetric = llm-awq) codes packed along K."""
+    bits = check_bits(bits)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [K, N] (in, out), got shape {tuple(w.shape)}")
+    g = resolve_group_size(w.shape, group_size)
+    packing.packed_rows(w.shape[0], bits)  # fail early with a shape message
+    scales, zeros = compute_qparams(w, bits, g, symmetric)
+    codes = quantize_codes(w, scales, zeros, bits, g)
+    return QuantizedWeight(codes=packing.pack(codes, bits), scales=scales, zeros=zeros, fmt="int",
+                           bits=bits, group_size=g, shape=(int(w.shape[0]), int(w.shape[1])),
+                           dtype=jnp.dtype(w.dtype).name, symmetric=bool(symmetric),
+                           double_quant=False)
+
+
+def unpacked_codes(qw: QuantizedWeight):
+    """Int codes uint8 [K, N] (fmt="int")."""
+    if qw.fmt != "int":
+        raise ValueError(f"unpacked_codes needs fmt='int', got fmt={qw.fmt!r}")
+    return packing.unpack(qw.codes, qw.bits, qw.K)
+
+
+def _int_dequantize(qw: QuantizedWeight):
+    return dequantize_codes(unpacked_codes(qw), qw.scales, qw.zeros, qw.group_size, qw.dtype)
+
+
+def _nf4_quantize(w, *, bits: int = 4, block_size: int = 64, double_quant: bool = True,
+                  **_ignored) -> QuantizedWeight:
+    if bits != 4:
+        raise ValueError(f"fmt='nf4' needs bits=4, got bits={bits}")
+    return nf4_quantize(w, block_size=block_size, double_quant=double_quant)
+
+
+STORAGE.register("int")(StorageFormat(
+    "int", _int_quantize, _int_dequantize,
+    # codes [K*bits/8, N], scales / zeros [K/g, N]: rows follow K, columns follow N
+    lambda name, ndim: ("in", "out") if ndim == 2 else None))
+STORAGE.register("nf4")(StorageFormat(
+    "nf4", _nf4_quantize, nf4_dequantize,
+    # codes [N, K/2] (torch orientation); per-block absmax and its codes flat, N-major; the
+    # double-quant second level is tiny and replicated
+    lambda name, ndim: (("out", "in") if name == "codes" else
+                        ("out",) if name in ("scales", "absmax_codes") and ndim == 1 else None)))
+
+
+def storage_format(fmt: str) -> StorageFormat:
+    if fmt not in STORAGE:
+        raise ValueError(f"unknown fmt {fmt!r}; known: {STORAGE.names()}")
+    return STORAGE.get(fmt)
+
+
+def quantize_weight(w, *, fmt: str = "int", bits: int = 4, group_size: int = 128,
+                    symmetric: bool = False, block_size: int = 64,
+                    double_quant: bool = True) -> QuantizedWeight:
+    """Quantize a float [K, N] weight. fmt="int": RTN (asym = llm-awq) packed along K;
+    fmt="nf4": bitsandbytes NF4 (`block_size`, `double_quant`)."""
+    return storage_format(fmt).quantize(w, bits=bits, group_size=group_size, symmetric=symmetric,
+                                     block_size=block_size, double_quant=double_quant)
+
+
+def dequantize(qw: QuantizedWeight):
+    """QuantizedWeight -> [K, N] array in qw.dtype."""
+    return storage_format(qw.fmt).dequantize(qw)
+
+
+# ------------------------------------------------------------------------------ kernel layouts
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """A layout served by a Pallas kernel.
+
+    options: `quantize_weight` keyword arguments that produce it.
+    serves(qw): whether the kernel takes this weight (else `qmatmul` dequantizes in XLA).
+    operands(qw): the arrays the kernel takes after x; call(x, *operands, qw=, impl=) runs it.
+    specs(k, n, qw): PartitionSpecs of the operands, given the mesh axes K and N are split over.
+    k_split(qw): (K unit, groups): K may be split t ways only if K % (t * unit) == 0 and the
+      groups (if more than one) divide by t, so every shard holds whole groups."""
+
+    name: str
+    options: dict
+    serves: Callable[[QuantizedWeight], bool]
+    operands: Callable[[QuantizedWeight], tuple]
+    call: Callable[..., jax.Array]
+    specs: Callable[[Any, Any, QuantizedWeight], tuple]
+    k_split: Callable[[QuantizedWeight], tuple[int, int]]
+
+
+PACKINGS: Registry = Registry("packing")
+
+
+def _affine_specs(k, n, qw):  # codes [K/2 or K, N]; scales / zeros [K/g, N] ([1, N]: never on K)
+    side = P(None if qw.scales.shape[0] == 1 else k, n)
+    return P(k, n), side, side
+
+
+PACKINGS.register("int4")(Packing(
+    "int4", dict(fmt="int", bits=4, group_size=128, symmetric=False),
+    serves=lambda qw: qw.fmt == "int" and qw.bits == 4,
+    operands=lambda qw: (qw.codes, qw.scales, qw.zeros),
+    call=lambda x, *ops, qw, impl: pk.int4_matmul(x, *ops, impl=impl),  # g from the local scales
+    specs=_affine_specs,
+    k_split=lambda qw: (2, qw.K // qw.group_size)))
+PACKINGS.register("int8")(Packing(
+    "int8", dict(fmt="int", bits=8, group_size=-1, symmetric=False),
+    serves=lambda qw: qw.fmt == "int" and qw.bits == 8,
+    operands=lambda qw: (qw.codes, qw.scales, qw.zeros),
+    call=lambda x, *ops, qw, impl: pk.int8_matmul(x, *ops, impl=impl),
+    specs=_affine_specs,
+    k_split=lambda qw: (1, qw.K // qw.group_size)))
+PACKINGS.register("nf4")(Packing(
+    "nf4", dict(fmt="nf4", bits=4, block_size=64, double_quant=True),
+    # blocks are flat in torch order: the kernel needs every row to hold whole blocks
+    serves=lambda qw: qw.fmt == "nf4" and qw.K % qw.block_size == 0,
+    # absmax (already dequantized from double quant) as [N, K/bs], so it splits on N and K
+    operands=lambda qw: (qw.codes, qw.scales.reshape(qw.N, qw.K // qw.block_size)),
+    call=lambda x, *ops, qw, impl: pk.nf4_matmul(x, *ops, qw.block_size, impl=impl),
+    specs=lambda k, n, qw: (P(n, k), P(n, k)),  # codes [N, K/2], absmax [N, K/bs]
+    k_split=lambda qw: (qw.block_size, qw.K // qw.block_size)))
+
+
+def packing_of(qw: QuantizedWeight) -> Packing | None:
+    """The kernel layout serving `qw`, or None (dequantize in XLA, then dot)."""
+    return next((p for p in map(PACKINGS.get, PACKINGS.names()) if p.serves(qw)), None)

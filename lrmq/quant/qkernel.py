@@ -1,0 +1,33 @@
+"""`QuantizedKernel`: the nnx variable holding a Linear's packed weight; it brings its own matmul.
+
+`lrmq.model.linear.Linear` calls `kernel.packed_matmul(x)` when its kernel variable has one (the
+weight representation chooses the matmul, as `dot_general` does for float kernels), so the model
+imports nothing from `lrmq.quant`.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from lrmq.model.params import LOGICAL_AXES_KEY
+from lrmq.quant.formats import dequantize
+from lrmq.quant.qmatmul import qmatmul
+
+
+class QuantizedKernel(nnx.Variable):
+    """Non-trainable nnx variable holding one `QuantizedWeight` (read it with `.get_value()`).
+
+    A Variable may hold any pytree in flax 0.12: it survives nnx.split/merge, nnx.jit / jax.jit of the
+    split state, and orbax StandardSave/StandardRestore of `nnx.state(model)` (tests/test_qweight.py).
+    It is not an `nnx.Param`, so optimizers filtering on Param / LoRAParam never see it.
+    """
+
+    def packed_matmul(self, x: jax.Array) -> jax.Array:
+        """x @ W through the Pallas kernels (or XLA dequant); the logical axes decide how the kernel
+        call is partitioned on a multi-device mesh."""
+        return qmatmul(x, self.get_value(), axes=self.get_metadata().get(LOGICAL_AXES_KEY))
+
+    def dequantized(self) -> jax.Array:
+        """The [K, N] float weight."""
+        return dequantize(self.get_value())
