@@ -9,13 +9,12 @@ from lrmq.rl.rewards import (
     DEFAULT_MAX_CHARS,
     MAX_VERIFY_CHARS,
     REWARDS,
-    VerifyPool,
     extract_last_boxed,
-    get_verify_pool,
     is_equiv,
     normalize_answer,
     score_completions,
 )
+from lrmq.rl.verify_pool import VerifyPool, get_verify_pool
 
 
 def test_registered_rewards():

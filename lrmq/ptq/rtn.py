@@ -22,7 +22,8 @@ import numpy as np
 from lrmq.ptq.result import PTQResult
 from lrmq.quant import packing
 from lrmq.quant.quantizers import compute_qparams, dequantize_codes, quantize_codes, resolve_group_size
-from lrmq.quant.qweight import QuantizedWeight, dequantize, quantize_weight
+from lrmq.quant.formats import dequantize, quantize_weight
+from lrmq.quant.qweight import QuantizedWeight
 from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
 
 
