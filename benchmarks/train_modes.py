@@ -5,50 +5,67 @@ One "step" is a jitted forward+backward+AdamW update on a random token batch (th
 without rollouts). Memory is the bytes of the parameter tree (float master weights / packed base +
 adapters) and of the optax state over the trainable parameters.
 
-    python benchmarks/train_modes.py --quick     # tiny config only
-    python benchmarks/train_modes.py             # tiny and a ~100M Qwen3-style config
+Timing: every mode of a config is built and compiled first (one warm-up step each, reported as
+`compile_s`); then `--repeats` rounds, each round timing one sample of every mode in turn (round-robin,
+the starting mode rotating from round to round), a sample being `--iters` consecutive steps. Each round
+gives a paired ratio mode / bf16; the median ratio and its min-max and interquartile range over the
+rounds are reported, so load from other processes shows up as spread instead of as a biased ratio.
+
+    python benchmarks/train_modes.py --quick                          # tiny config only
+    python benchmarks/train_modes.py --out docs/figures/train_modes.json   # tiny and the 38m config
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from lrmq.model.config import ModelConfig  # noqa: E402
-from lrmq.model.decoder import Decoder  # noqa: E402
-from lrmq.quant.training import param_bytes, prepare_for_training, tree_bytes  # noqa: E402
-from lrmq.rl.config import QuantSection  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info, machine_str, md_table, set_threads, source_commit, write_json  # noqa: E402
 
 BASE = dict(model_type="qwen3", rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=1024,
             tie_word_embeddings=True)
 CONFIGS = {
     "tiny": dict(BASE, vocab_size=320, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # The per-layer shapes of the ~100M generation benchmark config, 4 layers, vocab 16384: 37.8M parameters.
+    "38m": dict(BASE, vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                num_attention_heads=12, num_key_value_heads=4, head_dim=64),
+    # The earlier "~88M" config (10 layers, vocab 32768): too slow for a repeated run on 2 loaded cores.
     "100m": dict(BASE, vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
                  num_attention_heads=12, num_key_value_heads=4, head_dim=64),
 }
-MODES = {
-    "bf16": QuantSection(mode="none"),
-    "qat-int8": QuantSection(mode="qat", qat_scheme="int8"),
-    "qat-int4": QuantSection(mode="qat", qat_scheme="int4", qat_group_size=64),
-    "qlora-nf4": QuantSection(mode="qlora", base_format="nf4"),
-}
+MODE_NAMES = ("bf16", "qat-int8", "qat-int4", "qlora-nf4")
 
 
-def bench(cfg_name: str, mode: str, *, batch: int, seq: int, iters: int) -> dict:
+def modes():
+    from lrmq.rl.config import QuantSection
+
+    return {
+        "bf16": QuantSection(mode="none"),
+        "qat-int8": QuantSection(mode="qat", qat_scheme="int8"),
+        "qat-int4": QuantSection(mode="qat", qat_scheme="int4", qat_group_size=64),
+        "qlora-nf4": QuantSection(mode="qlora", base_format="nf4"),
+    }
+
+
+def build(cfg_name: str, mode: str, *, batch: int, seq: int) -> dict:
+    """Model + optimizer for one mode; returns the state and a `run(n)` closure doing n steps in place."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from lrmq.model.config import ModelConfig
+    from lrmq.model.decoder import Decoder
+    from lrmq.quant.training import param_bytes, prepare_for_training, tree_bytes
+
     cfg = ModelConfig.from_hf_dict(dict(CONFIGS[cfg_name]), dtype="bfloat16", param_dtype="bfloat16")
     model = Decoder(cfg, nnx.Rngs(0))
-    q = MODES[mode]
+    q = modes()[mode]
     model = prepare_for_training(model, q, seed=0)
     filt = nnx.LoRAParam if q.mode == "qlora" else nnx.Param
     gdef, trainable, rest = nnx.split(model, filt, ...)
@@ -67,45 +84,101 @@ def bench(cfg_name: str, mode: str, *, batch: int, seq: int, iters: int) -> dict
         upd, opt = tx.update(g, opt, tr)
         return optax.apply_updates(tr, upd), opt, loss
 
-    t0 = time.perf_counter()
-    trainable, opt, loss = step(trainable, opt, rest, tokens)
-    jax.block_until_ready(loss)
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        trainable, opt, loss = step(trainable, opt, rest, tokens)
-    jax.block_until_ready(loss)
-    pb = param_bytes(nnx.merge(gdef, trainable, rest))
-    return {"config": cfg_name, "mode": mode, "step_s": (time.perf_counter() - t0) / iters, "compile_s": compile_s,
-            "param_bytes": pb["total"], "adapter_bytes": pb["adapters"], "opt_bytes": tree_bytes(opt),
-            "loss": float(loss)}
+    st = {"tr": trainable, "opt": opt, "loss": None}
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            st["tr"], st["opt"], st["loss"] = step(st["tr"], st["opt"], rest, tokens)
+        jax.block_until_ready(st["loss"])
+        return time.perf_counter() - t0
+
+    compile_s = run(1)
+    pb = param_bytes(nnx.merge(gdef, st["tr"], rest))
+    n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return {"run": run, "st": st, "compile_s": compile_s, "param_bytes": pb["total"],
+            "adapter_bytes": pb["adapters"], "opt_bytes": tree_bytes(st["opt"]), "params": n_params}
+
+
+def spread(xs):
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q1": q[0], "q3": q[2]}
+
+
+def bench_config(name: str, *, batch: int, seq: int, repeats: int, iters: int) -> dict:
+    built = {}
+    for m in MODE_NAMES:
+        built[m] = build(name, m, batch=batch, seq=seq)
+        print(f"{name}: built {m} (compile + first step {built[m]['compile_s']:.1f} s)", flush=True)
+    for m in MODE_NAMES:  # one untimed warm-up sample each after compilation
+        built[m]["run"](iters)
+    samples = {m: [] for m in MODE_NAMES}
+    order = []
+    for r in range(repeats):
+        rot = MODE_NAMES[r % len(MODE_NAMES):] + MODE_NAMES[:r % len(MODE_NAMES)]
+        order.append(list(rot))
+        for m in rot:
+            samples[m].append(built[m]["run"](iters) / iters)
+        print(f"{name}: round {r + 1}/{repeats} " + " ".join(f"{m} {samples[m][-1] * 1e3:.1f} ms"
+                                                               for m in MODE_NAMES), flush=True)
+    base = built["bf16"]
+    rows = []
+    for m in MODE_NAMES:
+        b = built[m]
+        ratios = [t / t0 for t, t0 in zip(samples[m], samples["bf16"])]
+        rows.append({
+            "mode": m, "step_s": spread(samples[m]), "step_s_samples": samples[m],
+            "step_ratio": spread(ratios), "step_ratio_samples": ratios,
+            "compile_s": b["compile_s"], "param_bytes": b["param_bytes"], "adapter_bytes": b["adapter_bytes"],
+            "opt_bytes": b["opt_bytes"], "param_ratio": b["param_bytes"] / base["param_bytes"],
+            "opt_ratio": b["opt_bytes"] / base["opt_bytes"], "final_loss": float(b["st"]["loss"]),
+        })
+    return {"config": name, "model": CONFIGS[name], "params": base["params"], "batch": batch, "seq": seq,
+            "repeats": repeats, "iters_per_sample": iters, "round_order": order, "rows": rows}
+
+
+def table(res: dict) -> str:
+    rows = []
+    for r in res["rows"]:
+        s, q = r["step_ratio"], r["step_s"]
+        rows.append([r["mode"], f"{q['median'] * 1e3:.1f}", f"**{s['median']:.2f}**", f"{s['min']:.2f}-{s['max']:.2f}",
+                     f"{s['q1']:.2f}-{s['q3']:.2f}", f"{r['param_bytes'] / 2**20:.2f}", f"{r['param_ratio']:.2f}",
+                     f"{r['opt_bytes'] / 2**20:.2f}", f"{r['opt_ratio']:.3f}"])
+    return md_table(["mode", "step ms (median)", "step ratio (median)", "min-max", "IQR", "params MiB",
+                     "params ratio", "opt state MiB", "opt ratio"], rows)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny config only, fewer iterations")
+    ap.add_argument("--quick", action="store_true", help="tiny config only, 3 rounds")
+    ap.add_argument("--configs", default="tiny,38m", help=f"comma-separated, from {sorted(CONFIGS)}")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--repeats", type=int, default=15, help="timed rounds (each times every mode once)")
+    ap.add_argument("--iters", default="tiny=10,38m=1,100m=1", help="steps per timed sample, per config")
+    ap.add_argument("--threads", type=int, default=0, help="XLA CPU threads (0 = all cores)")
+    ap.add_argument("--out", "--json", dest="out", default=None, help="write the results as JSON")
     a = ap.parse_args(argv)
-    names = ["tiny"] if a.quick else ["tiny", "100m"]
-    rows = []
+    threads = set_threads(a.threads)
+    names = ["tiny"] if a.quick else a.configs.split(",")
+    repeats = 3 if a.quick else a.repeats
+    iters = dict(kv.split("=") for kv in a.iters.split(","))
+    info = machine_info(threads)
+    info["lrmq_commit"] = source_commit()
+    t0 = time.perf_counter()
+    results = []
     for name in names:
-        iters = 3 if a.quick or name != "tiny" else 10
-        base = None
-        for mode in MODES:
-            r = bench(name, mode, batch=a.batch, seq=a.seq, iters=iters)
-            base = base or r
-            r.update(step_ratio=r["step_s"] / base["step_s"], param_ratio=r["param_bytes"] / base["param_bytes"],
-                     opt_ratio=r["opt_bytes"] / base["opt_bytes"])
-            rows.append(r)
-            print(f"{name:5s} {mode:10s} step {r['step_s'] * 1e3:8.1f} ms ({r['step_ratio']:.2f}x)  params "
-                  f"{r['param_bytes'] / 2**20:8.2f} MiB ({r['param_ratio']:.2f}x)  opt {r['opt_bytes'] / 2**20:8.2f} MiB "
-                  f"({r['opt_ratio']:.3f}x)  compile {r['compile_s']:.1f} s", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return rows
+        res = bench_config(name, batch=a.batch, seq=a.seq, repeats=repeats, iters=int(iters.get(name, 1)))
+        results.append(res)
+        print(f"\n{name} ({res['params'] / 1e6:.1f}M params, batch {a.batch} x {a.seq}, {repeats} rounds x "
+              f"{res['iters_per_sample']} steps):\n{table(res)}\n", flush=True)
+    info["loadavg_at_end"] = os.getloadavg()
+    info["wall_s"] = time.perf_counter() - t0
+    print(machine_str(info))
+    write_json(a.out, {"benchmark": "train_modes", "argv": sys.argv[1:] if argv is None else argv,
+                       "machine": info, "results": results})
+    return results
 
 
 if __name__ == "__main__":
