@@ -1,7 +1,9 @@
 """Typed configs: nested dataclasses built from YAML plus dotted command-line overrides.
 
-The loader is schema-agnostic; each subsystem defines its own dataclasses. Everything is type-checked
-and every error is collected before a single dataclass is constructed, so a typo never half-builds a run.
+The loader is schema-agnostic; each subsystem defines its own dataclasses, every field declared with
+`opt` (a description, and for a name looked up in a registry the registry: `lrmq.config_help`).
+Everything is type-checked, registered names included, and every error is collected before a single
+dataclass is constructed, so a typo never half-builds a run.
 """
 
 from __future__ import annotations
@@ -9,15 +11,18 @@ from __future__ import annotations
 import argparse
 import collections.abc
 import dataclasses
-import difflib
 import os
 import pathlib
 import re
-import types
 import typing
-from typing import Any, Literal, Sequence, TypeVar, Union
+from typing import Any, Literal, Sequence, TypeVar
 
 import yaml
+
+from lrmq.atomic import atomic_write_text
+# add_config_args and opt are part of this module's API
+from lrmq.config_help import add_config_args, commented_yaml, dump_yaml, is_dataclass_type, is_union  # noqa: F401
+from lrmq.config_help import name_problem, opt, strip_optional, suggest, to_plain, type_name  # noqa: F401
 
 T = TypeVar("T")
 
@@ -25,7 +30,18 @@ _MISSING = object()
 
 
 class ConfigError(ValueError):
-    """A config file, dict or override does not match its dataclass schema."""
+    """A config (YAML file, dict, override, or a model's config.json) that lrmq cannot honour; the
+    message names the key. The one config error class of lrmq."""
+
+
+def check_data_parallel_batch(seqs: int, micro_batch: int, divisor: int, mesh: str) -> None:
+    """The one mesh check of a training batch: the sequences of a step and of each micro-batch
+    (`micro_batch` 0 = the whole step) must split evenly over the `divisor` data-parallel devices
+    (data x fsdp) of `mesh` (how the message names the mesh)."""
+    mb = micro_batch or seqs
+    if seqs % divisor or mb % divisor:
+        raise ConfigError(f"{seqs} sequences per step (micro-batch {mb}) do not divide over the "
+                          f"{divisor} data-parallel devices of {mesh}")
 
 
 # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a *string*; learning rates are written exactly
@@ -72,37 +88,8 @@ def _init_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init]
 
 
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType)
-
-
-def _strip_optional(tp: Any) -> Any:
-    if _is_union(tp):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, type) and not typing.get_args(tp):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
 def _value_desc(v: Any) -> str:
     return f"{type(v).__name__} {v!r}" if not isinstance(v, (dict, list)) else type(v).__name__
-
-
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
-    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
-    if close:
-        return f" (did you mean {prefix + close[0]!r}?)"
-    return f" (known keys: {sorted(options)})"
 
 
 # ----------------------------------------------------------------------------- building
@@ -123,7 +110,7 @@ class _Builder:
         while p:
             if p in self.override_src:
                 return f"override {self.override_src[p]!r}"
-            p = p.rpartition(".")[0]
+            p = p[:p.rindex("[")] if p.endswith("]") else p.rpartition(".")[0]
         return self.source
 
     def err(self, path: str, msg: str) -> object:
@@ -135,7 +122,7 @@ class _Builder:
             return v
         origin = typing.get_origin(tp)
         args = typing.get_args(tp)
-        if _is_union(tp):
+        if is_union(tp):
             if v is None and type(None) in args:
                 return None
             members = [a for a in args if a is not type(None)]
@@ -146,15 +133,15 @@ class _Builder:
                 out = sub.build(m, v, path)
                 if not sub.errors:
                     return out
-            return self.err(path, f"expected {_type_name(tp)}, found {_value_desc(v)}")
+            return self.err(path, f"expected {type_name(tp)}, found {_value_desc(v)}")
         if origin is Literal:
             if any(v == a and type(v) is type(a) for a in args):
                 return v
             return self.err(path, f"expected one of {list(args)}, found {v!r}")
-        if _is_dataclass_type(tp):
+        if is_dataclass_type(tp):
             return self.build_dataclass(tp, v, path)
         if v is None:
-            return self.err(path, f"expected {_type_name(tp)}, found null")
+            return self.err(path, f"expected {type_name(tp)}, found null")
         if tp is bool:
             return v if isinstance(v, bool) else self.err(path, f"expected bool, found {_value_desc(v)}")
         if tp is int:
@@ -184,14 +171,14 @@ class _Builder:
             return out
         if isinstance(tp, type) and isinstance(v, tp):
             return v
-        return self.err(path, f"unsupported field type {_type_name(tp)} (value {_value_desc(v)})")
+        return self.err(path, f"unsupported field type {type_name(tp)} (value {_value_desc(v)})")
 
     def build_sequence(self, tp: Any, origin: Any, args: tuple, v: Any, path: str) -> Any:
         if not isinstance(v, (list, tuple)):
-            return self.err(path, f"expected a list for {_type_name(tp)}, found {_value_desc(v)}")
+            return self.err(path, f"expected a list for {type_name(tp)}, found {_value_desc(v)}")
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(v) != len(args):
-                return self.err(path, f"expected {len(args)} items for {_type_name(tp)}, found {len(v)}")
+                return self.err(path, f"expected {len(args)} items for {type_name(tp)}, found {len(v)}")
             items = [self.build(a, x, f"{path}[{i}]") for i, (a, x) in enumerate(zip(args, v))]
         else:
             et = args[0] if args else Any
@@ -210,18 +197,18 @@ class _Builder:
         for k in v:
             if k not in names:
                 full = f"{path}.{k}" if path else str(k)
-                self.err(full, f"unknown key {full!r} for {cls.__name__}{_suggest(str(k), names, path + '.' if path else '')}")
+                self.err(full, f"unknown key {full!r} for {cls.__name__}{suggest(str(k), names, path + '.' if path else '')}")
                 ok = False
         kwargs = {}
         for f in fields:
             full = f"{path}.{f.name}" if path else f.name
             if f.name not in v:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    self.err(full, f"missing required field {full!r} ({_type_name(hints[f.name])})")
+                    self.err(full, f"missing required field {full!r} ({type_name(hints[f.name])})")
                     ok = False
                 continue
             out = self.build(hints[f.name], v[f.name], full)
-            if out is _MISSING or self._has_missing(out):
+            if out is _MISSING or self._has_missing(out) or not self.check_names(f, out, full):
                 ok = False
             else:
                 kwargs[f.name] = out
@@ -233,6 +220,17 @@ class _Builder:
             return cls(**kwargs)
         except Exception as e:  # __post_init__ checks
             return self.err(path, f"{cls.__name__}: {e}")
+
+    def check_names(self, f: dataclasses.Field, value: Any, path: str) -> bool:
+        """A registry-backed field (`opt(names=...)`) holds registered names (each element of a list)."""
+        items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+        good = True
+        for i, x in items:
+            problem = name_problem(f, x)
+            if problem:
+                self.err(path if i is None else f"{path}[{i}]", problem)
+                good = False
+        return good
 
     @staticmethod
     def _has_missing(x: Any) -> bool:
@@ -267,7 +265,7 @@ def _run_validate(obj: Any, path: str, source: str) -> None:
 
 
 def _build_root(cls: type[T], data: Any, source: str, override_src: dict[str, str]) -> T:
-    if not _is_dataclass_type(cls):
+    if not is_dataclass_type(cls):
         raise TypeError(f"config class must be a dataclass, got {cls!r}")
     if data is None:
         data = {}
@@ -299,13 +297,13 @@ def _field_type_at(cls: type, keys: list[str], text: str) -> Any:
     tp: Any = cls
     for i, k in enumerate(keys):
         dotted = ".".join(keys[: i + 1])
-        inner = _strip_optional(tp)
-        if _is_dataclass_type(inner):
+        inner = strip_optional(tp)
+        if is_dataclass_type(inner):
             hints = _hints(inner)
             names = [f.name for f in _init_fields(inner)]
             if k not in names:
                 prefix = ".".join(keys[:i]) + "." if i else ""
-                raise ConfigError(f"override {text!r}: unknown key {dotted!r} for {inner.__name__}{_suggest(k, names, prefix)}")
+                raise ConfigError(f"override {text!r}: unknown key {dotted!r} for {inner.__name__}{suggest(k, names, prefix)}")
             tp = hints[k]
         elif inner is dict or typing.get_origin(inner) is dict:
             args = typing.get_args(inner)
@@ -313,12 +311,12 @@ def _field_type_at(cls: type, keys: list[str], text: str) -> Any:
         elif inner is Any:
             tp = Any
         else:
-            raise ConfigError(f"override {text!r}: {'.'.join(keys[:i])!r} is a {_type_name(inner)}, it has no key {k!r}")
+            raise ConfigError(f"override {text!r}: {'.'.join(keys[:i])!r} is a {type_name(inner)}, it has no key {k!r}")
     return tp
 
 
 def _accepts_str_only(tp: Any) -> bool:
-    tp = _strip_optional(tp)
+    tp = strip_optional(tp)
     if tp is str or tp is pathlib.Path:
         return True
     return typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp))
@@ -388,36 +386,15 @@ def load_config(cls: type[T], yaml_path: str | os.PathLike | None = None, overri
     return _build_root(cls, data, source, src)
 
 
-def to_plain(obj: Any) -> Any:
-    """Dataclasses -> dicts, tuples -> lists, paths -> str: plain YAML/JSON data."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [to_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, pathlib.PurePath):
-        return str(obj)
-    return obj
-
-
-def dump_config(cfg: Any) -> str:
-    """YAML text that `load_config` reads back to an equal config."""
-    return yaml.safe_dump(to_plain(cfg), sort_keys=False, default_flow_style=False, allow_unicode=True)
+def dump_config(cfg: Any, *, comments: bool = False) -> str:
+    """YAML text that `load_config` reads back to an equal config; `comments`: each field's description
+    as a comment above it (`--print-config`)."""
+    return commented_yaml(cfg) if comments else dump_yaml(to_plain(cfg))
 
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Atomic write, to a local path or a URL (gs://...): readers never see half a file."""
-    from lrmq.atomic import atomic_write_text
-
     atomic_write_text(path, dump_config(cfg))
-
-
-def add_config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> argparse.ArgumentParser:
-    """CLI pattern: `--config PATH [dotted.key=value ...]`; read back with `config_from_args`."""
-    parser.add_argument("--config", default=None, required=required, help="YAML config file")
-    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. rl.lr=1e-6")
-    return parser
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:

@@ -27,7 +27,7 @@ import sys
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import checkpoint_kind
 from lrmq.checkpoint.orbax_io import save_lrmq
-from lrmq.configlib import add_config_args
+from lrmq.configlib import add_config_args, dump_config
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
 from lrmq.ptq.exports import packed_kernels
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config
@@ -50,7 +50,8 @@ class UsageError(ValueError):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lrmq.quantize", description=__doc__.splitlines()[0],
                                  epilog="Or: python -m lrmq.quantize --config configs/ptq/NAME.yaml [key=value ...] "
-                                        "for the full PTQ pipeline (calibration, AWQ/GPTQ/QuantLRM, exports).")
+                                        "for the full PTQ pipeline (calibration, AWQ/GPTQ/QuantLRM, exports); "
+                                        "--help-config lists its options.")
     ap.add_argument("--checkpoint", required=True, help="float HF or lrmq checkpoint directory")
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
     ap.add_argument("--bits", type=int, default=None)
@@ -144,10 +145,14 @@ def run(args) -> dict:
 def config_main(argv) -> int:
     """`--config F [key=value ...]`: lrmq.ptq.pipeline.run_quantize; prints a JSON summary."""
     ap = argparse.ArgumentParser(prog="python -m lrmq.quantize", description="Offline PTQ from a YAML config")
-    add_config_args(ap, required=True)
+    add_config_args(ap, QuantizeConfig, required=True)  # also --help-config and --print-config
     args = ap.parse_args(argv)
     try:
-        report = run_quantize(load_quantize_config(args.config, args.overrides))
+        cfg = load_quantize_config(args.config, args.overrides)
+        if args.print_config:
+            print(dump_config(cfg, comments=True))
+            return 0
+        report = run_quantize(cfg)
     except INPUT_ERRORS as e:
         print(f"lrmq.quantize: error: {e}", file=sys.stderr)
         return 2
@@ -157,7 +162,7 @@ def config_main(argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--config" in argv:  # the full pipeline (calibration, AWQ/GPTQ/QuantLRM, all export formats)
+    if "--config" in argv or "--help-config" in argv:  # the full pipeline (calibration, AWQ/GPTQ/QuantLRM, exports)
         return config_main(argv)
     args = parse_args(argv)
     try:

@@ -32,8 +32,7 @@ def maybe_init_distributed() -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lrmq.train", description=__doc__.splitlines()[0])
-    add_config_args(ap)
-    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_config_args(ap, TrainConfig)  # also --help-config (every option, described) and --print-config
     ap.add_argument("--compile-only", action="store_true",
                     help="compile the train step and the rollout for the recipe's hardware without allocating "
                          "weights; print per-device memory, FLOPs and compile times; exit 3 if it does not fit")
@@ -54,7 +53,7 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(dump_config(cfg))
+        print(dump_config(cfg, comments=True))
         return 0
     if args.compile_only:
         return compile_only(cfg, args.topology or cfg.mesh.topology, args.report)

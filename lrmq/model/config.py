@@ -13,14 +13,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from lrmq.configlib import ConfigError  # noqa: F401  (raised below for config.json fields lrmq cannot honour)
+
 FAMILIES = ("qwen3", "qwen2", "llama", "olmo3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-class ConfigError(ValueError):
-    """A config.json field lrmq cannot honour; the message names the field."""
 
 
 @dataclass(frozen=True)

@@ -1,155 +1,183 @@
-"""The GRPO run config: typed dataclasses, loaded from YAML with dotted overrides (lrmq.configlib)."""
+"""The GRPO run config: typed dataclasses, loaded from YAML with dotted overrides (lrmq.configlib).
+
+Every field is an `opt` with its description (`python -m lrmq.train --help-config`); fields that name a
+registry entry carry the registry, so a typo fails when the config is read, with every other error.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from lrmq.configlib import ConfigError
+from lrmq.configlib import ConfigError, check_data_parallel_batch, opt
+from lrmq.data.prompts import PROMPT_TEMPLATES
+from lrmq.model.presets import PRESETS
+from lrmq.rl.advantages import ADVANTAGES
+from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from lrmq.rl.rewards import REWARDS
 
 
 @dataclass
 class ModelSection:
-    checkpoint: str = "tiny"  # HF or lrmq directory; "tiny" = the shipped embedded model
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
-    param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights
-    # architecture preset (lrmq.model.presets, e.g. qwen3-8b) for --compile-only when the checkpoint is not here
-    shapes: str = ""
-    # rematerialisation of each decoder layer in the train step: none | full (recompute the layer in
-    # the backward pass) | dots (save matmul outputs, recompute the rest)
-    remat: Literal["none", "full", "dots"] = "none"
-    # completion positions per chunk when projecting onto the vocabulary for log-probs (0 = all at once);
-    # bounds the f32 [micro-batch, chunk, vocab] logits that are ever live
-    logits_chunk: int = 256
+    checkpoint: str = opt("tiny", 'the policy to train: an HF or lrmq checkpoint directory; "tiny" = the shipped '
+                                  "embedded model")
+    dtype: Literal["float32", "bfloat16"] = opt("float32", "compute dtype of rollouts and the train step")
+    param_dtype: Literal["float32", "bfloat16"] = opt("float32", "dtype of the parameters (the master weights the "
+                                                                 "optimizer updates)")
+    shapes: str = opt("", "architecture preset (e.g. qwen3-8b) that --compile-only uses when the checkpoint is "
+                          "not on this machine", names=PRESETS, kind="architecture preset", empty_ok=True)
+    remat: Literal["none", "full", "dots"] = opt("none", "rematerialisation of each decoder layer in the train "
+                                                         "step: none, full (recompute the layer in the backward "
+                                                         "pass), dots (keep matmul outputs, recompute the rest)")
+    logits_chunk: int = opt(256, "completion positions per chunk when projecting onto the vocabulary for "
+                                 "log-probs (0 = all at once); bounds the live f32 [micro-batch, chunk, vocab] logits")
 
 
 @dataclass
 class DataSection:
-    train_files: list[str] = field(default_factory=list)  # empty: synthetic arithmetic
-    eval_files: list[str] = field(default_factory=list)
-    problem_field: str = "problem"
-    answer_field: str = "answer"
-    solution_field: str = "solution"
-    template: str = "arith"  # raw | qwen_math | chat | arith
-    synthetic_train_size: int = 4000
-    synthetic_eval_size: int = 128
-    synthetic_seed: int = 1234
-    max_train_examples: int = 0  # 0 = all (paper 1 takes the first 10k)
+    train_files: list[str] = opt(help="training prompt datasets (jsonl/json/parquet/csv/arrow files or "
+                                      "save_to_disk dirs, concatenated); empty = synthetic arithmetic", factory=list)
+    eval_files: list[str] = opt(help="held-out prompt datasets for evaluation (same formats; empty = no "
+                                     "evaluation); synthetic data brings its own held-out split", factory=list)
+    problem_field: str = opt("problem", "dataset column holding the problem text")
+    answer_field: str = opt("answer", "dataset column holding the reference answer")
+    solution_field: str = opt("solution", "column whose last \\boxed{} is the answer when answer_field is not "
+                                          "a column")
+    template: str = opt("arith", "prompt template that renders each problem (chat = the model's chat template)",
+                        names=PROMPT_TEMPLATES)
+    synthetic_train_size: int = opt(4000, "synthetic arithmetic (no train_files): training problems")
+    synthetic_eval_size: int = opt(128, "synthetic arithmetic: held-out problems, drawn first and excluded "
+                                        "from training")
+    synthetic_seed: int = opt(1234, "synthetic arithmetic: seed of the problem generator")
+    max_train_examples: int = opt(0, "use only the first N training examples (0 = all; paper 1 takes the "
+                                     "first 10k)")
 
 
 @dataclass
 class RolloutSection:
-    group_size: int = 8  # G samples per prompt
-    prompts_per_step: int = 8
-    max_prompt_len: int = 64
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    # sequences per generate call (0 = all prompts x group of a step at once); the KV cache scales with it
-    generation_batch: int = 0
+    group_size: int = opt(8, "G: completions sampled per prompt (the group of group-relative advantages)")
+    prompts_per_step: int = opt(8, "prompts per training step; a step's batch is prompts_per_step x "
+                                   "group_size sequences")
+    max_prompt_len: int = opt(64, "prompt length in tokens; longer prompts keep their last max_prompt_len tokens")
+    max_new_tokens: int = opt(64, "completion tokens generated at most per sequence (also max_len of the "
+                                  "drgrpo-constant aggregation)")
+    temperature: float = opt(1.0, "sampling temperature of rollouts and sampled evaluation; the update's "
+                                  "log-probs use the same temperature")
+    top_p: float = opt(1.0, "nucleus sampling: sample from the smallest set of tokens with this probability "
+                            "mass (1 = off)")
+    top_k: int = opt(0, "sample among the k most likely tokens (0 = off)")
+    generation_batch: int = opt(0, "sequences per generate call (0 = all prompts x group of a step at once); "
+                                   "the KV cache scales with it")
 
 
 @dataclass
 class AlgoSection:
-    advantage: str = "grpo"  # grpo | drgrpo | rloo
-    std_ddof: int = 1  # TRL's torch.std (unbiased), as paper 1; 0 = population std (MaxText)
-    adv_eps: float = 1e-4
-    loss_aggregation: str = "sequence-mean-token-mean"  # | token-mean | drgrpo-constant
-    policy_loss: str = "grpo"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    num_iterations: int = 1  # mu: inner updates per rollout batch
-    # old log-probs of the importance ratio: "rollout" (the sampler's, as Tunix's default) or "recompute"
-    # (one extra forward with the pre-update policy: the ratio starts at exactly 1, as TRL)
-    old_logprobs: Literal["rollout", "recompute"] = "rollout"
-    beta: float = 0.0  # KL coefficient; 0 creates no reference model at all (paper 1)
-    kl_estimator: str = "k3"
-    reward: str = "boxed_math"
-    reward_timeout_s: float = 1.0
+    advantage: str = opt("grpo", "advantage estimator: grpo (reward minus group mean, over group std + "
+                                 "adv_eps), drgrpo (minus group mean only), rloo (leave-one-out mean)",
+                         names=ADVANTAGES)
+    std_ddof: int = opt(1, "grpo advantages: delta degrees of freedom of the group std: 1 = unbiased (TRL's "
+                           "torch.std, paper 1), 0 = population std (MaxText)")
+    adv_eps: float = opt(1e-4, "grpo advantages: added to the group std in the denominator")
+    loss_aggregation: str = opt("sequence-mean-token-mean", "how token losses become the loss: "
+                                "sequence-mean-token-mean (GRPO), token-mean (DAPO), drgrpo-constant (Dr.GRPO: "
+                                "sum / (sequences x rollout.max_new_tokens))", names=AGGREGATIONS)
+    policy_loss: str = opt("grpo", "per-token policy loss (grpo = ppo-clip: the clipped importance-ratio "
+                                   "objective)", names=POLICY_LOSSES)
+    eps_low: float = opt(0.2, "the importance ratio is clipped below at 1 - eps_low")
+    eps_high: float = opt(0.2, "the importance ratio is clipped above at 1 + eps_high")
+    num_iterations: int = opt(1, "mu: optimizer updates per rollout batch (each over the whole batch)")
+    old_logprobs: Literal["rollout", "recompute"] = opt(
+        "rollout", "old log-probs of the importance ratio: rollout (the sampler's, as Tunix's default) or "
+                   "recompute (one extra forward with the pre-update policy: the ratio starts at exactly 1, as TRL)")
+    beta: float = opt(0.0, "KL penalty coefficient against the initial policy; 0 creates no reference model at "
+                           "all (paper 1)")
+    kl_estimator: str = opt("k3", "estimator of the KL penalty (used when beta != 0)", names=KL_ESTIMATORS)
+    reward: str = opt("boxed_math", "reward function: boxed_math (1 correct + 0.1 for a \\boxed answer; "
+                                    "math-verify), boxed_exact (same values, exact match only)", names=REWARDS)
+    reward_timeout_s: float = opt(1.0, "time limit in seconds of one math-verify comparison (boxed_math)")
 
     def validate(self):
-        from lrmq.rl.advantages import ADVANTAGES
-        from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS
-        from lrmq.rl.rewards import REWARDS
-
-        for reg, name, key in ((ADVANTAGES, self.advantage, "advantage"),
-                               (AGGREGATIONS, self.loss_aggregation, "loss_aggregation"),
-                               (KL_ESTIMATORS, self.kl_estimator, "kl_estimator"), (REWARDS, self.reward, "reward")):
-            if name not in reg:
-                raise ConfigError(f"algo.{key}={name!r} is not registered; known: {reg.names()}")
         if self.num_iterations < 1:
             raise ConfigError("algo.num_iterations must be >= 1")
 
 
 @dataclass
 class OptimSection:
-    lr: float = 1e-6
-    schedule: Literal["linear", "constant", "cosine"] = "linear"
-    warmup_steps: int = 1
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 0  # sequences per micro-batch for gradient accumulation; 0 = whole batch
+    lr: float = opt(1e-6, "peak learning rate (AdamW)")
+    schedule: Literal["linear", "constant", "cosine"] = opt("linear", "learning rate after warmup: linear or "
+                                                                      "cosine decay to 0 at the last update, "
+                                                                      "or constant")
+    warmup_steps: int = opt(1, "optimizer updates of linear warmup from 0 to lr")
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay")
+    b1: float = opt(0.9, "AdamW beta1")
+    b2: float = opt(0.999, "AdamW beta2")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = opt(1.0, "clip gradients to this global norm (0 = no clipping)")
+    micro_batch_size: int = opt(0, "sequences per micro-batch for gradient accumulation (0 = the whole batch); "
+                                   "the update equals the whole-batch one")
 
 
 @dataclass
 class QuantSection:
-    mode: Literal["none", "qat", "qlora"] = "none"
-    # QAT (AQT dot_generals; gradients straight-through to float master weights)
-    qat_scheme: Literal["paper_int8", "int8", "int4", "w8a8"] = "paper_int8"
-    qat_group_size: int = 0  # 0 = per output channel
-    qat_stochastic_rounding: bool = False
-    targets: str = r".*\.(q|k|v|o|gate|up|down)_proj$"  # regex over module paths; lm_head excluded
-    # QLoRA (frozen packed base + LoRA adapters)
-    base_format: Literal["nf4", "int4"] = "nf4"
-    base_group_size: int = 64
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.05
+    mode: Literal["none", "qat", "qlora"] = opt("none", "quantization while training: none, qat (fake-quantized "
+                                                        "forward, straight-through gradients to float weights), "
+                                                        "qlora (frozen packed base + LoRA adapters)")
+    qat_scheme: Literal["paper_int8", "int8", "int4", "w8a8"] = opt(
+        "paper_int8", "QAT scheme: paper_int8 (per-tensor int8, scale frozen at load), int8 / int4 (AQT "
+                      "weight-only), w8a8 (AQT int8 weights and activations)")
+    qat_group_size: int = opt(0, "QAT (AQT schemes): input rows per weight scale group (0 = per output channel)")
+    qat_stochastic_rounding: bool = opt(False, "QAT (AQT schemes): quantize the backward pass's incoming "
+                                               "gradients to int8 with stochastic rounding")
+    targets: str = opt(r".*\.(q|k|v|o|gate|up|down)_proj$", "regex over module paths of the Linears that QAT "
+                                                             "quantizes or QLoRA packs and adapts (lm_head excluded)")
+    base_format: Literal["nf4", "int4"] = opt("nf4", "QLoRA: packed format of the frozen base weights")
+    base_group_size: int = opt(64, "QLoRA int4 base: input rows per scale group")
+    lora_rank: int = opt(8, "QLoRA: rank r of each adapter")
+    lora_alpha: float = opt(16.0, "QLoRA: adapter output scale alpha / r")
+    lora_dropout: float = opt(0.05, "QLoRA: dropout on the adapter input in the update (not in rollouts)")
 
 
 @dataclass
 class MeshSection:
-    data: int = 1
-    fsdp: int = -1  # -1: all remaining devices
-    tensor: int = 1
-    # the hardware the recipe is written for, as a TPU topology (e.g. v5p:2x4x4): --compile-only compiles
-    # for it when no --topology is given
-    topology: str = ""
+    data: int = opt(1, "data-parallel mesh axis: batch split, parameters replicated (-1 = all remaining devices)")
+    fsdp: int = opt(-1, "FSDP mesh axis: batch split and parameters sharded (-1 = all remaining devices)")
+    tensor: int = opt(1, "tensor-parallel mesh axis: heads, MLP and vocabulary dimensions sharded")
+    topology: str = opt("", "the hardware the recipe is written for, as a TPU topology (e.g. v5p:2x4x4): "
+                            "--compile-only compiles for it when no --topology is given")
 
 
 @dataclass
 class RunSection:
-    out_dir: str = "runs/default"
-    steps: int = 100
-    seed: int = 0
-    save_every: int = 50
-    keep_checkpoints: int = 2
-    eval_every: int = 0  # 0 = only before and after training
-    eval_size: int = 128
-    eval_greedy: bool = True  # also evaluate greedy decoding (eval/accuracy is sampled at the rollout temperature)
-    log_every: int = 1
-    export_hf: bool = True
-    # compile the update and the rollout before the first step and refuse to start when either needs more
-    # memory per device than it has: auto = on accelerators only
-    preflight: Literal["auto", "on", "off"] = "auto"
-    hbm_limit_gib: float = 0.0  # per-device memory the preflight check allows; 0 = the device's own limit
-    progress: bool = True
+    out_dir: str = opt("runs/default", "run directory (local or gs:// URL): config.yaml, checkpoints, logs, HF "
+                                       "exports; rerunning resumes from it")
+    steps: int = opt(100, "training steps (each: one rollout batch, num_iterations updates)")
+    seed: int = opt(0, "seed of prompt order, sampling and quantization/adapter initialisation")
+    save_every: int = opt(50, "save a checkpoint every N steps (and after the last)")
+    keep_checkpoints: int = opt(2, "checkpoints kept in the run directory (older ones are deleted)")
+    eval_every: int = opt(0, "evaluate on held-out problems every N steps (0 = only before and after training)")
+    eval_size: int = opt(128, "held-out problems per evaluation")
+    eval_greedy: bool = opt(True, "also evaluate greedy decoding (eval/accuracy is sampled at the rollout "
+                                  "temperature)")
+    log_every: int = opt(1, "not used: metrics are logged every step (kept so older configs still load)")
+    export_hf: bool = opt(True, "write HF exports of the policy before (initial_policy/) and after "
+                                "(final_policy/) training, e.g. for QuantLRM")
+    preflight: Literal["auto", "on", "off"] = opt(
+        "auto", "compile the update and the rollout before the first step and refuse to start when either needs "
+                "more memory per device than it has: auto = on accelerators only")
+    hbm_limit_gib: float = opt(0.0, "per-device memory the preflight check allows; 0 = the device's own limit")
+    progress: bool = opt(True, "show a progress bar")
 
 
 @dataclass
 class TrainConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    algo: AlgoSection = field(default_factory=AlgoSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    quant: QuantSection = field(default_factory=QuantSection)
-    mesh: MeshSection = field(default_factory=MeshSection)
-    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = opt(help="the policy model", factory=ModelSection)
+    data: DataSection = opt(help="prompt datasets and the prompt template", factory=DataSection)
+    rollout: RolloutSection = opt(help="sampling of the completions of each step", factory=RolloutSection)
+    algo: AlgoSection = opt(help="advantages, policy loss, KL penalty and reward", factory=AlgoSection)
+    optim: OptimSection = opt(help="AdamW, learning-rate schedule, gradient accumulation", factory=OptimSection)
+    quant: QuantSection = opt(help="quantization-aware training (QAT) or QLoRA", factory=QuantSection)
+    mesh: MeshSection = opt(help="device mesh (data x fsdp x tensor)", factory=MeshSection)
+    run: RunSection = opt(help="run directory, length, checkpoints, evaluation", factory=RunSection)
 
     def validate(self):
         r, o = self.rollout, self.optim
@@ -159,13 +187,8 @@ class TrainConfig:
         if o.micro_batch_size and seqs % o.micro_batch_size:
             raise ConfigError(f"optim.micro_batch_size={o.micro_batch_size} does not divide the "
                               f"{seqs} sequences per step (prompts_per_step x group_size)")
-        if o.micro_batch_size and o.micro_batch_size % r.group_size and r.group_size % o.micro_batch_size:
-            pass  # micro-batches may split groups: advantages are computed before splitting
         if self.mesh.data > 0 and self.mesh.fsdp > 0:
-            div = self.mesh.data * self.mesh.fsdp
-            mb = o.micro_batch_size or seqs
-            if seqs % div or mb % div:
-                raise ConfigError(f"batch of {seqs} sequences (micro-batch {mb}) is not divisible by the data axes "
-                                  f"mesh.data x mesh.fsdp = {div}")
+            check_data_parallel_batch(seqs, o.micro_batch_size, self.mesh.data * self.mesh.fsdp,
+                                      "mesh.data x mesh.fsdp")
         if self.run.steps < 1:
             raise ConfigError("run.steps must be >= 1")

@@ -20,7 +20,7 @@ from flax import nnx
 from lrmq import aot, paths
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
-from lrmq.configlib import ConfigError, save_config
+from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
 from lrmq.data.pipeline import PromptPipeline
 from lrmq.data.prompts import format_prompt, load_prompt_dataset
 from lrmq.data.synthetic import make_splits
@@ -114,12 +114,9 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _check_mesh(self):
-        seqs = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
-        div = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        mb = self.cfg.optim.micro_batch_size or seqs
-        if seqs % div or mb % div:
-            raise ConfigError(f"{seqs} sequences per step (micro-batch {mb}) do not divide over the "
-                              f"{div} data-parallel devices of mesh {dict(self.mesh.shape)}")
+        check_data_parallel_batch(self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size,
+                                  self.cfg.optim.micro_batch_size, batch_divisor(self.mesh),
+                                  f"mesh {dict(self.mesh.shape)}")
 
     def _reference_params(self):
         """The frozen KL reference: a copy of the initial policy, or for QLoRA the base without adapters."""
