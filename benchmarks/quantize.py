@@ -8,6 +8,9 @@ More sections (e.g. ``--awq-gptq`` layer timings) are added to ``SECTIONS`` and 
 
     python benchmarks/quantize.py --quick          # 2 layers of Qwen3-0.6B shapes, seconds
     python benchmarks/quantize.py                  # Qwen3-0.6B and Qwen2.5-1.5B shapes, 28 layers
+    python benchmarks/quantize.py --awq-gptq --layers 4 --out docs/figures/awq_gptq_time.json
+
+Both forms take ``--out FILE`` to write their figures, with the machine and date, as JSON.
 """
 
 from __future__ import annotations
@@ -185,7 +188,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
     ap.add_argument("--dir", default=None, help="where to write the synthetic checkpoints (temp dir)")
+    ap.add_argument("--out", default=None, help="write the figures as JSON")
     a = ap.parse_args(argv)
+    info, results = _machine(), []
     models = ["qwen3-0.6b"] if a.quick else a.models
     layers = a.layers or (2 if a.quick else None)
     with tempfile.TemporaryDirectory(dir=a.dir) as root:
@@ -200,6 +205,25 @@ def main(argv=None):
                 r = SECTIONS[sec](base_dir, ft_dir)
                 print(f"[{model}] {sec}: " + ", ".join(
                     f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+                results.append({"model": model, "layers": n, "ckpt_mib": size, "section": sec, **r})
+    _write(a.out, {"benchmark": "quantize", "argv": argv if argv is not None else sys.argv[1:], "machine": info,
+                   "results": results})
+
+
+def _machine() -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import machine_info, source_commit
+
+    info = machine_info(None)
+    info["lrmq_commit"] = source_commit()
+    return info
+
+
+def _write(path, payload) -> None:
+    from common import write_json
+
+    payload["machine"]["loadavg_at_end"] = os.getloadavg()
+    write_json(path, payload)
 
 
 # ----------------------------------------------------------------------------- --awq-gptq (model-level PTQ)
@@ -241,6 +265,7 @@ def bench_awq_gptq(layers: int | None = None, n_blocks: int = 16, block: int = 5
         out[f"{name}_total_s"] = total
         out[f"{name}_first_layer_s"] = per[0]
         out[f"{name}_s_per_layer"] = float(np.median(per[1:])) if len(per) > 1 else per[0]
+        out[f"{name}_seconds_per_layer"] = [float(x) for x in per]
     return out
 
 
@@ -251,10 +276,14 @@ def main_awq_gptq(argv) -> None:
     ap.add_argument("--n-blocks", type=int, default=16)
     ap.add_argument("--block", type=int, default=512)
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--out", default=None, help="write the figures as JSON")
     a = ap.parse_args(argv)
+    info = _machine()
     r = bench_awq_gptq(a.layers, a.n_blocks, a.block, a.bits)
     print("[awq-gptq] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
           flush=True)
+    _write(a.out, {"benchmark": "quantize --awq-gptq", "argv": argv, "machine": info, "bits": a.bits,
+                   "group_size": 128, "results": r})
 
 
 if __name__ == "__main__" and "--awq-gptq" in sys.argv:
