@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-after", type=int, default=0,
                     help="run at most this many steps in this invocation, then save and exit (resume later)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # force: an imported library has already given the root logger a WARNING handler
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 

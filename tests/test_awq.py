@@ -208,9 +208,9 @@ def test_scale_groups_and_gqa(hf_checkpoint):
                             progress=False)
     assert set(r3.info["layers"][1]["groups"]) == {"attn_out", "mlp_out"}
     # GQA down/upsampling: query head h uses kv head h // 2
-    from lrmq.ptq.layerwise import LayerSpec
+    from lrmq.ptq.layer_fn import LayerSpec
 
-    spec = LayerSpec(False, 4, 2, 3, "none", 1e-6, (1.0,), 1.0, None)
+    spec = LayerSpec(post_norm=False, num_heads=4, num_kv_heads=2, head_dim=3)
     s = jnp.arange(12, dtype=jnp.float32)
     sv = downsample_vo(s, spec)
     np.testing.assert_array_equal(np.asarray(sv), [(0 + 3) / 2, (1 + 4) / 2, (2 + 5) / 2, (6 + 9) / 2, 8.5, 9.5])

@@ -24,6 +24,7 @@ from pallas_kernels import dispatch as pk
 from pallas_kernels import gpu as pk_gpu
 from pallas_kernels import reference as ref
 from pallas_kernels import tpu as pk_tpu
+from pallas_kernels import tpu_tiles
 
 U32 = 2.0 ** -24
 IMPLS = ["tpu", "gpu"]
@@ -228,7 +229,7 @@ def test_staged_zero_points_are_exact(fmt, g, block_k):
         y = pk_tpu.int8_matmul_tpu(x, codes, scales, zeros, interpret=True, block_k=block_k)
         y_ref = ref.int8_matmul_reference(x, codes, scales, zeros)
     assert t.kp // t.bk > 1 and staged == ((block_k // g) % 32 != 0)
-    scales_staged, _ = pk_tpu._staging(False, block_k // g, t.bk, t.kp, scales.dtype,
+    scales_staged, _ = tpu_tiles.staging(False, block_k // g, t.bk, t.kp, scales.dtype,
                                        pk_tpu.generation())
     assert scales_staged == ((block_k // g) % 8 != 0)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))

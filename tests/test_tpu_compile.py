@@ -38,6 +38,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # no
 
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import tpu as pk_tpu  # noqa: E402
+from pallas_kernels import tpu_tiles  # noqa: E402
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
 
@@ -197,8 +198,8 @@ def test_tiles_follow_the_generation():
     assert {k: v.vmem_limit >> 20 for k, v in G.items()} == {
         "v4": 12, "v5e": 96, "v5p": 48, "v6e": 96, "7x": 48}
     # TPU7x tiles 16-bit HBM arrays 16 rows deep: bf16 group scales need 16 rows per K step.
-    assert pk_tpu._affine_k_align("int4", 128, False, jnp.bfloat16, G["7x"]) == 2048
-    assert pk_tpu._affine_k_align("int4", 128, False, jnp.bfloat16, G["v6e"]) == 1024
+    assert tpu_tiles._affine_k_align("int4", 128, False, jnp.bfloat16, G["7x"]) == 2048
+    assert tpu_tiles._affine_k_align("int4", 128, False, jnp.bfloat16, G["v6e"]) == 1024
     # The device kind picks the generation; unknown kinds get a profile legal everywhere.
     assert pk_tpu.generation("TPU v5 lite") is G["v5e"] and pk_tpu.generation("TPU v5") is G["v5p"]
     assert pk_tpu.generation("TPU v6 lite") is G["v6e"] and pk_tpu.generation("cpu") is pk_tpu.PORTABLE
@@ -245,8 +246,8 @@ def _vmem_estimate(gen, case) -> int:
     fmt, g, m, k, n, dt = case
     t, _ = _plan(gen, case)
     if fmt == "nf4":
-        return pk_tpu._nf4_vmem_need(dt, g)(t.bm, t.bn, t.bk)
-    need = pk_tpu._affine_vmem_need(fmt=fmt, x_dtype=dt, s_dtype=jnp.float32, g=g or k,
+        return tpu_tiles._nf4_vmem_need(dt, g)(t.bm, t.bn, t.bk)
+    need = tpu_tiles._affine_vmem_need(fmt=fmt, x_dtype=dt, s_dtype=jnp.float32, g=g or k,
                                     per_channel=g == 0, k_rows_total=k // (g or k), gen=gen)
     return need(t.bm, t.bn, t.bk)
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from lrmq.checkpoint.atomic import atomic_dir  # noqa: E402
+from lrmq.atomic import atomic_dir  # noqa: E402
 from lrmq.checkpoint.hf import load_hf_model, save_hf_model  # noqa: E402
 from lrmq.data.prompts import format_prompt  # noqa: E402
 from lrmq.data.synthetic import ArithDifficulty, make_splits  # noqa: E402

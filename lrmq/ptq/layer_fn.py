@@ -32,7 +32,6 @@ from flax import nnx
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import DecoderLayer, RMSNorm
 from lrmq.model.linear import Linear
-from lrmq.model.rope import inv_frequencies
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # which captured input feeds which Linear
@@ -46,20 +45,14 @@ MODULE_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "at
 class LayerSpec:
     """Static (hashable) description of one decoder layer: a jit static argument.
 
-    ``graphdef`` is what runs. The other fields only describe the layer: AWQ's scale groups read
-    ``post_norm``, its GQA down/upsampling the head counts; the rest (attention details, kept first
-    so a hand-built spec such as tests/test_awq.py's still constructs) is never used to compute.
+    ``graphdef`` is what runs (the model's own `DecoderLayer`). The other fields are what PTQ reads
+    about the layer: AWQ's scale groups read ``post_norm``, its GQA down/upsampling the head counts.
     """
 
     post_norm: bool
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    qk_norm: str
-    eps: float
-    inv_freq: tuple
-    rope_scale: float
-    window: int | None
     graphdef: Any = None  # nnx GraphDef of the float32 DecoderLayer
     param_paths: tuple = ()  # ((weights-dict key, state path), ...) to merge a weights dict into graphdef
 
@@ -79,12 +72,9 @@ def layer_spec(cfg: ModelConfig, i: int) -> LayerSpec:
     keys = [k for k, _ in paths]
     if len(set(keys)) != len(keys):
         raise ValueError(f"decoder layer weights do not have unique owner names: {keys}")
-    inv, scale = inv_frequencies(cfg.rope[lt], cfg.head_dim)
-    return LayerSpec(post_norm=cfg.norm_placement == "post", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, eps=float(cfg.rms_norm_eps),
-                     inv_freq=tuple(float(v) for v in inv), rope_scale=float(scale),
-                     window=cfg.sliding_window if lt == "sliding_attention" else None,
-                     graphdef=graphdef, param_paths=paths)
+    return LayerSpec(post_norm=cfg.norm_placement == "post", num_heads=cfg.num_heads,
+                     num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, graphdef=graphdef,
+                     param_paths=paths)
 
 
 # ----------------------------------------------------------------------------- weights <-> module
