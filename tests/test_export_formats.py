@@ -45,18 +45,17 @@ def _awq_dequant_torch(qweight, qzeros, scales, group_size, bits=4):
 
 
 def _unpack_from_int32(value, num_bits, shape, packed_dim=1):
-    pf = 32 // num_bits
-    mask = (1 << num_bits) - 1
-    if packed_dim == 1:
-        out = torch.zeros((value.shape[0], value.shape[1] * pf), dtype=torch.int32)
-        for i in range(pf):
-            out[:, i::pf] = (value >> (num_bits * i)) & mask
-        out = out[:, : int(shape[1])]
-    else:
-        out = torch.zeros((value.shape[0] * pf, value.shape[1]), dtype=torch.int32)
-        for i in range(pf):
-            out[i::pf, :] = (value >> (num_bits * i)) & mask
-        out = out[: int(shape[0]), :]
+    """compressed-tensors 0.19+ layout: value i of a row at bit num_bits*i of the row's little-endian bit
+    stream (crossing int32 words), rows zero-padded to ceil(n*num_bits/32) words; signed = stored - 2^(b-1)."""
+    if packed_dim == 0:
+        return _unpack_from_int32(value.T, num_bits, (shape[1], shape[0])).T
+    n = int(shape[1])
+    assert value.shape[1] == -(-n * num_bits // 32)
+    # bit stream: word w's bit j is stream bit 32*w + j
+    words = value.to(torch.int64) & 0xFFFFFFFF
+    stream = ((words[:, :, None] >> torch.arange(32)) & 1).reshape(value.shape[0], -1)
+    bits = stream[:, : n * num_bits].reshape(value.shape[0], n, num_bits)
+    out = (bits << torch.arange(num_bits)).sum(-1)
     return (out - (2**num_bits) // 2).to(torch.int8)
 
 
@@ -111,31 +110,38 @@ def test_awq_nibble_layout_explicit():
         ef.awq_gemm_export(np.full((4, 8), 16), np.ones((1, 8)), np.zeros((1, 8)))
 
 
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits", range(2, 9))
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_ct_pack_quantized_roundtrip(bits, symmetric, dtype):
-    K, N, g = 96, 35, 32  # K and N not multiples of 10 / 8: padding on both packed dims
+    K, N, g = 72, 35, 24  # K*b and N*b not multiples of 32 (but 4/8-bit K): both packed dims pad a last word
     codes, scales, zeros = _quantized(bits, K, N, g, symmetric, seed=bits)
     t = ef.ct_pack_quantized_export(codes, scales, zeros, bits=bits, symmetric=symmetric, dtype=dtype)
-    pf = 32 // bits
-    assert t["weight_packed"].shape == (N, -(-K // pf)) and t["weight_packed"].dtype == np.int32
+    assert t["weight_packed"].shape == (N, -(-K * bits // 32)) and t["weight_packed"].dtype == np.int32
     assert t["weight_scale"].shape == (N, K // g) and t["weight_scale"].dtype.name == dtype
     assert t["weight_shape"].tolist() == [N, K] and t["weight_shape"].dtype == np.int64
     if symmetric:
         assert "weight_zero_point" not in t
     else:
-        assert t["weight_zero_point"].shape == (-(-N // pf), K // g)
+        assert t["weight_zero_point"].shape == (-(-N * bits // 32), K // g)
     ref = _ct_dequant_torch(t, bits, symmetric, g)
     _bits_equal(ref.T, ef.dequantize(codes, scales, zeros, dtype=dtype))
 
 
 def test_ct_3bit_word_layout_and_config():
-    vals = np.arange(12, dtype=np.uint8)[None] % 8  # 12 values -> 2 words of 10 (no straddling)
+    vals = np.arange(12, dtype=np.uint8)[None] % 8  # 12 3-bit values = 36 bits -> 2 words, value 10 straddles
     w = ef.pack_to_int32(vals, 3, axis=1).view(np.uint32)
     assert w.shape == (1, 2)
-    assert int(w[0, 0]) == sum(int(v) << (3 * i) for i, v in enumerate(vals[0, :10]))
-    assert int(w[0, 0]) >> 30 == 0 and int(w[0, 1]) == int(vals[0, 10]) | (int(vals[0, 11]) << 3)
+    stream = sum(int(v) << (3 * i) for i, v in enumerate(vals[0]))  # dense little-endian bit stream
+    assert int(w[0, 0]) == stream & 0xFFFFFFFF and int(w[0, 1]) == stream >> 32
+    assert int(w[0, 0]) >> 30 == int(vals[0, 10]) & 3  # low 2 bits of value 10 top word 0 ...
+    assert int(w[0, 1]) & 1 == int(vals[0, 10]) >> 2  # ... its high bit starts word 1
+    np.testing.assert_array_equal(ef.unpack_from_int32(ef.pack_to_int32(vals, 3, 1), 3, 12, 1), vals)
+    for bad in (1, 9, 16, 4.0):
+        with pytest.raises(ValueError, match=f"compressed-tensors pack-quantized.*bits={bad!r}"):
+            ef.pack_to_int32(vals, bad, 1)
+        with pytest.raises(ValueError, match=f"compressed-tensors pack-quantized.*bits={bad!r}"):
+            ef.ct_quantization_config(bad, 128, True)
     with pytest.raises(ValueError, match="symmetric"):
         ef.ct_pack_quantized_export(np.zeros((4, 2)), np.ones((1, 2)), np.zeros((1, 2)), bits=4,
                                     symmetric=True)

@@ -22,13 +22,14 @@ def unpack_awq(q: np.ndarray) -> np.ndarray:
 
 
 def unpack_ct(q: np.ndarray, bits: int, n: int, axis: int) -> np.ndarray:
-    """compressed-tensors unpack_from_int32: 32//bits values per word, little-endian, along `axis`."""
+    """compressed-tensors (0.19+) unpack_from_int32: a dense little-endian bit stream per row along `axis`,
+    value i at stream bit bits*i (straddling int32 words), last word zero-padded."""
     if axis == 0:
         return unpack_ct(q.T, bits, n, 1).T
-    u = q.view(np.uint32)
-    per = 32 // bits
-    vals = np.stack([(u >> (bits * i)) & ((1 << bits) - 1) for i in range(per)], axis=-1)
-    return vals.reshape(q.shape[0], -1)[:, :n]
+    assert q.shape[1] == -(-n * bits // 32)
+    stream = np.unpackbits(np.ascontiguousarray(q, "<i4").view(np.uint8), axis=1, bitorder="little")
+    vals = stream[:, : n * bits].reshape(q.shape[0], n, bits).astype(np.uint32)
+    return (vals << np.arange(bits, dtype=np.uint32)).sum(-1)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,7 @@ def test_autoawq_and_ct_w4(quantized, tmp_path):
                                               "version": "gemm", "modules_to_not_convert": None}
     cfg_ct = json.load(open(os.path.join(out, "compressed_tensors", "config.json")))["quantization_config"]
     assert cfg_ct["format"] == "pack-quantized" and cfg_ct["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    assert cfg_ct["ignore"] == ["lm_head"]  # tied embeddings: transformers' lm_head is still an nn.Linear
     for i in range(2):
         for mod, hfmod, name in (("attn", "self_attn", "q_proj"), ("attn", "self_attn", "k_proj"),
                                  ("mlp", "mlp", "down_proj")):
@@ -114,7 +116,12 @@ def test_ct_w3_and_refusals(quantized, tmp_path):
     pre = "model.layers.1.mlp.gate_proj"
     np.testing.assert_array_equal(unpack_ct(ct[pre + ".weight_packed"], 3, codes.shape[0], 1), codes.T)
     np.testing.assert_array_equal(unpack_ct(ct[pre + ".weight_zero_point"], 3, codes.shape[1], 0), zeros.T)
-    assert ct[pre + ".weight_packed"].shape == (codes.shape[1], -(-codes.shape[0] // 10))  # 10 values per word
+    K, N = codes.shape  # dense: 3 bits per value, values straddle int32 words
+    assert ct[pre + ".weight_packed"].shape == (N, -(-K * 3 // 32))
+    assert ct[pre + ".weight_zero_point"].shape == (-(-N * 3 // 32), K // 32)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["tie_word_embeddings"] and cfg["quantization_config"]["ignore"] == ["lm_head"]
+    assert "lm_head.weight" not in ct
     with pytest.raises(ExportError, match="4-bit only"):
         write_outputs(m, r, str(tmp_path / "x"), formats=("fake_quant", "autoawq"))
     assert not os.path.exists(tmp_path / "x")

@@ -7,14 +7,18 @@ Model-level writing (names, safetensors, config.json) lives elsewhere.
 * AutoAWQ GEMM (``quant_method: awq``, 4-bit only): ``qweight`` int32 ``[K, N/8]``, ``qzeros`` int32
   ``[K/g, N/8]``, nibble ``i`` (bits 4i..4i+3) of word ``[r, c]`` holds column ``8c + AWQ_ORDER[i]``;
   ``scales`` float16 ``[K/g, N]``.  Zeros unsigned, no offset.
-* compressed-tensors ``pack-quantized`` (``pack_to_int32``): ``32 // b`` values per int32 word
-  (3-bit: 10 values, the top 2 bits unused -- values never straddle words), little-endian (value
-  ``i`` of a word at bits ``b*i``), zero-padded to a whole word.  Weights are torch-oriented
-  ``[N, K]`` and packed along K: ``weight_packed`` ``[N, ceil(K / (32//b))]``.  Values are signed
-  ``[-2^(b-1), 2^(b-1)-1]`` stored ``+ 2^(b-1)``, i.e. our unsigned code with a symmetric zero of
-  ``2^(b-1)``.  Asymmetric zero points are signed ``z - 2^(b-1)``, stored (offset back) as
-  ``weight_zero_point`` ``[ceil(N / (32//b)), K/g]`` packed along N.  ``weight_scale`` ``[N, K/g]`` in the
-  model dtype, ``weight_shape`` int64 ``[N, K]``, optional ``weight_g_idx`` int32 ``[K]``.
+* compressed-tensors ``pack-quantized`` (its ``pack_to_int32``, 0.19+): dense little-endian bit stream
+  per row -- value ``i`` at bit ``b*i`` of the row, so for 3/5/6/7-bit values straddle int32 words
+  (bit ``b*i`` is bit ``b*i % 32`` of word ``b*i // 32``); 32 values fill exactly ``b`` words; the row is
+  zero-padded to ``ceil(n*b/32)`` words.  (4- and 8-bit are the same as ``32 // b`` values per word;
+  lrmq before this layout wrote 3-bit as 10 values per word with 2 unused bits, which
+  compressed-tensors reads as garbage.)  Weights are torch-oriented ``[N, K]`` and packed along K:
+  ``weight_packed`` ``[N, ceil(K*b/32)]``.  Values are signed ``[-2^(b-1), 2^(b-1)-1]`` stored
+  ``+ 2^(b-1)``, i.e. our unsigned code with a symmetric zero of ``2^(b-1)``.  Asymmetric zero points
+  are signed ``z - 2^(b-1)``, stored (offset back) as ``weight_zero_point`` ``[ceil(N*b/32), K/g]``
+  packed along N.  ``weight_scale`` ``[N, K/g]`` in the model dtype, ``weight_shape`` int64 ``[N, K]``,
+  optional ``weight_g_idx`` int32 ``[K]``.  Bit widths: compressed-tensors packs 1..8; lrmq exports
+  2..8 (what ``QuantizedWeight`` holds) and refuses anything else.
 """
 
 from __future__ import annotations
@@ -110,28 +114,62 @@ def awq_quantization_config(bits: int = 4, group_size: int = 128) -> dict:
 # ---------------------------------------------------------------- compressed-tensors pack-quantized
 
 
+CT_BITS = range(2, 9)  # pack-quantized widths lrmq exports (compressed-tensors itself packs 1..8)
+
+
+def _check_ct_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in CT_BITS:
+        raise ValueError(f"compressed-tensors pack-quantized export supports {CT_BITS.start}..{CT_BITS.stop - 1}-bit "
+                         f"integer weights, got bits={bits!r}")
+    return int(bits)
+
+
 def pack_to_int32(values, bits: int, axis: int) -> np.ndarray:
-    """Unsigned ``bits``-bit values -> int32, ``32 // bits`` per word along ``axis`` (0 or 1), value ``i``
-    of a word at bits ``bits*i``, zero padding (compressed-tensors ``pack_to_int32`` after its offset)."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
-    v = np.asarray(values).astype(np.uint32)
+    """Unsigned ``bits``-bit values -> int32 packed densely along ``axis`` (0 or 1), as compressed-tensors'
+    ``pack_to_int32`` (after its ``+2^(b-1)`` offset): value ``i`` of a row at bit ``bits*i`` of the row's
+    little-endian bit stream, crossing word boundaries, zero-padded to ``ceil(n*bits/32)`` words."""
+    bits = _check_ct_bits(bits)
+    v = np.asarray(values)
+    if v.ndim != 2 or axis not in (0, 1):
+        raise ValueError(f"pack_to_int32 packs 2-D arrays along axis 0 or 1, got shape {v.shape}, axis={axis}")
     if axis == 0:
-        return pack_to_int32(v.T, bits, 1).T.copy()
-    pf = 32 // bits
+        return np.ascontiguousarray(pack_to_int32(v.T, bits, 1).T)
+    v = v.astype(np.uint64) & np.uint64((1 << bits) - 1)
     rows, n = v.shape
-    words = -(-n // pf)
-    v = np.pad(v, ((0, 0), (0, words * pf - n)))
-    out = np.zeros((rows, words), np.uint32)
-    for i in range(pf):
-        out |= v[:, i::pf] << np.uint32(bits * i)
-    return out.view(np.int32)
+    groups = -(-n // 32)  # 32 values fill exactly `bits` words
+    v = np.pad(v, ((0, 0), (0, groups * 32 - n))).reshape(rows, groups, 32)
+    out = np.zeros((rows, groups, bits + 1), np.uint64)  # one spare word for the last straddler
+    for i in range(32):
+        word, off = divmod(bits * i, 32)
+        # value straddling a boundary: its low bits end word `word`, its high bits start word `word + 1`
+        out[:, :, word] |= (v[:, :, i] << np.uint64(off)) & np.uint64(0xFFFFFFFF)
+        if off + bits > 32:
+            out[:, :, word + 1] |= v[:, :, i] >> np.uint64(32 - off)
+    out = out[:, :, :bits].reshape(rows, groups * bits)[:, : -(-n * bits // 32)]
+    return np.ascontiguousarray(out.astype(np.uint32).view(np.int32))
+
+
+def unpack_from_int32(packed, bits: int, n: int, axis: int) -> np.ndarray:
+    """Inverse of :func:`pack_to_int32`: int32 -> unsigned uint8 values, ``n`` of them along ``axis``."""
+    bits = _check_ct_bits(bits)
+    p = np.asarray(packed)
+    if axis == 0:
+        return np.ascontiguousarray(unpack_from_int32(p.T, bits, n, 1).T)
+    w = p.astype(np.int32).view(np.uint32).astype(np.uint64)
+    if w.shape[1] != -(-n * bits // 32):
+        raise ValueError(f"{w.shape[1]} int32 words do not hold {n} {bits}-bit values")
+    w = np.concatenate([w, np.zeros((w.shape[0], 1), np.uint64)], axis=1)  # spare word for the straddler
+    i = np.arange(n)
+    word, off = (bits * i) // 32, ((bits * i) % 32).astype(np.uint64)
+    two = w[:, word] | (w[:, word + 1] << np.uint64(32))
+    return ((two >> off) & np.uint64((1 << bits) - 1)).astype(np.uint8)
 
 
 def ct_pack_quantized_export(
     codes, scales, zeros, *, bits: int, symmetric: bool, dtype="float16", g_idx=None
 ) -> dict[str, np.ndarray]:
     """compressed-tensors ``pack-quantized`` tensors for one Linear (torch orientation)."""
+    bits = _check_ct_bits(bits)
     codes, scales, zeros, _ = _check(codes, scales, zeros, bits)
     K, N = codes.shape
     offset = 1 << (bits - 1)
@@ -154,8 +192,7 @@ def ct_quantization_config(
     bits: int, group_size: int, symmetric: bool, ignore=("lm_head",), *, actorder=None
 ) -> dict:
     """``config.json`` ``quantization_config`` for a WNA16 group-quantized pack-quantized checkpoint."""
-    if not 2 <= bits <= 8:
-        raise ValueError(f"pack-quantized supports 2..8 bits, got {bits}")
+    bits = _check_ct_bits(bits)
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",

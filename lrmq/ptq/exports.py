@@ -12,9 +12,10 @@ scales) and the :class:`lrmq.ptq.result.PTQResult` whose ``packed`` maps ``layer
 * ``autoawq`` -- AutoAWQ GEMM (4-bit only): per Linear ``<hf prefix>.qweight`` int32 [K, N/8],
   ``.qzeros`` int32 [K/g, N/8], ``.scales`` fp16 [K/g, N] (``lrmq.ptq.export_formats``), other tensors
   fp16, ``config.json`` with AutoAWQ's ``quantization_config`` and ``torch_dtype: float16``.
-* ``compressed_tensors`` -- ``pack-quantized`` (2..8 bit, W3/W4): ``.weight_packed``, ``.weight_scale``
-  (model dtype), ``.weight_zero_point`` (asymmetric), ``.weight_shape``; ``quantization_config`` with
-  ``ignore: [lm_head]``.
+* ``compressed_tensors`` -- ``pack-quantized`` (2..8 bit, densely packed as compressed-tensors 0.19+
+  reads it): ``.weight_packed``, ``.weight_scale`` (model dtype), ``.weight_zero_point`` (asymmetric),
+  ``.weight_shape``; ``quantization_config`` with ``ignore: [lm_head, <unquantized Linears>]`` (lm_head
+  even when tied: transformers builds it as an ``nn.Linear``).
 
 Embeddings, norms, biases and lm_head are written as in ``save_hf_model``.
 """
@@ -150,9 +151,21 @@ def save_autoawq(model, result, out_dir: str, *, tokenizer_from: str | None = No
     return out_dir
 
 
+def ct_ignore(model, result) -> list[str]:
+    """compressed-tensors ``ignore``: ``lm_head`` always (as llmcompressor writes it, tied or not -- with
+    tied embeddings transformers still builds ``lm_head`` as an ``nn.Linear``, which ``targets: [Linear]``
+    would otherwise try to load as packed), then every other Linear left unquantized."""
+    rest = {hf for path, hf in _hf_prefixes(model).items() if path not in result.packed and hf != "lm_head"}
+    return ["lm_head", *sorted(rest)]
+
+
 def save_compressed_tensors(model, result, out_dir: str, *, dtype: str = "bfloat16", tokenizer_from: str | None = None,
                             overwrite: bool = False) -> str:
     _check_packable(result, "compressed-tensors export")
+    bad = sorted({qw.bits for qw in result.packed.values()} - set(ef.CT_BITS))
+    if bad:
+        raise ExportError(f"compressed-tensors pack-quantized export supports {ef.CT_BITS.start}.."
+                          f"{ef.CT_BITS.stop - 1}-bit weights, this result has {bad}-bit")
     prefixes = _hf_prefixes(model)
     tensors = {}
     skip = {p + ".kernel" for p in result.packed}
@@ -165,8 +178,12 @@ def save_compressed_tensors(model, result, out_dir: str, *, dtype: str = "bfloat
     tensors.update(_plain_tensors(model, skip, dtype))
     if len(groups) != 1:
         raise ExportError(f"compressed-tensors export needs one group size, found {sorted(groups)}")
-    ignore = [] if model.cfg.tie_word_embeddings else ["lm_head"]
-    qc = ef.ct_quantization_config(result.bits, groups.pop(), result.symmetric, ignore=ignore)
+    bits = {qw.bits for qw in result.packed.values()}
+    sym = {bool(qw.symmetric) for qw in result.packed.values()}
+    if len(bits) != 1 or len(sym) != 1:
+        raise ExportError(f"compressed-tensors export writes one config group: found bits {sorted(bits)}, "
+                          f"symmetric {sorted(sym)}")
+    qc = ef.ct_quantization_config(bits.pop(), groups.pop(), sym.pop(), ignore=ct_ignore(model, result))
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         _write(tmp, tensors, model, qc, dtype, tokenizer_from)
     return out_dir
