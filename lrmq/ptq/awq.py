@@ -126,7 +126,7 @@ def scaled_fake_quant(w, s, bits, group_size, symmetric):
 def grid_scales(stat, ratio, normalize):
     s = jnp.maximum(jnp.power(stat.astype(jnp.float32), ratio), 1e-4)
     if normalize:
-        s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
+        s = exact_div(s, jnp.sqrt(jnp.max(s) * jnp.min(s)))  # a true division, as torch (not * 1/x)
     return s
 
 

@@ -146,13 +146,19 @@ def _sym_fake_quant(a, bits: int, group_size: int, axis: int):
     """Symmetric absmax fake-quant over `axis` (groups of `group_size` along it; 0 = whole axis)."""
     a32 = a.astype(jnp.float32)
     qmax = 2 ** (bits - 1) - 1
+
+    def q(x, s):
+        # AQT (aqt_tensor.QTensor.quant) multiplies by reciprocal(scale), inf -> 1; it does not divide, so
+        # neither does this reference (a true division would differ from AQT by an ulp at ties).
+        s_inv = jax.lax.reciprocal(s)
+        s_inv = jnp.where(jnp.isinf(s_inv), jnp.ones_like(s_inv), s_inv)
+        return jnp.clip(jnp.round(x * s_inv), -qmax, qmax) * s
+
     if axis == 0 and group_size and group_size < a.shape[0]:
         k, n = a.shape
         g = a32.reshape(k // group_size, group_size, n)
-        s = jnp.max(jnp.abs(g), axis=1, keepdims=True) / qmax
-        return (jnp.clip(jnp.round(g / s), -qmax, qmax) * s).reshape(k, n).astype(a.dtype)
-    s = jnp.max(jnp.abs(a32), axis=axis, keepdims=True) / qmax
-    return (jnp.clip(jnp.round(a32 / s), -qmax, qmax) * s).astype(a.dtype)
+        return q(g, jnp.max(jnp.abs(g), axis=1, keepdims=True) / qmax).reshape(k, n).astype(a.dtype)
+    return q(a32, jnp.max(jnp.abs(a32), axis=axis, keepdims=True) / qmax).astype(a.dtype)
 
 
 def fake_quant_activations(x, bits: int = 8):

@@ -30,9 +30,10 @@ _PER_TENSOR_SCALE_MIN = 1e-6
 
 
 def exact_div(a, b):
-    """IEEE a / b elementwise. XLA rewrites `A / broadcast(B)` into `A * broadcast(1 / B)`, which is off
-    by an ulp in ~half the cases; dividing by an opaque full-shape operand keeps the true quotient so
-    codes match torch/llm-awq bit for bit."""
+    """IEEE a / b elementwise. XLA rewrites `A / broadcast(B)` into `A * broadcast(1 / B)` and
+    `a / (b / c)` into `(a * c) / b`, each off by an ulp in many cases (enough to flip a round-half);
+    dividing by an opaque full-shape operand keeps the true quotient so codes match torch/llm-awq bit
+    for bit. Use it for every division whose result is rounded or compared with a reference."""
     a = jnp.asarray(a)
     b = jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape)
     return a / jax.lax.optimization_barrier(b)
@@ -96,7 +97,9 @@ def _qparams_impl(w, bits, g, symmetric):
         qmax = 2**bits - 1
         mx, mn = jnp.max(wg, axis=1), jnp.min(wg, axis=1)
         scales = exact_div(jnp.maximum(mx - mn, _ASYM_RANGE_MIN), qmax)
-        zeros = jnp.clip(-jnp.round(mn / scales), 0, qmax).astype(jnp.uint8)
+        # Not `mn / scales`: XLA folds a / (b / c) into (a * c) / b, which gives exactly -3.5 (W3) where
+        # the reference's f32 quotient is -3.4999998 (every group clipped to [-m, m] is such a tie).
+        zeros = jnp.clip(-jnp.round(exact_div(mn, scales)), 0, qmax).astype(jnp.uint8)
     return scales.astype(jnp.float32), zeros
 
 
