@@ -1,0 +1,173 @@
+"""Exports read by the consumer libraries themselves (compressed-tensors 0.20, transformers 5).
+
+* compressed-tensors ``pack-quantized``, every bit width lrmq exports (2..8), symmetric and asymmetric:
+  compressed-tensors' own ``PackedQuantizationCompressor.decompress`` (its ``unpack_from_int32`` and
+  ``dequantize``) gives back lrmq's ``QuantizedWeight`` dequantization bit for bit (scales rounded to the
+  export dtype first, as the file stores them); transformers' compressed-tensors integration loads the
+  float32 export of the shipped tiny model (lrmq/assets/tiny, tied embeddings) on both paths --
+  ``dequantize=True`` (dense weights at load) and ``dequantize=False`` (compressed modules, decompressed
+  on the first forward) -- and its logits match lrmq's forward within ``LOGIT_ATOL``: float32 matmuls in
+  a different order; observed max |diff| <= 6e-6 on logits of magnitude ~8 (torch CPU, 2..8 bit).
+* AutoAWQ GEMM: transformers' AWQ path needs gptqmodel (CUDA builds), so instead compressed-tensors' own
+  AutoAWQ reader (``AutoAWQConverter``: unpack, reverse the AWQ nibble order) converts the export and
+  its decompression is again compared bit for bit.
+
+Skipped only when compressed-tensors is not installed (it is pinned in the ``test`` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("compressed_tensors")
+
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "lrmq", "assets", "tiny")
+GROUP = 32
+LOGIT_ATOL = 1e-4
+TOKS = np.arange(24)[None] % 300
+
+
+@pytest.fixture(scope="module")
+def rtn_tiny():
+    """(bits, symmetric) -> (fake-quant lrmq model, PTQResult, lrmq logits [1, T, V] float32)."""
+    import jax.numpy as jnp
+
+    from lrmq.checkpoint.hf import load_hf_model
+    from lrmq.ptq.rtn import rtn_quantize_model
+
+    cache = {}
+
+    def make(bits, symmetric, targets=None):
+        key = (bits, symmetric, targets)
+        if key not in cache:
+            m = load_hf_model(TINY)
+            kw = {} if targets is None else {"targets": targets}
+            r = rtn_quantize_model(m, bits=bits, group_size=GROUP, symmetric=symmetric, **kw)
+            cache[key] = (m, r, np.asarray(m(jnp.asarray(TOKS)), np.float32))
+        return cache[key]
+
+    return make
+
+
+def _scheme(out_dir):
+    qc = json.load(open(os.path.join(out_dir, "config.json")))["quantization_config"]
+    w = qc["config_groups"]["group_0"]["weights"]
+    return qc, QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**w))
+
+
+def _ct_decompress(tensors, prefix, scheme):
+    sd = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".weight")}
+    return PackedQuantizationCompressor.decompress(sd, scheme)["weight"]  # [N, K] in the scale dtype
+
+
+def _lrmq_dequant(qw, dtype):
+    """lrmq's own QuantizedWeight dequantization, scales rounded to the export dtype as the file holds them."""
+    import jax.numpy as jnp
+
+    from lrmq.quant.formats import dequantize
+
+    s = jnp.asarray(qw.scales).astype(getattr(jnp, dtype)).astype(jnp.float32)
+    return torch.from_numpy(np.array(dequantize(dataclasses.replace(qw, scales=s, dtype=dtype)).astype(jnp.float32)))
+
+
+def _bits_equal(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    assert torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_ct_decompress_bit_exact(rtn_tiny, tmp_path, bits, symmetric, dtype):
+    from lrmq.ptq.exports import _hf_prefixes, save_compressed_tensors
+
+    m, r, _ = rtn_tiny(bits, symmetric)
+    out = str(tmp_path / "ct")
+    save_compressed_tensors(m, r, out, dtype=dtype)
+    qc, scheme = _scheme(out)
+    assert qc["ignore"] == ["lm_head"] and scheme.weights.num_bits == bits and scheme.weights.symmetric == symmetric
+    t = load_file(os.path.join(out, "model.safetensors"))
+    prefixes = _hf_prefixes(m)
+    assert len(r.packed) == 14
+    for path, qw in r.packed.items():
+        w = _ct_decompress(t, prefixes[path], scheme)
+        ref = _lrmq_dequant(qw, dtype).to(getattr(torch, dtype)).T
+        _bits_equal(w, ref)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_transformers_loads_ct_export(rtn_tiny, tmp_path, bits, symmetric, dequantize):
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from lrmq.ptq.exports import save_compressed_tensors
+
+    m, r, ref = rtn_tiny(bits, symmetric)
+    out = str(tmp_path / "ct")
+    save_compressed_tensors(m, r, out, dtype="float32")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(
+            dequantize=dequantize))
+    except RuntimeError as e:
+        if symmetric or dequantize or "mismatch" not in str(e):
+            raise
+        # transformers 5.24 + compressed-tensors 0.20.1 compress the meta model before loading, and
+        # PackedQuantizationCompressor.compress leaves a meta zero point unpacked ([N, K/g]), so the
+        # packed [ceil(N*b/32), K/g] zero point that compressed-tensors itself writes is refused as a
+        # size mismatch. dequantize=True reads the same file (and matches, above).
+        pytest.xfail("compressed-tensors 0.20.1 meta compression expects an unpacked weight_zero_point")
+    if not dequantize:
+        assert hasattr(hf.model.layers[0].mlp.down_proj, "quantization_scheme")
+    with torch.no_grad():
+        logits = hf(torch.from_numpy(TOKS)).logits.float().numpy()
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=LOGIT_ATOL)
+
+
+def test_transformers_loads_partial_quantization(rtn_tiny, tmp_path):
+    """Linears PTQ left unquantized (here every down_proj) are listed in ignore next to lm_head."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from lrmq.ptq.exports import save_compressed_tensors
+
+    m, r, ref = rtn_tiny(4, True, targets=r"layers\.\d+\.(attn\.(q|k|v|o)_proj|mlp\.(gate|up)_proj)$")
+    assert len(r.packed) == 12
+    out = str(tmp_path / "ct")
+    save_compressed_tensors(m, r, out, dtype="float32")
+    qc, _ = _scheme(out)
+    assert qc["ignore"] == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    for dequantize in (False, True):
+        hf = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=dequantize))
+        with torch.no_grad():
+            logits = hf(torch.from_numpy(TOKS)).logits.float().numpy()
+        np.testing.assert_allclose(logits, ref, rtol=0, atol=LOGIT_ATOL)
+
+
+def test_autoawq_export_read_by_compressed_tensors_converter(rtn_tiny, tmp_path):
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    from lrmq.ptq.exports import _hf_prefixes, save_autoawq
+
+    m, r, _ = rtn_tiny(4, False)
+    out = str(tmp_path / "awq")
+    save_autoawq(m, r, out)
+    awq_cfg = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    conv = AutoAWQConverter.from_autoawq_config(awq_cfg)
+    t = conv.process(load_file(os.path.join(out, "model.safetensors")))
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=awq_cfg["group_size"]))
+    prefixes = _hf_prefixes(m)
+    for path, qw in r.packed.items():
+        w = _ct_decompress(t, prefixes[path], scheme)
+        _bits_equal(w, _lrmq_dequant(qw, "float16").to(torch.float16).T)
