@@ -1,9 +1,12 @@
-"""`python -m lrmq.perplexity --checkpoint DIR --text-file F [--window 2048] [--max-windows N]`.
+"""`python -m lrmq.perplexity --checkpoint DIR --text-file F [--window 2048] [--max-windows N] [--no-bos]`.
 
-WikiText-2 protocol (GPTQ / llm-awq ``eval``): documents joined with ``"\\n\\n"``, tokenized once
-(no special tokens), cut into ``n = len // window`` non-overlapping windows (the tail is dropped);
-each window is scored independently (position t predicts token t+1, ``window - 1`` predictions per
-window); ``ppl = exp(mean NLL over all predicted tokens)`` (equal to the reference's
+WikiText-2 protocol (GPTQ / llm-awq / QuantLRM ``eval``): documents joined with ``"\\n\\n"``, tokenized
+once *with* special tokens as ``tokenizer(text)`` does (the tokenizer.json post-processor: one BOS in
+front of the whole text for Llama-style tokenizers, nothing for Qwen-style ones and lrmq's tiny
+tokenizer, which have no BOS; ``--no-bos`` tokenizes without special tokens, the old lrmq behaviour),
+cut into ``n = len // window`` non-overlapping windows (the tail is dropped); each window is scored
+independently (position t predicts token t+1, ``window - 1`` predictions per window);
+``ppl = exp(mean NLL over all predicted tokens)`` (equal to the reference's
 ``exp(sum_i mean_i * window / (n * window))``). Float, fake-quantized (``--fake-quant rtn_asym`` etc.,
 any ``lrmq.quant.QUANTIZERS`` entry applied to the seven projections) and packed lrmq checkpoints.
 Prints one JSON object.
@@ -49,6 +52,13 @@ def windows(ids, window: int, max_windows: int | None = None) -> np.ndarray:
     if n == 0:
         raise ValueError(f"{len(ids)} tokens are fewer than one window of {window}")
     return ids[: n * window].reshape(n, window)
+
+
+def eval_ids(tok, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of the evaluation text as the reference tokenizes it: ``tokenizer(text).input_ids``
+    (special tokens added, i.e. BOS first when the tokenizer has one). ``add_special_tokens=False`` is
+    the old lrmq protocol (``--no-bos``), which scores one token less when the tokenizer adds a BOS."""
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _window_nll(graphdef, state, tokens):
@@ -99,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fake-quant", default=None, help="apply a QUANTIZERS entry (rtn_asym, rtn_sym, int8, nf4)")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--no-bos", action="store_true",
+                    help="tokenize without special tokens (no BOS; lrmq before 2026-12): not the reference "
+                         "protocol, scores one token less when the tokenizer adds a BOS")
     a = ap.parse_args(argv)
     try:
         text = read_text(a.text_file, a.text_field)
@@ -106,12 +119,15 @@ def main(argv=None) -> int:
         model = load_model(a.checkpoint, dtype=a.dtype)
         if a.fake_quant:
             apply_fake_quant(model, a.fake_quant, a.bits, a.group_size)
-        blocks = windows(tok.encode(text), a.window, a.max_windows)
+        ids = eval_ids(tok, text, add_special_tokens=not a.no_bos)
+        blocks = windows(ids, a.window, a.max_windows)
         res = perplexity(model, blocks, batch_size=a.batch_size)
     except (FileNotFoundError, ValueError, KeyError, CheckpointError) as e:
         print(f"lrmq.perplexity: error: {e}", file=sys.stderr)
         return 2
-    res.update(checkpoint=a.checkpoint, text_file=a.text_file, fake_quant=a.fake_quant)
+    bos = tok.bos_id
+    res.update(checkpoint=a.checkpoint, text_file=a.text_file, fake_quant=a.fake_quant,
+               special_tokens=not a.no_bos, starts_with_bos=bos is not None and bool(blocks[0, 0] == bos))
     print(json.dumps(res))
     return 0
 
