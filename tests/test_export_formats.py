@@ -150,6 +150,10 @@ def test_ct_3bit_word_layout_and_config():
     assert cfg["config_groups"]["group_0"]["weights"] == {
         "num_bits": 3, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
         "actorder": None, "dynamic": False}
+    w = ef.ct_quantization_config(4, -1, False)["config_groups"]["group_0"]["weights"]
+    assert w["strategy"] == "channel" and w["group_size"] is None
+    with pytest.raises(ValueError, match="group_size"):
+        ef.ct_quantization_config(4, 0, False)
 
 
 def test_ct_g_idx_dequant():

@@ -47,12 +47,12 @@ def rtn_tiny():
 
     cache = {}
 
-    def make(bits, symmetric, targets=None):
-        key = (bits, symmetric, targets)
+    def make(bits, symmetric, targets=None, group_size=GROUP):
+        key = (bits, symmetric, targets, group_size)
         if key not in cache:
             m = load_hf_model(TINY)
             kw = {} if targets is None else {"targets": targets}
-            r = rtn_quantize_model(m, bits=bits, group_size=GROUP, symmetric=symmetric, **kw)
+            r = rtn_quantize_model(m, bits=bits, group_size=group_size, symmetric=symmetric, **kw)
             cache[key] = (m, r, np.asarray(m(jnp.asarray(TOKS)), np.float32))
         return cache[key]
 
@@ -148,6 +148,30 @@ def test_transformers_loads_partial_quantization(rtn_tiny, tmp_path):
     qc, _ = _scheme(out)
     assert qc["ignore"] == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     for dequantize in (False, True):
+        hf = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=dequantize))
+        with torch.no_grad():
+            logits = hf(torch.from_numpy(TOKS)).logits.float().numpy()
+        np.testing.assert_allclose(logits, ref, rtol=0, atol=LOGIT_ATOL)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_ct_per_channel(rtn_tiny, tmp_path, symmetric):
+    """group_size -1 is written as strategy "channel" (weight_scale [N, 1])."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from lrmq.ptq.exports import _hf_prefixes, save_compressed_tensors
+
+    m, r, ref = rtn_tiny(4, symmetric, group_size=-1)
+    out = str(tmp_path / "ct")
+    save_compressed_tensors(m, r, out, dtype="float32")
+    qc, scheme = _scheme(out)
+    assert scheme.weights.strategy == "channel" and scheme.weights.group_size is None
+    t = load_file(os.path.join(out, "model.safetensors"))
+    prefixes = _hf_prefixes(m)
+    for path, qw in r.packed.items():
+        assert t[prefixes[path] + ".weight_scale"].shape == (qw.N, 1)
+        _bits_equal(_ct_decompress(t, prefixes[path], scheme), _lrmq_dequant(qw, "float32").T)
+    for dequantize in (True,) if not symmetric else (True, False):  # asym compressed path: see above
         hf = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=dequantize))
         with torch.no_grad():
             logits = hf(torch.from_numpy(TOKS)).logits.float().numpy()

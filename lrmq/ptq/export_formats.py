@@ -191,8 +191,12 @@ def ct_pack_quantized_export(
 def ct_quantization_config(
     bits: int, group_size: int, symmetric: bool, ignore=("lm_head",), *, actorder=None
 ) -> dict:
-    """``config.json`` ``quantization_config`` for a WNA16 group-quantized pack-quantized checkpoint."""
+    """``config.json`` ``quantization_config`` for a WNA16 pack-quantized checkpoint: strategy ``group``,
+    or ``channel`` (one scale per output row, ``weight_scale`` ``[N, 1]``) for ``group_size`` -1."""
     bits = _check_ct_bits(bits)
+    channel = int(group_size) == -1
+    if not channel and int(group_size) <= 0:
+        raise ValueError(f"group_size must be -1 (per channel) or positive, got {group_size}")
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -207,8 +211,8 @@ def ct_quantization_config(
                     "num_bits": int(bits),
                     "type": "int",
                     "symmetric": bool(symmetric),
-                    "strategy": "group",
-                    "group_size": int(group_size),
+                    "strategy": "channel" if channel else "group",
+                    "group_size": None if channel else int(group_size),
                     "actorder": actorder,
                     "dynamic": False,
                 },

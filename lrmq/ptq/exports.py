@@ -170,6 +170,8 @@ def save_compressed_tensors(model, result, out_dir: str, *, dtype: str = "bfloat
     tensors = {}
     skip = {p + ".kernel" for p in result.packed}
     groups = {qw.group_size for qw in result.packed.values()}
+    if all(np.shape(qw.scales)[0] == 1 for qw in result.packed.values()):
+        groups = {-1}  # one group per output row everywhere (group_size -1 resolves to each K): "channel"
     for path, qw in result.packed.items():
         codes, scales, zeros = _unpacked(qw)
         out = ef.ct_pack_quantized_export(codes, scales, zeros, bits=qw.bits, symmetric=qw.symmetric, dtype=dtype)
