@@ -78,10 +78,13 @@ def ref_nf4(w_kn: np.ndarray, block=64, double_quant=True):
     for b in range(nb):
         blk = flat[b * block : (b + 1) * block]
         absmax[b] = np.max(np.abs(blk))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            inv = f32(1.0) / absmax[b]
-            for j, v in enumerate(blk):
-                q[b * block + j] = _bnb_tree(f32(v * inv))
+        am = max(absmax[b], f32(1e-38))  # bnb quantize_4bit clamps before the reciprocal / division
+        partial = blk.size < block
+        if partial:  # bnb divides the partial last block by its (clamped, stored) absmax
+            absmax[b] = am
+        for j, v in enumerate(blk):
+            x = f32(v / am) if partial else f32(v * f32(f32(1.0) / am))
+            q[b * block + j] = _bnb_tree(x)
     packed = np.zeros(n // 2, np.uint8)
     for i in range(n // 2):
         packed[i] = (int(q[2 * i]) << 4) | int(q[2 * i + 1])
@@ -179,9 +182,19 @@ def test_midpoint_ties_go_low_and_zero_block():
     qw = nf4_quantize(jnp.asarray(w), double_quant=False)
     q = unpack_nibbles_high_first(np.asarray(qw.codes)).reshape(-1)
     np.testing.assert_array_equal(q[:15], np.arange(15))
-    # column 1 is an all-zero block: bnb's tree sees NaN and emits code 0 (-1.0); value -0.0 == 0
-    np.testing.assert_array_equal(q[64:], 0)
-    np.testing.assert_array_equal(nf4_dequantize(qw)[:, 1], 0.0)
+    # column 1 is an all-zero block: bnb (quantize_4bit, absmax clamped to 1e-38, stored 0) scales it to
+    # 0 -> code 7 (0.0), dequantized +0.0
+    np.testing.assert_array_equal(q[64:], 7)
+    np.testing.assert_array_equal(np.asarray(qw.scales)[1], 0.0)
+    out = np.asarray(nf4_dequantize(qw))[:, 1]
+    np.testing.assert_array_equal(out, 0.0)
+    assert not np.signbit(out).any()
+    # a partial last block of zeros stores the clamped absmax 1e-38, as bnb
+    w2 = np.ones((14, 5), f32)  # 70 elements: one full block, then 6 = w2[8:, 4] (torch order) all zero
+    w2[8:, 4] = 0
+    qw = nf4_quantize(jnp.asarray(w2), double_quant=False)
+    np.testing.assert_array_equal(np.asarray(qw.scales), np.array([1.0, 1e-38], f32))
+    np.testing.assert_array_equal(unpack_nibbles_high_first(np.asarray(qw.codes)).reshape(-1)[64:], 7)
 
 
 def test_jit_and_errors():
@@ -194,3 +207,30 @@ def test_jit_and_errors():
         nf4_quantize(jnp.ones((4,)))
     with pytest.raises(ValueError, match="bits=4"):
         quantize_weight(w, fmt="nf4", bits=3)
+
+
+def test_against_installed_bitsandbytes():
+    """Runs only where bitsandbytes imports (verified with bitsandbytes 0.50.2 CPU, torch 2.13 CPU, in a
+    side venv). Exact: 4-bit codes, packed bytes, absmax (all-zero and partial blocks included). Not
+    exact, bounded: the double-quant offset (torch.mean's reduction order, <= 4 ulp) and the nested
+    8-bit codes (bnb's CPU kernel's approximate binary search: a neighbouring code, ~0.2% of entries)."""
+    F = pytest.importorskip("bitsandbytes.functional")
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((256, 200)) * 0.02).astype(f32)
+    w[:, 7] = 0  # four all-zero blocks
+    w2 = rng.standard_normal((10, 13)).astype(f32)  # 130 elements: partial last block
+    w2[4:, 12] = 0  # ... of zeros
+    for x in (w, w2):
+        t = torch.from_numpy(np.ascontiguousarray(x.T))
+        packed, st = F.quantize_4bit(t, blocksize=64, compress_statistics=False, quant_type="nf4")
+        qw = nf4_quantize(jnp.asarray(x), 64, double_quant=False)
+        np.testing.assert_array_equal(np.asarray(qw.codes).reshape(-1), packed.numpy().reshape(-1))
+        np.testing.assert_array_equal(np.asarray(qw.scales), st.absmax.numpy())
+        np.testing.assert_array_equal(np.asarray(nf4_dequantize(qw)).T, F.dequantize_4bit(packed, st).numpy())
+        packed, st = F.quantize_4bit(t, blocksize=64, compress_statistics=True, quant_type="nf4")
+        qw = nf4_quantize(jnp.asarray(x), 64, double_quant=True)
+        np.testing.assert_array_equal(np.asarray(qw.codes).reshape(-1), packed.numpy().reshape(-1))
+        ulp = abs(int(np.float32(qw.absmax_offset).view(np.int32)) - int(np.float32(st.offset.item()).view(np.int32)))
+        assert ulp <= 4
+        a = np.asarray(qw.absmax_codes).astype(int) - st.absmax.numpy().astype(int)
+        assert np.abs(a).max() <= 1 and np.count_nonzero(a) <= max(2, a.size // 100)

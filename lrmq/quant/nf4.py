@@ -1,13 +1,19 @@
-"""bitsandbytes-exact NF4 (QLoRA base weights) with double quantization.
+"""bitsandbytes NF4 (QLoRA base weights) with double quantization.
+
+"bitsandbytes-exact" here means: 4-bit codes, packed bytes and per-block absmax equal bitsandbytes'
+`quantize_4bit(..., quant_type="nf4")` bit for bit (checked against bitsandbytes 0.50.2's CPU backend,
+tests/test_nf4.py::test_against_installed_bitsandbytes), and so does the dequantized weight without
+double quant. With double quant the offset and a few nested 8-bit codes are not bit-exact (below).
 
 Layout (docs/DESIGN.md): the lrmq weight [K, N] is transposed to torch orientation [N, K] and flattened
 row-major; blocks of `block_size` (default 64) consecutive elements share one float32 absmax.
 
-quantize (bnb CUDA kQuantizeBlockwise<NF4>):
+quantize (bnb quantize_4bit; CUDA kQuantizeBlockwise<NF4> agrees on non-zero blocks):
     x = f32(w) * f32(1 / absmax[block]);  q = #{t in NF4_THRESHOLDS : x > t}
   i.e. bucketize on the midpoints between neighbouring code values, a value exactly on a midpoint goes
-  to the lower code (bnb's decision tree uses strict `>`). An all-zero block has absmax 0, x = NaN and
-  q = 0 (code -1.0) exactly as in bnb; it dequantizes to -0.0 without double quant.
+  to the lower code (bnb's decision tree uses strict `>`, torch.bucketize the same). bnb clamps absmax
+  at 1e-38 before the reciprocal: an all-zero block stores absmax 0 and gets x = 0, code 7 (0.0); a
+  partial last block is divided, x = w / am, and stores the clamped am (1e-38 when all zero).
 pack: two codes per byte, even element in the high nibble; codes stored as uint8 [N, K/2].
 double quant (bnb `compress_statistics=True`):
     offset = mean(absmax);  r = absmax - offset
@@ -17,13 +23,14 @@ dequant:
     absmax = f32(dynamic_map[absmax_codes] * s2[block // 256]) + offset
     w[N, K] = f32(NF4_CODE[q] * absmax[block]) -> cast to dtype -> transpose to [K, N]
 
-Where bnb's own kernels differ in corner cases (documented, not reproduced):
-  * offset: torch's float32 `mean` reduction order is unspecified; we sum with a fixed pairwise tree in
-    float32 (deterministic, jit-friendly), which may differ from torch in the last ulp.
-  * second-level 8-bit codes: bnb's CUDA kernel uses an approximate binary search over the map, its
-    reference (torch) backend uses argmin |x - code|; we do the latter. A second-level block whose
-    residuals are all zero maps to the 0.0 code (bnb would produce NaN -> code 0, value 0 * 0 = 0 as
-    well: the dequantized absmax is identical).
+Where bnb differs (measured with bitsandbytes 0.50.2 CPU; not reproduced):
+  * offset: torch's float32 `mean` (a vectorised cascade sum whose order depends on the CPU's vector
+    width and thread count) vs our fixed pairwise tree: equal in ~60% of arrays, else 1-3 ulp. Every
+    dequantized absmax then differs by that much, and so do most dequantized weights (last bits).
+  * second-level 8-bit codes: bnb's CPU kernel's approximate binary search does not always pick the
+    nearest map value; we do (as bnb's torch fallback, argmin |x - code|): ~0.16% of nested codes
+    differ, always by one index. A second-level block whose residuals are all zero maps to the 0.0 code.
+  * weights that are subnormal: XLA CPU flushes them to zero, so such a block is an all-zero block.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ NF4_CODE = np.array(
 NF4_THRESHOLDS = ((NF4_CODE[:-1].astype(np.float64) + NF4_CODE[1:]) / 2).astype(np.float32)
 
 NESTED_BLOCK_SIZE = 256
+_ABSMAX_MIN = 1e-38  # bnb quantize_4bit: absmax.clamp(min=1e-38) before the reciprocal
 
 
 def _f32_fma(a, b, c):
@@ -186,11 +194,22 @@ def nf4_codes(w, block_size: int = 64):
     _check_weight(w, block_size)
     flat = w.T.reshape(-1).astype(jnp.float32)
     n = flat.shape[0]
+    full = n - n % block_size
     absmax = _blockwise_absmax(flat, block_size)
+    # bnb quantize_4bit: full blocks x = A * (1 / absmax.clamp(min=1e-38)) with the unclamped absmax
+    # stored (an all-zero block gives x = 0 -> code 7, value 0); the partial last block divides,
+    # A / am, and stores the clamped am.
+    # 1e-38 is subnormal and XLA CPU flushes subnormals to zero, so the zero block is selected, not
+    # computed: 0 * (1 / 1e-38) = 0 (a block of subnormal weights is flushed to zero all the same).
+    zero = absmax == 0
     inv = jnp.float32(1.0) / absmax
-    x = (_pad_to(flat, block_size).reshape(-1, block_size) * inv[:, None]).reshape(-1)[:n]
-    # q = #{t : x > t}; searchsorted(side="left") counts t < x. NaN (all-zero block) compares false
-    # everywhere in bnb's tree -> code 0.
+    x = _pad_to(flat, block_size).reshape(-1, block_size) * inv[:, None]
+    x = jnp.where(zero[:, None], jnp.float32(0), x).reshape(-1)[:n]
+    if full < n:
+        x = x.at[full:].set(jnp.where(zero[-1], jnp.float32(0), exact_div(flat[full:], absmax[-1])))
+        absmax = absmax.at[-1].set(jnp.where(zero[-1], jnp.float32(_ABSMAX_MIN), absmax[-1]))
+    # q = #{t : x > t}; searchsorted(side="left") counts t < x (torch.bucketize(x, thresholds)).
+    # A NaN weight compares false everywhere in bnb's CUDA tree -> code 0.
     q = jnp.searchsorted(jnp.asarray(NF4_THRESHOLDS), x, side="left")
     q = jnp.where(jnp.isnan(x), 0, q)
     return q.astype(jnp.uint8), absmax
