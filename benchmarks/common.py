@@ -85,6 +85,7 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
         "threads": threads,
         "date": datetime.date.today().isoformat(),
         "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "lrmq_commit": source_commit(),
     }
     try:
         import flax
