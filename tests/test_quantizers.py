@@ -2,7 +2,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
-import torch
+
+from test_quantizers_halfway import _torch_pseudo_quantize
 
 from lrmq.quant.nf4 import nf4_fake_quant
 from lrmq.quant.quantizers import (
@@ -44,24 +45,11 @@ def test_hand_computed_sym_2bit_half_to_even():
     np.testing.assert_array_equal(fake_quant(w, 2, 4, True)[:, 0], [0.0, 0.0, 0.0, 2.0])
 
 
-def _llm_awq_pseudo_quantize(w_oi: torch.Tensor, n_bit: int, q_group_size: int) -> torch.Tensor:
-    # llm-awq awq/quantize/quantizer.py pseudo_quantize_tensor, zero_point=True, on torch [out, in]
-    org_shape = w_oi.shape
-    w = w_oi.reshape(-1, q_group_size)
-    max_val = w.amax(dim=1, keepdim=True)
-    min_val = w.amin(dim=1, keepdim=True)
-    max_int, min_int = 2**n_bit - 1, 0
-    scales = (max_val - min_val).clamp(min=1e-5) / max_int
-    zeros = (-torch.round(min_val / scales)).clamp_(min_int, max_int)
-    w = (torch.clamp(torch.round(w / scales) + zeros, min_int, max_int) - zeros) * scales
-    return w.reshape(org_shape)
-
-
 @pytest.mark.parametrize("bits,g", [(4, 128), (3, 128), (4, 64), (8, 32), (2, 256)])
 def test_matches_llm_awq_bit_for_bit(bits, g):
     w = _w(256, 10, seed=bits) * jnp.linspace(0.1, 3.0, 10)  # varied column ranges
     ours = pseudo_quantize_awq(w, bits, g)
-    ref = _llm_awq_pseudo_quantize(torch.from_numpy(np.asarray(w).T.copy()), bits, g).numpy().T
+    ref = _torch_pseudo_quantize(np.asarray(w), bits, g)[3]  # llm-awq pseudo_quantize_tensor, torch
     np.testing.assert_array_equal(np.asarray(ours), ref)
 
 
