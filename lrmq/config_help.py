@@ -29,17 +29,50 @@ from typing import Any, Iterator, Literal, Sequence, Union
 import yaml
 
 HELP, NAMES, KIND, EMPTY_OK = "help", "names", "kind", "empty_ok"  # dataclasses.Field.metadata keys
+BOUNDS = "bounds"  # metadata key: {"ge"|"gt"|"le"|"lt": number}, plus "or": values allowed outside them
+_OPS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b), "le": ("<=", lambda v, b: v <= b),
+        "lt": ("<", lambda v, b: v < b)}
 
 
 def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING,
-        names: Any = None, kind: str | None = None, empty_ok: bool = False) -> Any:
+        names: Any = None, kind: str | None = None, empty_ok: bool = False, ge: float | None = None,
+        gt: float | None = None, le: float | None = None, lt: float | None = None, also: tuple = ()) -> Any:
     """A dataclass field with a one-line description; `names`: the registry its value (or each element of
     its list) must be in, `kind` the word for one entry when `names` is not a Registry, `empty_ok` lets ""
-    mean unset."""
+    mean unset. `ge` / `gt` / `le` / `lt`: bounds of a number (each element of a list; null passes),
+    checked when a config is loaded, `--print-config` included; `also`: values allowed outside them
+    (e.g. `ge=1, also=(-1,)` for "-1 = all")."""
     meta = {HELP: help}
     if names is not None:
         meta.update({NAMES: names, KIND: kind, EMPTY_OK: empty_ok})
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    if bounds:
+        meta[BOUNDS] = dict(bounds, also=tuple(also))
     return dataclasses.field(default=default, default_factory=factory, metadata=meta)
+
+
+def bounds_text(f: dataclasses.Field) -> str:
+    """`>= 1`, `> 0 and <= 1`, `>= 1 or -1`: a field's bounds as --help-config and errors say them."""
+    b = f.metadata.get(BOUNDS)
+    if not b:
+        return ""
+    parts = [f"{_OPS[k][0]} {b[k]}" for k in _OPS if k in b and abs(b[k]) != float("inf")]
+    if any(abs(b.get(k, 0)) == float("inf") for k in _OPS):
+        parts.append("finite")
+    return " and ".join(parts) + "".join(f" or {a}" for a in b.get("also", ()))
+
+
+def bound_problem(f: dataclasses.Field, value: Any) -> str | None:
+    """Why the number `value` is outside field `f`'s bounds (None when inside, when `f` has none, or when
+    the value is not a number). NaN is never inside."""
+    b = f.metadata.get(BOUNDS)
+    if not b or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if value in b.get("also", ()):
+        return None
+    if all(_OPS[k][1](value, b[k]) for k in _OPS if k in b):
+        return None
+    return f"must be {bounds_text(f)}, found {value!r}"
 
 
 def field_help(f: dataclasses.Field) -> str:
@@ -147,7 +180,8 @@ def options_help(cls: type) -> str:
             default = f" = {_flow(f.default_factory())}"
         else:
             default = " (required)"
-        lines.append(f"{pad}{key} ({describe_type(tp)}){default}")
+        rng = f"  [{bounds_text(f)}]" if BOUNDS in f.metadata else ""
+        lines.append(f"{pad}{key} ({describe_type(tp)}){default}{rng}")
         lines.append(f"{pad}    {field_help(f)}")
         if NAMES in f.metadata:
             kind, names = known_names(f)
@@ -202,6 +236,16 @@ def commented_yaml(cfg: Any, plain: dict | None = None, indent: int = 0) -> str:
 # ----------------------------------------------------------------------------- argparse
 
 
+def example_override(cls: type | None) -> str:
+    """`section.key=value` for the first numeric option of a section of `cls` (a real key, so the help
+    never shows one the loader rejects)."""
+    if cls is not None:
+        for key, tp, f in iter_options(cls):
+            if "." in key and strip_optional(tp) in (int, float) and f.default is not dataclasses.MISSING:
+                return f"{key}={_flow(f.default)}"
+    return "section.key=value"
+
+
 class _HelpConfigAction(argparse.Action):
     def __init__(self, option_strings, dest, config_cls=None, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -219,7 +263,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type | None = None, *,
     With the schema `cls` also `--help-config` (print every option and exit) and `--print-config` (a flag
     the caller acts on, e.g. `print(dump_config(cfg, comments=True))`)."""
     parser.add_argument("--config", default=None, required=required, help="YAML config file")
-    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. rl.lr=1e-6")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                        help=f"dotted overrides, e.g. {example_override(cls)}")
     if cls is not None:
         parser.add_argument("--help-config", action=_HelpConfigAction, config_cls=cls,
                             help="list every config option (dotted key, type, default, description) and exit")

@@ -22,7 +22,7 @@ import yaml
 from lrmq.atomic import atomic_write_text
 # add_config_args and opt are part of this module's API
 from lrmq.config_help import add_config_args, commented_yaml, dump_yaml, is_dataclass_type, is_union  # noqa: F401
-from lrmq.config_help import name_problem, opt, strip_optional, suggest, to_plain, type_name  # noqa: F401
+from lrmq.config_help import bound_problem, name_problem, opt, strip_optional, suggest, to_plain, type_name  # noqa: F401
 
 T = TypeVar("T")
 
@@ -150,6 +150,8 @@ class _Builder:
             return self.err(path, f"expected int, found {_value_desc(v)}")
         if tp is float:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if v != v:  # NaN: never a meaningful setting, and it passes no comparison silently
+                    return self.err(path, "expected a number, found nan")
                 return float(v)
             return self.err(path, f"expected float, found {_value_desc(v)}")
         if tp is str:
@@ -208,7 +210,8 @@ class _Builder:
                     ok = False
                 continue
             out = self.build(hints[f.name], v[f.name], full)
-            if out is _MISSING or self._has_missing(out) or not self.check_names(f, out, full):
+            if (out is _MISSING or self._has_missing(out) or not self.check_names(f, out, full)
+                    or not self.check_bounds(f, out, full)):
                 ok = False
             else:
                 kwargs[f.name] = out
@@ -227,6 +230,18 @@ class _Builder:
         good = True
         for i, x in items:
             problem = name_problem(f, x)
+            if problem:
+                self.err(path if i is None else f"{path}[{i}]", problem)
+                good = False
+        return good
+
+    def check_bounds(self, f: dataclasses.Field, value: Any, path: str) -> bool:
+        """A bounded field (`opt(ge=..., gt=..., le=..., lt=...)`) holds numbers inside its bounds (each
+        element of a list)."""
+        items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+        good = True
+        for i, x in items:
+            problem = bound_problem(f, x)
             if problem:
                 self.err(path if i is None else f"{path}[{i}]", problem)
                 good = False
@@ -279,7 +294,9 @@ def _build_root(cls: type[T], data: Any, source: str, override_src: dict[str, st
             break
     if b.errors:
         n = len(b.errors)
-        raise ConfigError(f"{n} config error{'s' if n > 1 else ''} for {cls.__name__}:\n  " + "\n  ".join(b.errors))
+        if n == 1:  # one line
+            raise ConfigError(f"config error for {cls.__name__}: {b.errors[0]}")
+        raise ConfigError(f"{n} config errors for {cls.__name__}:\n  " + "\n  ".join(b.errors))
     _run_validate(out, "", source)
     return out
 

@@ -31,11 +31,11 @@ class CalibrationSection:
                                     "prompt dataset (prompts); required by awq, gptq and quantlrm")
     text_field: str = opt("text", "text, reasoning: column of the document text (a .txt file has one document "
                                   "per line)")
-    n_samples: int = opt(128, "text, prompts: documents kept before they are cut into blocks")
-    block_size: int = opt(512, "tokens per calibration block")
-    max_doc_tokens: int = opt(512, "text, prompts: longer documents are skipped")
+    n_samples: int = opt(128, "text, prompts: documents kept before they are cut into blocks", ge=1)
+    block_size: int = opt(512, "tokens per calibration block", ge=2)
+    max_doc_tokens: int = opt(512, "text, prompts: longer documents are skipped", ge=1)
     seed: Optional[int] = opt(42, "text: shuffle seed of the documents (the AWQ recipe's); null keeps file order")
-    max_tokens: int = opt(262144, "reasoning: tokens kept from the start (the QuantLRM recipe: 128 x 2048)")
+    max_tokens: int = opt(262144, "reasoning: tokens kept from the start (the QuantLRM recipe: 128 x 2048)", ge=1)
     add_special_tokens: bool = opt(True, "text: encode with the tokenizer's special tokens (AWQ recipe: HF "
                                          "tokenizer.encode default)")
     template: str = opt("chat", "prompts: prompt template of each problem (chat = the model's chat template)",
@@ -43,8 +43,8 @@ class CalibrationSection:
     problem_field: str = opt("problem", "prompts: dataset column of the problem")
     answer_field: str = opt("answer", "prompts: dataset column of the answer (the dataset loader requires an "
                                       "answer or a solution column)")
-    max_blocks: Optional[int] = opt(None, "keep at most this many blocks after cutting (null = all; quick runs)")
-    batch_size: int = opt(8, "calibration blocks per forward chunk")
+    max_blocks: Optional[int] = opt(None, "keep at most this many blocks after cutting (null = all; quick runs)", ge=1)
+    batch_size: int = opt(8, "calibration blocks per forward chunk", ge=1)
 
     def validate(self):
         for f in ("n_samples", "block_size", "max_doc_tokens", "max_tokens", "batch_size"):
@@ -54,23 +54,23 @@ class CalibrationSection:
 
 @dataclasses.dataclass
 class AWQSection:
-    n_grid: int = opt(20, "grid size of the scale search (alpha = i / n_grid) and of the clip search")
+    n_grid: int = opt(20, "grid size of the scale search (alpha = i / n_grid) and of the clip search", ge=1)
     normalize: bool = opt(True, "divide the scales by sqrt(max(s) * min(s)) (AWQ)")
     scale: bool = opt(True, "search per-channel scales (false: clip + quantize only)")
     clip: bool = opt(True, "search a clipping range per group and output column (not for q/k)")
-    max_shrink: float = opt(0.5, "clip search: shrink the weight range by at most this fraction")
-    n_sample_token: int = opt(512, "clip search: calibration tokens sampled (evenly strided)")
+    max_shrink: float = opt(0.5, "clip search: shrink the weight range by at most this fraction", ge=0, lt=1)
+    n_sample_token: int = opt(512, "clip search: calibration tokens sampled (evenly strided)", ge=1)
     gqa_vo: Literal["skip", "downsample"] = opt("skip", "v_proj -> o_proj scaling when their shapes differ "
                                                         "(GQA): skip (llm-awq) or downsample (QuantLRM)")
     propagate: Literal["fp", "quantized"] = opt("fp", "next layer's input: the float layer's output (fp, "
                                                       "llm-awq) or the quantized layer's")
-    oc_batch: int = opt(1024, "clip search: output columns per chunk (bounds memory)")
+    oc_batch: int = opt(1024, "clip search: output columns per chunk (bounds memory)", ge=1)
 
 
 @dataclasses.dataclass
 class GPTQSection:
-    block_size: int = opt(128, "input rows per lazy-update block")
-    percdamp: float = opt(0.01, "Hessian damping: percdamp x mean(diag H) added to the diagonal")
+    block_size: int = opt(128, "input rows per lazy-update block", ge=1)
+    percdamp: float = opt(0.01, "Hessian damping: percdamp x mean(diag H) added to the diagonal", ge=0, lt=1e6)
     act_order: bool = opt(False, "quantize input rows in order of decreasing Hessian diagonal")
     static_groups: bool = opt(False, "with act_order: group parameters from the unpermuted weights "
                                      "(consecutive groups, as fast GPTQ kernels need)")
@@ -90,10 +90,11 @@ class QuantLRMSection:
                                                    "seven; Olmo-3: = targets)")
     mapping: str = opt("u_shape", "importance mapping q(|dW|) (u_shape = the paper)",
                        names=MAPPINGS)
-    R: float = opt(10.0, "top weight of the mapping (u_shape: R at the extremes of |dW|, 1 at the median)")
+    R: float = opt(10.0, "top weight of the mapping (u_shape: R at the extremes of |dW|, 1 at the median)",
+                   gt=0, lt=float("inf"))
     precision: Literal["fp16", "fp32"] = opt("fp16", "fp16 replicates the reference's float16 rounding of the "
                                                      "importance; fp32 keeps float32")
-    zero_chunks: int = opt(1, "output-dim chunks of the zero-count term (the reference's 32B/70B variant: 5)")
+    zero_chunks: int = opt(1, "output-dim chunks of the zero-count term (the reference's 32B/70B variant: 5)", ge=1)
     quantize: Literal["finetuned", "base"] = opt("finetuned", "the checkpoint that is quantized, with the "
                                                               "importance of the pair")
     plot: bool = opt(True, "also write importance.png (|dW| histogram with the mapping, channel importances)")
@@ -124,8 +125,9 @@ class QuantizeConfig:
     model: Optional[str] = opt(None, 'checkpoint to quantize (HF or lrmq directory; "tiny" = the shipped tiny '
                                      "model); quantlrm: the fine-tuned one")
     method: str = opt("awq", "PTQ method", names=PTQ_METHODS)
-    bits: int = opt(4, "weight bits: 3, 4 or 8")
-    group_size: int = opt(128, "input rows per quantization group (-1 = per output channel; nf4: the block size)")
+    bits: int = opt(4, "weight bits: 3, 4 or 8", ge=3, le=8)
+    group_size: int = opt(128, "input rows per quantization group (-1 = per output channel; nf4: the block size)",
+                          ge=1, also=(-1,))
     symmetric: bool = opt(False, "symmetric quantization (no zero point)")
     targets: str = opt(DEFAULT_TARGETS, "regex over Linear paths (rtn, int8, nf4; the others quantize all seven "
                                         "projections)")

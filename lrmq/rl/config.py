@@ -30,7 +30,7 @@ class ModelSection:
                                                          "step: none, full (recompute the layer in the backward "
                                                          "pass), dots (keep matmul outputs, recompute the rest)")
     logits_chunk: int = opt(256, "completion positions per chunk when projecting onto the vocabulary for "
-                                 "log-probs (0 = all at once); bounds the live f32 [micro-batch, chunk, vocab] logits")
+                                 "log-probs (0 = all at once); bounds the live f32 [micro-batch, chunk, vocab] logits", ge=0)
 
 
 @dataclass
@@ -45,29 +45,33 @@ class DataSection:
                                           "a column")
     template: str = opt("arith", "prompt template that renders each problem (chat = the model's chat template)",
                         names=PROMPT_TEMPLATES)
-    synthetic_train_size: int = opt(4000, "synthetic arithmetic (no train_files): training problems")
+    synthetic_train_size: int = opt(4000, "synthetic arithmetic (no train_files): training problems", ge=1)
     synthetic_eval_size: int = opt(128, "synthetic arithmetic: held-out problems, drawn first and excluded "
-                                        "from training")
+                                        "from training", ge=0)
     synthetic_seed: int = opt(1234, "synthetic arithmetic: seed of the problem generator")
     max_train_examples: int = opt(0, "use only the first N training examples (0 = all; paper 1 takes the "
-                                     "first 10k)")
+                                     "first 10k)", ge=0)
 
 
 @dataclass
 class RolloutSection:
-    group_size: int = opt(8, "G: completions sampled per prompt (the group of group-relative advantages)")
+    group_size: int = opt(8, "G: completions sampled per prompt (the group of group-relative advantages)", ge=1)
     prompts_per_step: int = opt(8, "prompts per training step; a step's batch is prompts_per_step x "
-                                   "group_size sequences")
-    max_prompt_len: int = opt(64, "prompt length in tokens; longer prompts keep their last max_prompt_len tokens")
+                                   "group_size sequences", ge=1)
+    max_prompt_len: int = opt(64, "prompt length in tokens; longer prompts keep their last max_prompt_len tokens", ge=1)
     max_new_tokens: int = opt(64, "completion tokens generated at most per sequence (also max_len of the "
-                                  "drgrpo-constant aggregation)")
+                                  "drgrpo-constant aggregation)", ge=1)
     temperature: float = opt(1.0, "sampling temperature of rollouts and sampled evaluation; the update's "
-                                  "log-probs use the same temperature")
+                                  "log-probs use the same temperature", gt=0, lt=float("inf"))
     top_p: float = opt(1.0, "nucleus sampling: sample from the smallest set of tokens with this probability "
-                            "mass (1 = off)")
-    top_k: int = opt(0, "sample among the k most likely tokens (0 = off)")
+                            "mass (1 = off)", gt=0, le=1)
+    top_k: int = opt(0, "sample among the k most likely tokens (0 = off)", ge=0)
+    update_padding: Literal["bucket", "max"] = opt(
+        "bucket", "width of the update batch: bucket (prompt and completion parts padded to the next power of "
+                  "two of the batch's longest, at least 16: a handful of compiles, no compute on padding) or max "
+                  "(max_prompt_len + max_new_tokens: one compile, the shape --compile-only and the preflight check)")
     generation_batch: int = opt(0, "sequences per generate call (0 = all prompts x group of a step at once); "
-                                   "the KV cache scales with it")
+                                   "the KV cache scales with it", ge=0)
 
 
 @dataclass
@@ -75,46 +79,64 @@ class AlgoSection:
     advantage: str = opt("grpo", "advantage estimator: grpo (reward minus group mean, over group std + "
                                  "adv_eps), drgrpo (minus group mean only), rloo (leave-one-out mean)",
                          names=ADVANTAGES)
+    scale_rewards: Literal["group", "batch", "none"] = opt(
+        "group", "grpo advantages: divide by the std of the group (GRPO, TRL's default), of the whole batch "
+                 "(TRL scale_rewards=batch), or by nothing (none: as the drgrpo estimator)")
     std_ddof: int = opt(1, "grpo advantages: delta degrees of freedom of the group std: 1 = unbiased (TRL's "
-                           "torch.std, paper 1), 0 = population std (MaxText)")
-    adv_eps: float = opt(1e-4, "grpo advantages: added to the group std in the denominator")
+                           "torch.std, paper 1), 0 = population std (MaxText)", ge=0)
+    adv_eps: float = opt(1e-4, "grpo advantages: added to the group std in the denominator", ge=0, lt=float("inf"))
     loss_aggregation: str = opt("sequence-mean-token-mean", "how token losses become the loss: "
                                 "sequence-mean-token-mean (GRPO), token-mean (DAPO), drgrpo-constant (Dr.GRPO: "
                                 "sum / (sequences x rollout.max_new_tokens))", names=AGGREGATIONS)
     policy_loss: str = opt("grpo", "per-token policy loss (grpo = ppo-clip: the clipped importance-ratio "
                                    "objective)", names=POLICY_LOSSES)
-    eps_low: float = opt(0.2, "the importance ratio is clipped below at 1 - eps_low")
-    eps_high: float = opt(0.2, "the importance ratio is clipped above at 1 + eps_high")
-    num_iterations: int = opt(1, "mu: optimizer updates per rollout batch (each over the whole batch)")
+    importance_sampling: Literal["token", "sequence"] = opt(
+        "token", "importance ratio per token (GRPO/PPO) or per sequence, the length-normalised sequence "
+                 "log-ratio (GSPO; TRL importance_sampling_level=sequence)")
+    eps_low: float = opt(0.2, "the importance ratio is clipped below at 1 - eps_low", ge=0)
+    eps_high: float = opt(0.2, "the importance ratio is clipped above at 1 + eps_high", ge=0)
+    num_iterations: int = opt(1, "mu: optimizer updates per rollout batch (each over the whole batch)", ge=1)
     old_logprobs: Literal["rollout", "recompute"] = opt(
         "rollout", "old log-probs of the importance ratio: rollout (the sampler's, as Tunix's default) or "
                    "recompute (one extra forward with the pre-update policy: the ratio starts at exactly 1, as TRL)")
     beta: float = opt(0.0, "KL penalty coefficient against the initial policy; 0 creates no reference model at "
                            "all (paper 1)")
     kl_estimator: str = opt("k3", "estimator of the KL penalty (used when beta != 0)", names=KL_ESTIMATORS)
+    kl_bias_correction: bool = opt(False, "multiply the KL term by the (differentiable) importance ratio, as TRL's "
+                                          "use_bias_correction_kl (TRL's default); off = the GRPO paper's k3 term")
+    mask_truncated_completions: bool = opt(False, "completions cut at rollout.max_new_tokens (no EOS) get no loss "
+                                                  "(TRL mask_truncated_completions); they still count in the "
+                                                  "reward statistics")
     reward: str = opt("boxed_math", "reward function: boxed_math (1 correct + 0.1 for a \\boxed answer; "
                                     "math-verify), boxed_exact (same values, exact match only)", names=REWARDS)
-    reward_timeout_s: float = opt(1.0, "time limit in seconds of one math-verify comparison (boxed_math)")
+    reward_timeout_s: float = opt(1.0, "time limit in seconds of one math-verify comparison (boxed_math)", gt=0, lt=float("inf"))
+    reward_weight: float = opt(1.0, "weight of `reward` in the training reward")
+    extra_rewards: dict[str, float] = opt(
+        help="more reward functions and their weights, summed with reward_weight x reward into the training "
+             "reward, each logged as reward/NAME (e.g. {format: 0.5, overlong_penalty: 1.0})", factory=dict)
 
     def validate(self):
         if self.num_iterations < 1:
             raise ConfigError("algo.num_iterations must be >= 1")
+        for name in self.extra_rewards:
+            if name not in REWARDS:
+                raise ConfigError(f"algo.extra_rewards: unknown reward {name!r}; known: {', '.join(REWARDS.names())}")
 
 
 @dataclass
 class OptimSection:
-    lr: float = opt(1e-6, "peak learning rate (AdamW)")
+    lr: float = opt(1e-6, "peak learning rate (AdamW)", gt=0, lt=float("inf"))
     schedule: Literal["linear", "constant", "cosine"] = opt("linear", "learning rate after warmup: linear or "
                                                                       "cosine decay to 0 at the last update, "
                                                                       "or constant")
-    warmup_steps: int = opt(1, "optimizer updates of linear warmup from 0 to lr")
-    weight_decay: float = opt(0.0, "AdamW decoupled weight decay")
-    b1: float = opt(0.9, "AdamW beta1")
-    b2: float = opt(0.999, "AdamW beta2")
-    eps: float = opt(1e-8, "AdamW epsilon")
-    max_grad_norm: float = opt(1.0, "clip gradients to this global norm (0 = no clipping)")
+    warmup_steps: int = opt(1, "optimizer updates of linear warmup from 0 to lr", ge=0)
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay", ge=0, lt=float("inf"))
+    b1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
+    b2: float = opt(0.999, "AdamW beta2", ge=0, lt=1)
+    eps: float = opt(1e-8, "AdamW epsilon", ge=0, lt=float("inf"))
+    max_grad_norm: float = opt(1.0, "clip gradients to this global norm (0 = no clipping)", ge=0, lt=float("inf"))
     micro_batch_size: int = opt(0, "sequences per micro-batch for gradient accumulation (0 = the whole batch); "
-                                   "the update equals the whole-batch one")
+                                   "the update equals the whole-batch one", ge=0)
 
 
 @dataclass
@@ -125,23 +147,23 @@ class QuantSection:
     qat_scheme: Literal["paper_int8", "int8", "int4", "w8a8"] = opt(
         "paper_int8", "QAT scheme: paper_int8 (per-tensor int8, scale frozen at load), int8 / int4 (AQT "
                       "weight-only), w8a8 (AQT int8 weights and activations)")
-    qat_group_size: int = opt(0, "QAT (AQT schemes): input rows per weight scale group (0 = per output channel)")
+    qat_group_size: int = opt(0, "QAT (AQT schemes): input rows per weight scale group (0 = per output channel)", ge=0)
     qat_stochastic_rounding: bool = opt(False, "QAT (AQT schemes): quantize the backward pass's incoming "
                                                "gradients to int8 with stochastic rounding")
     targets: str = opt(r".*\.(q|k|v|o|gate|up|down)_proj$", "regex over module paths of the Linears that QAT "
                                                              "quantizes or QLoRA packs and adapts (lm_head excluded)")
     base_format: Literal["nf4", "int4"] = opt("nf4", "QLoRA: packed format of the frozen base weights")
-    base_group_size: int = opt(64, "QLoRA int4 base: input rows per scale group")
-    lora_rank: int = opt(8, "QLoRA: rank r of each adapter")
-    lora_alpha: float = opt(16.0, "QLoRA: adapter output scale alpha / r")
-    lora_dropout: float = opt(0.05, "QLoRA: dropout on the adapter input in the update (not in rollouts)")
+    base_group_size: int = opt(64, "QLoRA int4 base: input rows per scale group", ge=1)
+    lora_rank: int = opt(8, "QLoRA: rank r of each adapter", ge=1)
+    lora_alpha: float = opt(16.0, "QLoRA: adapter output scale alpha / r", gt=0, lt=float("inf"))
+    lora_dropout: float = opt(0.05, "QLoRA: dropout on the adapter input in the update (not in rollouts)", ge=0, lt=1)
 
 
 @dataclass
 class MeshSection:
-    data: int = opt(1, "data-parallel mesh axis: batch split, parameters replicated (-1 = all remaining devices)")
-    fsdp: int = opt(-1, "FSDP mesh axis: batch split and parameters sharded (-1 = all remaining devices)")
-    tensor: int = opt(1, "tensor-parallel mesh axis: heads, MLP and vocabulary dimensions sharded")
+    data: int = opt(1, "data-parallel mesh axis: batch split, parameters replicated (-1 = all remaining devices)", ge=1, also=(-1,))
+    fsdp: int = opt(-1, "FSDP mesh axis: batch split and parameters sharded (-1 = all remaining devices)", ge=1, also=(-1,))
+    tensor: int = opt(1, "tensor-parallel mesh axis: heads, MLP and vocabulary dimensions sharded", ge=1)
     topology: str = opt("", "the hardware the recipe is written for, as a TPU topology (e.g. v5p:2x4x4): "
                             "--compile-only compiles for it when no --topology is given")
 
@@ -150,21 +172,28 @@ class MeshSection:
 class RunSection:
     out_dir: str = opt("runs/default", "run directory (local or gs:// URL): config.yaml, checkpoints, logs, HF "
                                        "exports; rerunning resumes from it")
-    steps: int = opt(100, "training steps (each: one rollout batch, num_iterations updates)")
+    steps: int = opt(100, "training steps (each: one rollout batch, num_iterations updates)", ge=1)
     seed: int = opt(0, "seed of prompt order, sampling and quantization/adapter initialisation")
-    save_every: int = opt(50, "save a checkpoint every N steps (and after the last)")
-    keep_checkpoints: int = opt(2, "checkpoints kept in the run directory (older ones are deleted)")
-    eval_every: int = opt(0, "evaluate on held-out problems every N steps (0 = only before and after training)")
-    eval_size: int = opt(128, "held-out problems per evaluation")
+    save_every: int = opt(50, "save a checkpoint every N steps (and after the last)", ge=1)
+    keep_checkpoints: int = opt(2, "checkpoints kept in the run directory (older ones are deleted)", ge=1)
+    eval_every: int = opt(0, "evaluate on held-out problems every N steps (0 = only before and after training)", ge=0)
+    eval_size: int = opt(128, "held-out problems per evaluation", ge=1)
     eval_greedy: bool = opt(True, "also evaluate greedy decoding (eval/accuracy is sampled at the rollout "
                                   "temperature)")
+    log_completions: int = opt(2, "sampled completions per step shown in TensorBoard's text tab (every completion "
+                                  "goes to completions.jsonl)", ge=0)
+    completions_jsonl: bool = opt(True, "write every sampled completion (prompt, completion, reward parts, "
+                                        "advantage) to completions.jsonl in the run dir")
+    compile_cache: str = opt("auto", "JAX persistent compilation cache dir, so a rerun of the same config skips "
+                                     "compiling: auto = $LRMQ_COMPILE_CACHE or ~/.cache/lrmq/jax; off = none",
+                             empty_ok=True)
     log_every: int = opt(1, "not used: metrics are logged every step (kept so older configs still load)")
     export_hf: bool = opt(True, "write HF exports of the policy before (initial_policy/) and after "
                                 "(final_policy/) training, e.g. for QuantLRM")
     preflight: Literal["auto", "on", "off"] = opt(
         "auto", "compile the update and the rollout before the first step and refuse to start when either needs "
                 "more memory per device than it has: auto = on accelerators only")
-    hbm_limit_gib: float = opt(0.0, "per-device memory the preflight check allows; 0 = the device's own limit")
+    hbm_limit_gib: float = opt(0.0, "per-device memory the preflight check allows; 0 = the device's own limit", ge=0, lt=float("inf"))
     progress: bool = opt(True, "show a progress bar")
 
 
