@@ -61,6 +61,11 @@ def tensor_index(ckpt_dir: str) -> dict[str, str]:
                 wm = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+        outside = sorted({v for v in wm.values() if not inside_dir(ckpt_dir, v)})
+        if outside:
+            raise CheckpointError(f"{index} names files outside the checkpoint directory {ckpt_dir}: {outside}")
         files = {os.path.join(ckpt_dir, v) for v in wm.values()}
         missing = sorted(f for f in files if not os.path.exists(f))
         if missing:
@@ -69,6 +74,16 @@ def tensor_index(ckpt_dir: str) -> dict[str, str]:
     if os.path.exists(single):
         return {name: single for name in _names_in(single)}
     raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def inside_dir(directory: str, name: str) -> bool:
+    """`name`, a path read from a checkpoint's metadata, stays inside `directory` (no absolute path, no
+    `..` out of it, no symlink pointing out of it)."""
+    if os.path.isabs(name) or not name:
+        return False
+    root = os.path.realpath(directory)
+    target = os.path.realpath(os.path.join(root, name))
+    return os.path.commonpath([root, target]) == root and target != root
 
 
 def _names_in(path: str) -> list[str]:
@@ -163,12 +178,21 @@ def load_hf_model(ckpt_dir: str, *, mesh=None, dtype: str | None = None, param_d
             arr = handles[path].get_tensor(hf_name)
             if tr == "T":
                 arr = arr.T
+            if not _finite(arr):
+                raise CheckpointError(f"{path}: tensor {hf_name} has non-finite values (NaN or Inf)")
             arr = np.asarray(arr).astype(target.dtype)
+            if not _finite(arr):
+                raise CheckpointError(f"{path}: tensor {hf_name} overflows {target.dtype} (values past its range)")
             var.set_value(_place(arr, var.get_metadata().get(LOGICAL_AXES_KEY), mesh))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
     return abstract
+
+
+def _finite(arr: np.ndarray) -> bool:
+    arr = np.asarray(arr)
+    return not np.issubdtype(arr.dtype, np.inexact) and arr.dtype != ml_dtypes.bfloat16 or bool(np.isfinite(arr).all())
 
 
 def _place(arr: np.ndarray, axes, mesh) -> jax.Array:

@@ -141,6 +141,12 @@ def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, o
 
 
 # ----------------------------------------------------------------------------- load
+def _all_finite(tree) -> bool:
+    """Every float leaf (a Param, or a packed weight's scales) is finite."""
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree)
+               if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating))
+
+
 def is_lrmq_checkpoint(path: str) -> bool:
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not (os.path.isfile(cfg_path) and os.path.isdir(os.path.join(path, PARAMS_DIR))
@@ -254,6 +260,10 @@ def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: st
         ckptr.close()
 
     cast = jnp.dtype(param_dtype) if param_dtype else None
+    bad = [p for p in sorted(variables) if not _all_finite(_lookup(restored, p))]
+    if bad:
+        raise CheckpointError(f"{os.path.join(path, PARAMS_DIR)}: non-finite values (NaN or Inf) in "
+                              + ", ".join(bad))
     for p, var in variables.items():
         value = _lookup(restored, p)
         if cast is not None and manifest[p]["type"] == "Param" and jnp.issubdtype(value.dtype, jnp.floating):

@@ -19,6 +19,21 @@ FAMILIES = ("qwen3", "qwen2", "llama", "olmo3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# config.json `architectures` of each family (the transformers class); another one is refused
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM"}
+
+
+def check_position_limit(cfg: "ModelConfig", positions: int, what: str) -> None:
+    """Refuse `positions` (prompt + new tokens, a perplexity window, ...) past the model's
+    `max_position_embeddings`: past it RoPE runs on untrained positions and the output is garbage
+    without any error. `what` names the setting(s) in the message, e.g.
+    ``check_position_limit(mcfg, r.max_prompt_len + r.max_new_tokens,
+    "rollout.max_prompt_len + rollout.max_new_tokens")``. Raises ConfigError."""
+    limit = cfg.max_position_embeddings
+    if positions > limit:
+        raise ConfigError(f"{what} = {positions} positions exceeds the model's max_position_embeddings "
+                          f"{limit}")
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,12 @@ class ModelConfig:
         family = hf.get("model_type")
         if family not in FAMILIES:
             raise ConfigError(f"{source}: model_type {family!r} is not supported; supported: {FAMILIES}")
+        archs = hf.get("architectures")
+        if archs is not None:
+            wrong = [a for a in (archs if isinstance(archs, list) else [archs]) if a != ARCHITECTURES[family]]
+            if wrong:
+                raise ConfigError(f"{source}: architectures {archs!r} disagrees with model_type {family!r} "
+                                  f"(expected [{ARCHITECTURES[family]!r}])")
 
         def need(key):
             if key not in hf:
@@ -196,8 +217,7 @@ class ModelConfig:
         """The config.json to export: the original one when we have it (bit-exact round trips)."""
         if self.hf_config:
             return copy.deepcopy(self.hf_config)
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                "olmo3": "Olmo3ForCausalLM"}[self.family]
+        arch = ARCHITECTURES[self.family]
         d: dict[str, Any] = {
             "architectures": [arch],
             "model_type": self.family,
