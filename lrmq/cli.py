@@ -1,0 +1,147 @@
+"""What every `python -m lrmq.NAME` command shares.
+
+* One error format: `lrmq.NAME: error: MESSAGE` on stderr, exit status 2, no traceback, for argparse
+  errors (`ArgumentParser`) and for bad inputs found later (`run_main`: the exceptions of
+  `USER_ERRORS`, a full disk included).
+* Numeric options are range-checked by argparse before any work starts (`number`), with the same
+  wording as config bounds (`lrmq.configlib`: `opt(ge=...)`): "must be >= 1, found 0".
+* Outputs never overlap inputs (`check_disjoint`): an output that is, contains or is inside an input
+  would delete or corrupt it when it is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import os
+import sys
+from typing import Callable, Mapping, Sequence
+
+from lrmq import paths
+from lrmq.atomic import DiskFullError
+
+
+class UsageError(ValueError):
+    """Bad command-line input found after parsing (a conflict between options, a path): exit status 2."""
+
+
+# what a bad input raises (CheckpointError, CalibrationError, ConfigError, ... are ValueErrors; an unknown
+# registry name is a KeyError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+               PermissionError, DiskFullError)
+
+
+def error_message(e: BaseException) -> str:
+    """The text of a user error: a KeyError without its quotes, a full disk with the path."""
+    if isinstance(e, DiskFullError):
+        return str(e)
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        where = e.filename or "an output"
+        return f"no space left on device while writing {where}"
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0])
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)) and e.filename \
+            and e.strerror and str(e).startswith("[Errno"):
+        return f"{e.filename}: {e.strerror}"
+    return str(e) or type(e).__name__
+
+
+def print_error(name: str, e: BaseException | str) -> None:
+    msg = e if isinstance(e, str) else error_message(e)
+    print(f"lrmq.{name}: error: {msg}", file=sys.stderr)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with lrmq's error line: `lrmq.NAME: error: ...` (after the usage), exit status 2."""
+
+    def __init__(self, name: str, **kw):
+        kw.setdefault("prog", f"python -m lrmq.{name}")
+        super().__init__(**kw)
+        self.lrmq_name = name
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"lrmq.{self.lrmq_name}: error: {message}\n")
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno == errno.ENOSPC)
+
+
+def run_main(name: str, body: Callable[[], int], errors: tuple = USER_ERRORS) -> int:
+    """Run a command's body; a bad input (`errors`) or a full disk becomes one error line and exit 2."""
+    try:
+        return body()
+    except errors as e:
+        print_error(name, e)
+        return 2
+    except OSError as e:
+        if _is_disk_full(e):
+            print_error(name, e)
+            return 2
+        raise
+
+
+_OPS = (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b), ("le", "<=", lambda v, b: v <= b),
+        ("lt", "<", lambda v, b: v < b))
+
+
+def number(kind: type = int, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None, also: Sequence[float] = ()) -> Callable[[str], float]:
+    """An argparse `type=` for a range-checked int or float; NaN and infinities are always refused,
+    `also`: values allowed outside the bounds (e.g. -1 = per channel)."""
+    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt}
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, found {text!r}") from None
+        if v in also:
+            return v
+        if kind is float and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, found {text!r}")
+        for key, sym, ok in _OPS:
+            b = bounds[key]
+            if b is not None and not ok(v, b):
+                want = " and ".join(f"{s} {bounds[k]}" for k, s, _ in _OPS if bounds[k] is not None)
+                want += "".join(f" or {a}" for a in also)
+                raise argparse.ArgumentTypeError(f"must be {want}, found {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def _local(p: str | None) -> str | None:
+    if not p or paths.is_url(p):
+        return None
+    return os.path.realpath(os.path.abspath(p))
+
+
+def overlap(out: str, inp: str) -> str | None:
+    """How the output path `out` overlaps the input path `inp` ("is", "contains", "is inside"), or None."""
+    o, i = _local(out), _local(inp)
+    if o is None or i is None:
+        return None
+    if o == i:
+        return "is"
+    if os.path.commonpath([o, i]) == o:
+        return "contains"
+    if os.path.commonpath([o, i]) == i:
+        return "is inside"
+    return None
+
+
+def check_disjoint(outputs: Mapping[str, str | None], inputs: Mapping[str, str | None]) -> None:
+    """Every output (what the flag or key is called -> path) is disjoint from every input and from the other
+    outputs; raises UsageError naming both. URLs are not compared."""
+    outs = [(k, v) for k, v in outputs.items() if v]
+    for n, (oflag, out) in enumerate(outs):
+        for iflag, inp in list(inputs.items()) + outs[n + 1:]:
+            how = overlap(out, inp) if inp else None
+            if how:
+                raise UsageError(f"{oflag} {out} {how} {iflag} {inp}: an output must be a separate directory "
+                                 "from every input (it would be replaced or deleted)")
