@@ -3,23 +3,23 @@
     python -m lrmq.convert [--from hf|lrmq] --to hf|lrmq SRC DST [--dtype bfloat16] [--overwrite]
 
 The source kind is detected when --from is omitted. Tokenizer files travel along. Output is atomic:
-on any error DST is not created (or, with --overwrite, left as it was). Errors about the input are one
-line-group on stderr and exit code 2, without a traceback.
+on any error DST is not created (or, with --overwrite, left as it was), a full disk included. DST may not
+be, contain or lie inside SRC. Errors about the input are one line-group on stderr
+(`lrmq.convert: error: ...`) and exit code 2, without a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from lrmq.checkpoint.hf import CheckpointError, load_hf_model, save_hf_model
 from lrmq.checkpoint.load import checkpoint_kind
 from lrmq.checkpoint.orbax_io import load_lrmq, save_lrmq
-from lrmq.model.config import DTYPES, ConfigError
+from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main
+from lrmq.model.config import DTYPES
 
 KINDS = ("hf", "lrmq")
-USER_ERRORS = (CheckpointError, ConfigError, FileNotFoundError, FileExistsError)
 
 
 def convert(src: str, dst: str, *, to: str, src_kind: str | None = None, dtype: str | None = None,
@@ -31,10 +31,9 @@ def convert(src: str, dst: str, *, to: str, src_kind: str | None = None, dtype: 
     if src_kind is not None and src_kind != kind:
         raise CheckpointError(f"{src}: --from {src_kind} given, but this is an {kind} checkpoint")
     # Fail before the (possibly long) load rather than after it.
+    check_disjoint({"DST": dst}, {"SRC": src})  # also DST inside SRC or SRC inside DST
     if os.path.exists(dst) and not overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(dst)} already exists (pass --overwrite)")
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise CheckpointError(f"{dst}: source and destination are the same directory")
 
     if kind == "hf":
         model = load_hf_model(src, dtype=dtype, param_dtype=dtype)
@@ -47,23 +46,23 @@ def convert(src: str, dst: str, *, to: str, src_kind: str | None = None, dtype: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lrmq.convert", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser("convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("--from", dest="src_kind", choices=KINDS, help="source kind (default: detect)")
     ap.add_argument("--to", required=True, choices=KINDS, help="target kind")
     ap.add_argument("--dtype", choices=tuple(DTYPES), help="store parameters in this dtype (default: keep)")
-    ap.add_argument("--max-shard-gb", type=float, default=2.0, help="HF output: safetensors shard size")
+    ap.add_argument("--max-shard-gb", type=number(float, gt=0), default=2.0, help="HF output: safetensors shard size")
     ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     ap.add_argument("src", metavar="SRC")
     ap.add_argument("dst", metavar="DST")
     args = ap.parse_args(argv)
-    try:
+
+    def body() -> int:
         convert(args.src, args.dst, to=args.to, src_kind=args.src_kind, dtype=args.dtype,
-                overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1024**3))
-    except USER_ERRORS as e:
-        print(f"lrmq.convert: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.to} checkpoint {args.dst}")
-    return 0
+                overwrite=args.overwrite, max_shard_bytes=max(1, int(args.max_shard_gb * 1024**3)))
+        print(f"wrote {args.to} checkpoint {args.dst}")
+        return 0
+
+    return run_main("convert", body, USER_ERRORS)
 
 
 if __name__ == "__main__":
