@@ -27,8 +27,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "lrmq.quant.training", "lrmq.generation", "lrmq.generation.")),
     ("io", ("lrmq.checkpoint", "lrmq.checkpoint.", "lrmq.data", "lrmq.data.")),
     ("algorithms", ("lrmq.rl", "lrmq.rl.", "lrmq.ptq", "lrmq.ptq.")),
-    ("drivers", ("lrmq.rl.trainer", "lrmq.aot", "lrmq.perplexity")),
-    ("commands", ("lrmq.train", "lrmq.quantize", "lrmq.generate", "lrmq.convert")),
+    ("drivers", ("lrmq.rl.trainer", "lrmq.aot", "lrmq.perplexity", "lrmq.evals", "lrmq.evals.")),
+    ("commands", ("lrmq.train", "lrmq.quantize", "lrmq.generate", "lrmq.convert", "lrmq.evaluate")),
 ]
 FIRST_PARTY = ("lrmq", "pallas_kernels")
 

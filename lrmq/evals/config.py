@@ -1,0 +1,78 @@
+"""`EvalConfig`: the typed config of `python -m lrmq.evaluate` (YAML `--config configs/eval/NAME.yaml` plus
+dotted `key=value` overrides). A suite's protocol (`lrmq.evals.benchmarks.SUITES`) gives the generation
+defaults; the YAML and the overrides go on top."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from lrmq.configlib import ConfigError, apply_overrides, config_from_dict, opt
+from lrmq.evals.benchmarks import resolve_suite
+
+
+@dataclass
+class GenerationSection:
+    max_new_tokens: int = opt(512, "new tokens per completion (capped by the model's positions, see length_policy)")
+    temperature: float = opt(1.0, "sampling temperature (ignored when greedy)")
+    top_p: float = opt(1.0, "nucleus sampling mass (1.0 = off)")
+    top_k: int = opt(0, "top-k sampling (0 = off)")
+    greedy: bool = opt(False, "argmax decoding (paper 1's STE-model protocol)")
+    samples: int = opt(1, "K completions per problem: pass@1 is their mean, pass@k unbiased")
+    batch_size: int = opt(32, "sequences per generate call; requests are sorted by prompt length first")
+    segment_tokens: int = opt(0, "decode in segments of this many tokens; rows that finished leave the batch "
+                                 "between segments and the rest is re-prefilled (0 = one call to max_new_tokens)")
+    seed: int = opt(0, "sampling seed; batch b uses fold_in(key(seed), b), so reruns and resumes repeat")
+    max_positions: int = opt(0, "prompt + completion limit (0 = the model's max_position_embeddings)")
+    length_policy: str = opt("cap", "when prompt + max_new_tokens passes max_positions: cap the new tokens "
+                                    "(warning) or error", names=("cap", "error"), kind="length policy")
+
+    def validate(self):
+        if self.samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("samples, batch_size and max_new_tokens must be >= 1")
+        if self.segment_tokens < 0 or self.max_positions < 0:
+            raise ValueError("segment_tokens and max_positions must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str = opt("", "HF or lrmq checkpoint directory (packed int4/int8/NF4 too); 'tiny' = the shipped model")
+    adapter: str = opt("", "a PEFT LoRA adapter directory applied unmerged on top of the checkpoint (QLoRA)")
+    suite: str = opt("paper1", "paper1, quantlrm, a benchmark name, or comma-separated benchmark names")
+    benchmarks: list[str] = opt(help="run only these benchmarks of the suite (empty = all)", factory=list)
+    limit: int = opt(0, "first N items of each benchmark (0 = all)")
+    data_dir: str = opt("", "local benchmark files (empty = $LRMQ_EVAL_DATA or ~/.cache/lrmq/evals)")
+    out_dir: str = opt("", "run directory: completions.jsonl, results.json, results.md, tb/")
+    dtype: Optional[str] = opt(None, "compute dtype override (float32 | bfloat16)")
+    pass_k: list[int] = opt(help="report pass@k for these k (each <= samples)", factory=lambda: [1])
+    timeout_s: float = opt(1.0, "math-verify time bound per comparison")
+    tensorboard: bool = opt(True, "write TensorBoard scalars to out_dir/tb")
+    progress: bool = opt(True, "progress bar with ETA over sequences")
+    generation: GenerationSection = opt(help="decoding protocol", factory=GenerationSection)
+
+    def validate(self):
+        resolve_suite(self.suite)
+        if any(k < 1 for k in self.pass_k):
+            raise ValueError(f"pass_k must be >= 1 (got {self.pass_k})")
+        if self.limit < 0:
+            raise ValueError("limit must be >= 0")
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def eval_config(data: Optional[dict] = None, overrides: Sequence[str] = (), source: str = "<eval config>") -> EvalConfig:
+    """EvalConfig from a raw YAML dict and dotted overrides, on top of the suite's protocol defaults."""
+    data = dict(data or {})
+    raw, _ = apply_overrides(EvalConfig, data, overrides)
+    suite_name = raw.get("suite") or "paper1"
+    try:
+        suite, _ = resolve_suite(str(suite_name))
+    except KeyError as e:
+        raise ConfigError(f"{source}: suite: {e.args[0]}") from None
+    base: dict[str, Any] = {"generation": dict(suite.generation)}
+    return config_from_dict(EvalConfig, _deep_merge(base, raw), source)

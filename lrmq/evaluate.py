@@ -1,0 +1,170 @@
+"""`python -m lrmq.evaluate --checkpoint DIR --suite paper1|quantlrm|NAME [--samples K] [--greedy] [--limit N]
+[--out DIR] [--config configs/eval/NAME.yaml] [key=value ...]`: benchmark scores with the papers' protocols.
+
+Suites, data files, outputs and how lrmq's choices differ from the papers: docs/evaluate.md.
+`--rescore` re-scores an existing run's completions.jsonl without generating.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from lrmq import cli, configlib
+from lrmq.checkpoint.load import load_model, resolve_checkpoint
+from lrmq.checkpoint.peft import ADAPTER_CONFIG, load_lora
+from lrmq.config_help import to_plain
+from lrmq.configlib import ConfigError
+from lrmq.evals.benchmarks import BENCHMARKS, EvalDataError, default_data_dir, load_items, resolve_suite
+from lrmq.evals.config import EvalConfig, eval_config
+from lrmq.evals.runner import (COMPLETIONS, RESULTS, TABLE, EvalError, markdown_table, open_writer, read_records,
+                               run_suite, score_records, summarize_records)
+from lrmq.atomic import atomic_write_text
+from lrmq.quant.lora import DEFAULT_TARGETS, apply_lora
+from lrmq.tokenizer import Tokenizer
+
+RUN_CONFIG = "eval_config.yaml"
+# Settings that change what a completion is: a run dir holding another value cannot be resumed.
+_RUN_KEYS = ("checkpoint", "adapter", "suite", "dtype", "generation")
+
+
+def parse_args(argv=None):
+    ap = cli.ArgumentParser("evaluate", description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", help="HF or lrmq checkpoint directory ('tiny' = the shipped model)")
+    ap.add_argument("--suite", help="paper1, quantlrm, a benchmark name, or comma-separated benchmark names")
+    ap.add_argument("--samples", type=cli.number(int, ge=1), help="K samples per problem (pass@1 = their mean)")
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding")
+    ap.add_argument("--limit", type=cli.number(int, ge=0), help="first N items per benchmark")
+    ap.add_argument("--out", help="run directory (default eval_runs/SUITE_CHECKPOINT)")
+    ap.add_argument("--data-dir", help="local benchmark files (default $LRMQ_EVAL_DATA or ~/.cache/lrmq/evals)")
+    ap.add_argument("--rescore", action="store_true", help="re-score --out's completions.jsonl; no generation")
+    ap.add_argument("--overwrite", action="store_true", help="discard --out's records of a different config")
+    configlib.add_config_args(ap, EvalConfig)  # --config, key=value overrides, --help-config, --print-config
+    return ap.parse_args(argv)
+
+
+def build_config(args) -> EvalConfig:
+    data, source = {}, "<command line>"
+    if args.config:
+        source = args.config
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                data = configlib.parse_yaml(f.read()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {args.config}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{args.config}: top level must be a mapping")
+    flags = []
+    for flag, key in (("checkpoint", "checkpoint"), ("suite", "suite"), ("samples", "generation.samples"),
+                      ("limit", "limit"), ("out", "out_dir"), ("data_dir", "data_dir")):
+        v = getattr(args, flag)
+        if v is not None:
+            flags.append(f"{key}={v}")
+    if args.greedy:
+        flags.append("generation.greedy=true")
+    cfg = eval_config(data, [*flags, *args.overrides], source)
+    if not cfg.out_dir:
+        name = os.path.basename(os.path.normpath(cfg.checkpoint)) or "model"
+        cfg.out_dir = os.path.join("eval_runs", f"{cfg.suite.replace(',', '+')}_{name}")
+    return cfg
+
+
+def run_meta(cfg: EvalConfig) -> dict:
+    plain = to_plain(cfg)
+    for k in ("out_dir", "progress", "tensorboard", "data_dir"):
+        plain.pop(k, None)
+    return {"suite": cfg.suite, "checkpoint": cfg.checkpoint, "config": plain}
+
+
+def check_run_dir(cfg: EvalConfig, overwrite: bool) -> None:
+    """A run dir belongs to one config: resuming with another would mix completions."""
+    path = os.path.join(cfg.out_dir, RUN_CONFIG)
+    if os.path.exists(path):
+        old = configlib.load_config(EvalConfig, path)
+        diff = [k for k in _RUN_KEYS if to_plain(getattr(old, k)) != to_plain(getattr(cfg, k))]
+        if diff and not overwrite:
+            raise EvalError(f"{cfg.out_dir} holds a run with different {', '.join(diff)} (see {path}); use another "
+                            "--out, or --overwrite to discard its records")
+        if diff:
+            for f in (COMPLETIONS, RESULTS, TABLE):
+                if os.path.exists(os.path.join(cfg.out_dir, f)):
+                    os.remove(os.path.join(cfg.out_dir, f))
+    configlib.save_config(cfg, path)
+
+
+def load_eval_model(cfg: EvalConfig):
+    ckpt = resolve_checkpoint(cfg.checkpoint)
+    model = load_model(ckpt, dtype=cfg.dtype)
+    if cfg.adapter:
+        with open(os.path.join(cfg.adapter, ADAPTER_CONFIG)) as f:
+            acfg = json.load(f)
+        apply_lora(model, DEFAULT_TARGETS, rank=int(acfg["r"]), alpha=float(acfg["lora_alpha"]), mode="eval")
+        load_lora(model, cfg.adapter)
+    return model, Tokenizer.from_dir(ckpt)
+
+
+def rescore(cfg: EvalConfig) -> dict:
+    suite, names = resolve_suite(cfg.suite)
+    names = [n for n in names if not cfg.benchmarks or n in cfg.benchmarks]
+    path = os.path.join(cfg.out_dir, COMPLETIONS)
+    records = read_records(path, repair=False)
+    if not records:
+        raise EvalError(f"--rescore: {path} has no records")
+    records = score_records(records, timeout_s=cfg.timeout_s)
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records))
+    names = [n for n in names if any(r["benchmark"] == n for r in records)]
+    results = summarize_records(records, suite, names, [k for k in cfg.pass_k if k <= cfg.generation.samples])
+    atomic_write_text(os.path.join(cfg.out_dir, RESULTS),
+                      json.dumps({**run_meta(cfg), **results}, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(os.path.join(cfg.out_dir, TABLE), markdown_table(results))
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return cli.run_main("evaluate", lambda: _main(args))
+
+
+def _main(args) -> int:
+    cfg = build_config(args)
+    if args.print_config:
+        print(configlib.dump_config(cfg, comments=True), end="")
+        return 0
+    if args.rescore:
+        print(markdown_table(rescore(cfg)), end="")
+        return 0
+    if not cfg.checkpoint:
+        raise ConfigError("--checkpoint (or checkpoint: in --config) is required")
+    suite, names = resolve_suite(cfg.suite)
+    bad = [n for n in cfg.benchmarks if n not in names]
+    if bad:
+        raise ConfigError(f"benchmarks {bad} are not in suite {cfg.suite!r} ({names})")
+    names = [n for n in names if not cfg.benchmarks or n in cfg.benchmarks]
+    data_dir = os.path.expanduser(cfg.data_dir) if cfg.data_dir else default_data_dir()
+    items, errors = [], []
+    for n in names:
+        try:
+            items += load_items(BENCHMARKS[n], data_dir, cfg.limit)
+        except EvalDataError as e:
+            errors.append(str(e))
+    if errors:
+        raise EvalDataError("\n".join(errors))
+    check_run_dir(cfg, args.overwrite)
+    model, tok = load_eval_model(cfg)
+    writer = open_writer(cfg.out_dir) if cfg.tensorboard else None
+    try:
+        results = run_suite(model, tok, items, cfg.generation, suite=suite, out_dir=cfg.out_dir, pass_k=cfg.pass_k,
+                            timeout_s=cfg.timeout_s, progress=cfg.progress, writer=writer, meta=run_meta(cfg))
+    finally:
+        if writer is not None:
+            writer.close()
+    print(markdown_table(results), end="")
+    t = results["timing"]
+    print(f"[lrmq.evaluate] {t['generated_sequences']} sequences, {t['new_tokens']} new tokens in {t['seconds']:.1f}s; "
+          f"results in {os.path.join(cfg.out_dir, RESULTS)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
