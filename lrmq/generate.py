@@ -3,37 +3,40 @@
 Accepts an HF checkpoint directory (converted in memory) or an lrmq checkpoint, including packed
 quantized ones. Prints completions (or one JSON object per prompt with --json) to stdout and
 throughput to stderr.
+
+Bad input (a number out of range, a prompt whose tokens plus --max-new-tokens exceed the model's
+max_position_embeddings, non-finite weights, an unreadable prompts file) is one line
+`lrmq.generate: error: ...` and exit status 2, before anything is generated.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 from lrmq import aot
 from lrmq.checkpoint.load import load_model
-from lrmq.configlib import ConfigError
+from lrmq.cli import ArgumentParser, UsageError, number, run_main
 from lrmq.generation.engine import Generator
 from lrmq.generation.sampling import SamplingConfig
-from lrmq.model.config import ModelConfig
+from lrmq.model.config import ModelConfig, check_position_limit
 from lrmq.model.presets import preset_config
 from lrmq.sharding import make_mesh
 from lrmq.tokenizer import Tokenizer
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m lrmq.generate", description=__doc__.splitlines()[0])
+    ap = ArgumentParser("generate", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="HF or lrmq checkpoint directory")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     src.add_argument("--prompts-file", help="text file, one prompt per line (or .jsonl with a 'prompt' field)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=number(int, ge=1), default=128)
     ap.add_argument("--greedy", action="store_true")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--temperature", type=number(float, gt=0), default=1.0)
+    ap.add_argument("--top-p", type=number(float, gt=0, le=1), default=1.0)
+    ap.add_argument("--top-k", type=number(int, ge=0), default=0, help="0 = off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat", action="store_true", help="wrap each prompt with the model's chat template")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
@@ -44,8 +47,8 @@ def parse_args(argv=None):
     aot.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:2x4")
     aot.add_argument("--shapes", default=None, help="architecture preset (lrmq/model/presets.py) instead of "
                                                       "--checkpoint's config.json")
-    aot.add_argument("--batch", type=int, default=8, help="sequences per generate call")
-    aot.add_argument("--prompt-len", type=int, default=512, help="left-padded prompt length")
+    aot.add_argument("--batch", type=number(int, ge=1), default=8, help="sequences per generate call")
+    aot.add_argument("--prompt-len", type=number(int, ge=1), default=512, help="left-padded prompt length")
     aot.add_argument("--pack", choices=["int4", "int8", "nf4"], default=None,
                      help="compile with every linear packed in this format (the Pallas kernels serve them)")
     args = ap.parse_args(argv)
@@ -61,16 +64,23 @@ def read_prompts(args) -> list[str]:
     if args.prompt:
         return list(args.prompt)
     try:
-        with open(args.prompts_file) as f:
+        with open(args.prompts_file, encoding="utf-8") as f:
             lines = [l.rstrip("\n") for l in f if l.strip()]
     except FileNotFoundError:
-        raise SystemExit(f"error: prompts file {args.prompts_file} does not exist")
+        raise FileNotFoundError(f"prompts file {args.prompts_file} does not exist") from None
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise UsageError(f"prompts file {args.prompts_file}: cannot read it as text ({e})") from None
+    if not lines:
+        raise UsageError(f"prompts file {args.prompts_file} has no prompts")
     if args.prompts_file.endswith(".jsonl"):
         out = []
         for i, l in enumerate(lines):
-            rec = json.loads(l)
-            if "prompt" not in rec:
-                raise SystemExit(f"error: {args.prompts_file} line {i + 1} has no 'prompt' field")
+            try:
+                rec = json.loads(l)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{args.prompts_file} line {i + 1} is not JSON ({e})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                raise UsageError(f"{args.prompts_file} line {i + 1} has no 'prompt' text field")
             out.append(rec["prompt"])
         return out
     return lines
@@ -78,13 +88,10 @@ def read_prompts(args) -> list[str]:
 
 def compile_only(args) -> int:
     """--compile-only: per-device memory, FLOPs and compile time of one generate call."""
-    try:
-        mcfg = (preset_config(args.shapes, dtype=args.dtype) if args.shapes
-                else ModelConfig.from_hf_file(args.checkpoint, dtype=args.dtype))
-        devices = list(aot.topology_devices(args.topology)) if args.topology else None
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    mcfg = (preset_config(args.shapes, dtype=args.dtype) if args.shapes
+            else ModelConfig.from_hf_file(args.checkpoint, dtype=args.dtype))
+    check_position_limit(mcfg, args.prompt_len + args.max_new_tokens, "--prompt-len + --max-new-tokens")
+    devices = list(aot.topology_devices(args.topology)) if args.topology else None
     mesh = make_mesh(None, devices=devices)
     graphdef, state = aot.abstract_model(mcfg, mesh, pack=args.pack)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -108,17 +115,24 @@ def compile_only(args) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
-        return compile_only(args)
+        return run_main("generate", lambda: compile_only(args))
+    return run_main("generate", lambda: generate(args))
+
+
+def generate(args) -> int:
     prompts = read_prompts(args)
-    try:
-        model = load_model(args.checkpoint, dtype=args.dtype)
-        tok = Tokenizer.from_dir(args.checkpoint)
-        sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    tok = Tokenizer.from_dir(args.checkpoint)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
     ids = [tok.encode(t) for t in texts]
+    empty = [i + 1 for i, x in enumerate(ids) if not x]
+    if empty:
+        raise UsageError(f"prompt {empty[0]} has no tokens")
+    model = load_model(args.checkpoint, dtype=args.dtype)
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    check_position_limit(model.cfg, len(ids[longest]) + args.max_new_tokens,
+                         f"prompt {longest + 1} ({len(ids[longest])} tokens) + --max-new-tokens "
+                         f"({args.max_new_tokens})")
     gen = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     t0 = time.perf_counter()
     res = gen.generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)

@@ -13,12 +13,18 @@ quantized matmul kernels), and optionally OUT2, a Hugging Face checkpoint with t
 dequantized ("fake-quantized"), e.g. for HF/vLLM evaluation of exactly the quantized model. The
 config form writes `outputs.dir` (formats, report, QuantLRM importance; see docs/ptq.md).
 
-Exit status 2 with a message naming the flag, key or file on bad input; nothing is written then.
+awq, gptq and quantlrm need calibration data (`--calibration FILE`; there is no built-in default set):
+documents (.txt, or .jsonl/.json/.parquet with a `text` field) or a prompt dataset such as lrmq's own
+data JSONL (a `problem` field: the flag form detects it and renders each problem with the model's chat
+template, the QuantLRM paper's recipe; `--calibration-source` forces a recipe).
+
+Exit status 2 with one line `lrmq.quantize: error: ...` naming the flag, key or file on bad input
+(numbers out of range, options that conflict or that the method ignores, an output that is, contains
+or lies inside an input, a full disk); nothing is written then.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -27,10 +33,11 @@ import sys
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import checkpoint_kind
 from lrmq.checkpoint.orbax_io import save_lrmq
+from lrmq.cli import USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main
 from lrmq.configlib import add_config_args, dump_config
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
 from lrmq.ptq.exports import packed_kernels
-from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config
+from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
 from lrmq.ptq.pipeline import load_float_model, prepare, resolve_model_path, run_quantize
 from lrmq.quant.quantizers import check_bits
 from lrmq.quant.training import param_bytes
@@ -39,30 +46,31 @@ from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
 # (bits, group_size) of a method when the flags leave them unset; otherwise QuantizeConfig's 4 / 128
 FLAG_DEFAULTS = {"int8": (8, -1), "nf4": (4, 64)}
 # what a bad input raises (CheckpointError, CalibrationError, ExportError, QuantLRMError and
-# ConfigError are ValueErrors; an unknown registry name is a KeyError)
-INPUT_ERRORS = (FileNotFoundError, FileExistsError, KeyError, ValueError)
-
-
-class UsageError(ValueError):
-    """Bad user input: reported as `error: ...` with exit status 2."""
+# ConfigError are ValueErrors; an unknown registry name is a KeyError; a full disk: DiskFullError)
+INPUT_ERRORS = USER_ERRORS
+CALIBRATION_SOURCES = ("text", "reasoning", "prompts")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m lrmq.quantize", description=__doc__.splitlines()[0],
+    ap = ArgumentParser("quantize", description=__doc__.splitlines()[0],
                                  epilog="Or: python -m lrmq.quantize --config configs/ptq/NAME.yaml [key=value ...] "
                                         "for the full PTQ pipeline (calibration, AWQ/GPTQ/QuantLRM, exports); "
                                         "--help-config lists its options.")
     ap.add_argument("--checkpoint", required=True, help="float HF or lrmq checkpoint directory")
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
     ap.add_argument("--bits", type=int, default=None)
-    ap.add_argument("--group-size", type=int, default=None, help="-1: per output channel")
+    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None, help="-1: per output channel")
     ap.add_argument("--symmetric", action="store_true")
     ap.add_argument("--targets", default=DEFAULT_TARGETS, help="regex over module paths (lm_head excluded)")
     ap.add_argument("--out", required=True, help="packed lrmq checkpoint to write")
     ap.add_argument("--export-hf-fake", default=None, metavar="OUT2", help="also write a fake-quantized HF checkpoint")
     ap.add_argument("--overwrite", action="store_true")
-    ap.add_argument("--calibration", default=None, help="awq/gptq/quantlrm: calibration text file (jsonl/txt/parquet)")
-    ap.add_argument("--calibration-source", default="text", choices=["text", "reasoning", "prompts"])
+    ap.add_argument("--calibration", default=None,
+                    help="awq/gptq/quantlrm (required there): documents (.txt, or .jsonl/.json/.parquet with a "
+                         "'text' field) or a prompt dataset (a 'problem' field, e.g. lrmq's data JSONL)")
+    ap.add_argument("--calibration-source", default=None, choices=CALIBRATION_SOURCES,
+                    help="calibration recipe (default: prompts for a file whose records have a 'problem' and no "
+                         "'text' field, else text)")
     ap.add_argument("--base", default=None, help="quantlrm: the pre-fine-tuning checkpoint")
     ap.add_argument("--run-dir", default=None, help="quantlrm: a GRPO run dir (final_policy + initial_policy)")
     return ap.parse_args(argv)
@@ -74,15 +82,63 @@ def config_from_flags(args):
     cfg = QuantizeConfig(model=args.checkpoint, method=args.method, bits=bits if args.bits is None else args.bits,
                          group_size=group if args.group_size is None else args.group_size,
                          symmetric=args.symmetric, targets=args.targets)
-    calib = dataclasses.replace(cfg.calibration, path=args.calibration, source=args.calibration_source)
+    calib = dataclasses.replace(cfg.calibration, path=args.calibration,
+                                source=args.calibration_source or sniff_calibration_source(args.calibration))
     qlrm = dataclasses.replace(cfg.quantlrm, base=args.base, run_dir=args.run_dir, plot=False)
     return dataclasses.replace(cfg, calibration=calib, quantlrm=qlrm)
+
+
+def sniff_calibration_source(path: str | None) -> str:
+    """"prompts" for a JSONL / JSON file whose first record has a `problem` and no `text` field (lrmq's own
+    data files), else "text"."""
+    if not path or not os.path.isfile(path) or os.path.splitext(path)[1].lower() not in (".jsonl", ".json"):
+        return "text"
+    try:
+        with open(path, encoding="utf-8") as f:
+            if path.lower().endswith(".jsonl"):
+                first = next((line for line in f if line.strip()), "")
+                rec = json.loads(first) if first else {}
+            else:
+                data = json.load(f)
+                rec = data[0] if isinstance(data, list) and data else data
+    except (OSError, ValueError, UnicodeDecodeError):
+        return "text"  # the calibration reader reports what is wrong with the file
+    if isinstance(rec, dict) and "problem" in rec and "text" not in rec:
+        return "prompts"
+    return "text"
+
+
+def check_paths(outputs: dict, cfg) -> None:
+    """No output is, contains or lies inside an input (the checkpoint, the QuantLRM pair, the calibration
+    file, the tokenizer) or another output: replacing it would delete that input (UsageError)."""
+    flag = "outputs.dir" in outputs
+    inputs = {("model" if flag else "--checkpoint"): resolve_model_path(cfg.model) if cfg.model else None,
+              ("quantlrm.base" if flag else "--base"): cfg.quantlrm.base,
+              ("quantlrm.run_dir" if flag else "--run-dir"): cfg.quantlrm.run_dir,
+              ("calibration.path" if flag else "--calibration"): cfg.calibration.path,
+              "tokenizer": cfg.tokenizer}
+    check_disjoint(outputs, inputs)
 
 
 def check_flags(args, cfg) -> None:
     """Flag errors found without reading any checkpoint (UsageError)."""
     if args.method not in PTQ_METHODS:
         raise UsageError(f"--method {args.method!r} is not registered; known: {PTQ_METHODS.names()}")
+    if args.base and args.run_dir:
+        raise UsageError("--base and --run-dir both name the base checkpoint; give one (--run-dir: its "
+                         "initial_policy and final_policy)")
+    if args.method != "quantlrm":
+        for flag, value in (("--base", args.base), ("--run-dir", args.run_dir)):
+            if value:
+                raise UsageError(f"{flag} is used by --method quantlrm only; --method {args.method} ignores it")
+    if not needs_calibration(args.method):
+        for flag, value in (("--calibration", args.calibration), ("--calibration-source", args.calibration_source)):
+            if value:
+                raise UsageError(f"{flag} is used by awq, gptq and quantlrm only; --method {args.method} "
+                                 "ignores it")
+    elif not args.calibration:
+        raise UsageError(f"--method {args.method} needs --calibration FILE: documents (.txt, or .jsonl/.json/"
+                         ".parquet with a 'text' field) or a prompt dataset such as lrmq's data JSONL")
     if args.bits is not None:
         try:
             check_bits(args.bits)
@@ -92,11 +148,10 @@ def check_flags(args, cfg) -> None:
         check_method_config(cfg)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    check_paths({"--out": args.out, "--export-hf-fake": args.export_hf_fake}, cfg)
     for flag, path in (("--out", args.out), ("--export-hf-fake", args.export_hf_fake)):
         if path and os.path.exists(path) and not args.overwrite:
             raise UsageError(f"{flag} {path} already exists (pass --overwrite to replace it)")
-    if args.export_hf_fake and os.path.abspath(args.export_hf_fake) == os.path.abspath(args.out):
-        raise UsageError("--out and --export-hf-fake must be different directories")
 
 
 def check_targets(model, cfg) -> None:
@@ -144,20 +199,21 @@ def run(args) -> dict:
 
 def config_main(argv) -> int:
     """`--config F [key=value ...]`: lrmq.ptq.pipeline.run_quantize; prints a JSON summary."""
-    ap = argparse.ArgumentParser(prog="python -m lrmq.quantize", description="Offline PTQ from a YAML config")
+    ap = ArgumentParser("quantize", description="Offline PTQ from a YAML config")
     add_config_args(ap, QuantizeConfig, required=True)  # also --help-config and --print-config
     args = ap.parse_args(argv)
-    try:
+
+    def body() -> int:
         cfg = load_quantize_config(args.config, args.overrides)
+        check_paths({"outputs.dir": cfg.outputs.dir}, cfg)
         if args.print_config:
             print(dump_config(cfg, comments=True))
             return 0
         report = run_quantize(cfg)
-    except INPUT_ERRORS as e:
-        print(f"lrmq.quantize: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({k: report[k] for k in ("method", "bits", "group_size", "out_dir", "calibration_blocks")}))
-    return 0
+        print(json.dumps({k: report[k] for k in ("method", "bits", "group_size", "out_dir", "calibration_blocks")}))
+        return 0
+
+    return run_main("quantize", body, INPUT_ERRORS)
 
 
 def main(argv=None) -> int:
@@ -165,15 +221,15 @@ def main(argv=None) -> int:
     if "--config" in argv or "--help-config" in argv:  # the full pipeline (calibration, AWQ/GPTQ/QuantLRM, exports)
         return config_main(argv)
     args = parse_args(argv)
-    try:
+
+    def body() -> int:
         s = run(args)
-    except INPUT_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"quantized {s['quantized']} linears with {s['method']}: {s['bytes_before'] / 2**20:.2f} MiB -> "
-          f"{s['bytes_after'] / 2**20:.2f} MiB; wrote {s['out']}" + (f" and {s['hf_fake']}" if s["hf_fake"] else ""),
-          file=sys.stderr)
-    return 0
+        print(f"quantized {s['quantized']} linears with {s['method']}: {s['bytes_before'] / 2**20:.2f} MiB -> "
+              f"{s['bytes_after'] / 2**20:.2f} MiB; wrote {s['out']}"
+              + (f" and {s['hf_fake']}" if s["hf_fake"] else ""), file=sys.stderr)
+        return 0
+
+    return run_main("quantize", body, INPUT_ERRORS)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -16,6 +17,8 @@ class SamplingConfig:
     top_p: float = 1.0  # 1.0 = off
 
     def __post_init__(self):
+        if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):  # NaN passes every comparison
+            raise ValueError(f"temperature and top_p must be finite numbers (got {self.temperature}, {self.top_p})")
         if not self.greedy and self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 (got {self.temperature}); use greedy=True for argmax")
         if not 0 < self.top_p <= 1:
