@@ -1,4 +1,4 @@
-"""`python -m lrmq.perplexity --checkpoint DIR --text-file F [--window 2048] [--max-windows N] [--no-bos]`.
+"""`python -m lrmq.perplexity --checkpoint DIR --text-file F [--window N] [--max-windows N] [--no-bos]`.
 
 WikiText-2 protocol (GPTQ / llm-awq / QuantLRM ``eval``): documents joined with ``"\\n\\n"``, tokenized
 once *with* special tokens as ``tokenizer(text)`` does (the tokenizer.json post-processor: one BOS in
@@ -9,12 +9,13 @@ independently (position t predicts token t+1, ``window - 1`` predictions per win
 ``ppl = exp(mean NLL over all predicted tokens)`` (equal to the reference's
 ``exp(sum_i mean_i * window / (n * window))``). Float, fake-quantized (``--fake-quant rtn_asym`` etc.,
 any ``lrmq.quant.QUANTIZERS`` entry applied to the seven projections) and packed lrmq checkpoints.
-Prints one JSON object.
+Prints one JSON object. ``--window`` defaults to the model's ``max_position_embeddings``; a larger
+one is refused (past it RoPE runs on untrained positions: a finite but meaningless perplexity). Bad
+input is one line ``lrmq.perplexity: error: ...`` and exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -25,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lrmq.checkpoint.hf import CheckpointError
 from lrmq.checkpoint.load import load_model
+from lrmq.cli import ArgumentParser, number, run_main
+from lrmq.model.config import check_position_limit
 from lrmq.ptq.calibration import load_documents
 from lrmq.quant.quantizers import QUANTIZERS
 from lrmq.quant.transforms import iter_linears
@@ -97,34 +99,37 @@ def apply_fake_quant(model, method: str, bits: int, group_size: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lrmq.perplexity", description=__doc__.splitlines()[0])
+    ap = ArgumentParser("perplexity", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="HF or lrmq checkpoint (float, fake-quant or packed)")
     ap.add_argument("--text-file", required=True, help=".txt, or .jsonl/.json/.parquet with a text field")
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the checkpoint)")
-    ap.add_argument("--window", type=int, default=2048)
-    ap.add_argument("--max-windows", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--window", type=number(int, ge=2), default=None,
+                    help="tokens per window (default: the model's max_position_embeddings, the largest allowed)")
+    ap.add_argument("--max-windows", type=number(int, ge=1), default=None)
+    ap.add_argument("--batch-size", type=number(int, ge=1), default=1)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
     ap.add_argument("--fake-quant", default=None, help="apply a QUANTIZERS entry (rtn_asym, rtn_sym, int8, nf4)")
-    ap.add_argument("--bits", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--bits", type=number(int, ge=2, le=8), default=4)
+    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=128)
     ap.add_argument("--no-bos", action="store_true",
                     help="tokenize without special tokens (no BOS; lrmq before 2026-12): not the reference "
                          "protocol, scores one token less when the tokenizer adds a BOS")
     a = ap.parse_args(argv)
-    try:
-        text = read_text(a.text_file, a.text_field)
-        tok = Tokenizer.from_dir(a.tokenizer or a.checkpoint)
-        model = load_model(a.checkpoint, dtype=a.dtype)
-        if a.fake_quant:
-            apply_fake_quant(model, a.fake_quant, a.bits, a.group_size)
-        ids = eval_ids(tok, text, add_special_tokens=not a.no_bos)
-        blocks = windows(ids, a.window, a.max_windows)
-        res = perplexity(model, blocks, batch_size=a.batch_size)
-    except (FileNotFoundError, ValueError, KeyError, CheckpointError) as e:
-        print(f"lrmq.perplexity: error: {e}", file=sys.stderr)
-        return 2
+    return run_main("perplexity", lambda: _run(a))
+
+
+def _run(a) -> int:
+    text = read_text(a.text_file, a.text_field)
+    tok = Tokenizer.from_dir(a.tokenizer or a.checkpoint)
+    model = load_model(a.checkpoint, dtype=a.dtype)
+    window = a.window or model.cfg.max_position_embeddings
+    check_position_limit(model.cfg, window, "--window")
+    if a.fake_quant:
+        apply_fake_quant(model, a.fake_quant, a.bits, a.group_size)
+    ids = eval_ids(tok, text, add_special_tokens=not a.no_bos)
+    blocks = windows(ids, window, a.max_windows)
+    res = perplexity(model, blocks, batch_size=a.batch_size)
     bos = tok.bos_id
     res.update(checkpoint=a.checkpoint, text_file=a.text_file, fake_quant=a.fake_quant,
                special_tokens=not a.no_bos, starts_with_bos=bos is not None and bool(blocks[0, 0] == bos))
