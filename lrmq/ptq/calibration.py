@@ -58,7 +58,9 @@ def load_documents(path: str, *, text_field: str = "text"):
         except Exception as e:  # datasets raises many types for bad/empty files
             raise CalibrationError(f"{path}: cannot read calibration file ({type(e).__name__}: {e})") from None
         if text_field not in ds.column_names:
-            raise CalibrationError(f"{path}: no text field {text_field!r}; columns: {ds.column_names}")
+            hint = (" (a prompt dataset such as lrmq's data JSONL: calibration.source=prompts, flag "
+                    "--calibration-source prompts)" if "problem" in ds.column_names else "")
+            raise CalibrationError(f"{path}: no text field {text_field!r}; columns: {ds.column_names}{hint}")
         ds = ds.select_columns([text_field])
         if text_field != "text":
             ds = ds.rename_column(text_field, "text")
