@@ -41,7 +41,7 @@ def parse_args(argv=None):
     ap.add_argument("--rescore", action="store_true", help="re-score --out's completions.jsonl; no generation")
     ap.add_argument("--overwrite", action="store_true", help="discard --out's records of a different config")
     configlib.add_config_args(ap, EvalConfig)  # --config, key=value overrides, --help-config, --print-config
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # key=value overrides may sit between flags
 
 
 def build_config(args) -> EvalConfig:
