@@ -9,8 +9,8 @@ independently (position t predicts token t+1, ``window - 1`` predictions per win
 ``ppl = exp(mean NLL over all predicted tokens)`` (equal to the reference's
 ``exp(sum_i mean_i * window / (n * window))``). Float, fake-quantized (``--fake-quant rtn_asym`` etc.,
 any ``lrmq.quant.QUANTIZERS`` entry applied to the seven projections) and packed lrmq checkpoints.
-Prints one JSON object. ``--window`` defaults to the model's ``max_position_embeddings``; a larger
-one is refused (past it RoPE runs on untrained positions: a finite but meaningless perplexity). Bad
+Prints one JSON object. ``--window`` defaults to 2048 (the reference's), or the model's
+``max_position_embeddings`` when that is smaller; a window past the limit is refused (past it RoPE runs on untrained positions: a finite but meaningless perplexity). Bad
 input is one line ``lrmq.perplexity: error: ...`` and exit status 2.
 """
 
@@ -33,6 +33,8 @@ from lrmq.ptq.calibration import load_documents
 from lrmq.quant.quantizers import QUANTIZERS
 from lrmq.quant.transforms import iter_linears
 from lrmq.tokenizer import Tokenizer
+
+DEFAULT_WINDOW = 2048  # the seqlen of GPTQ / llm-awq / QuantLRM's WikiText-2 evaluation
 
 
 def read_text(path: str, text_field: str = "text") -> str:
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the checkpoint)")
     ap.add_argument("--window", type=number(int, ge=2), default=None,
-                    help="tokens per window (default: the model's max_position_embeddings, the largest allowed)")
+                    help=f"tokens per window (default: {DEFAULT_WINDOW}, the reference protocol's, or the model's "
+                         "max_position_embeddings when smaller; a larger window is refused)")
     ap.add_argument("--max-windows", type=number(int, ge=1), default=None)
     ap.add_argument("--batch-size", type=number(int, ge=1), default=1)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
@@ -123,7 +126,7 @@ def _run(a) -> int:
     text = read_text(a.text_file, a.text_field)
     tok = Tokenizer.from_dir(a.tokenizer or a.checkpoint)
     model = load_model(a.checkpoint, dtype=a.dtype)
-    window = a.window or model.cfg.max_position_embeddings
+    window = a.window or min(DEFAULT_WINDOW, model.cfg.max_position_embeddings)
     check_position_limit(model.cfg, window, "--window")
     if a.fake_quant:
         apply_fake_quant(model, a.fake_quant, a.bits, a.group_size)

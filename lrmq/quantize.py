@@ -1,8 +1,9 @@
 """`python -m lrmq.quantize`: post-RL (post-training) quantization of a checkpoint.
 
     python -m lrmq.quantize --checkpoint DIR --method rtn|int8|nf4|awq|gptq|quantlrm [--bits B]
-        [--group-size G] [--symmetric] [--targets REGEX] [--calibration FILE] [--base DIR | --run-dir DIR]
+        [--group-size G] [--symmetric] [--targets REGEX] [--calibration FILE] [--base DIR]
         --out OUT [--export-hf-fake OUT2] [--overwrite]
+    python -m lrmq.quantize --run-dir RUN --method quantlrm --calibration FILE --out OUT [...]
     python -m lrmq.quantize --config configs/ptq/NAME.yaml [dotted.key=value ...]
 
 Both forms build one `lrmq.ptq.config.QuantizeConfig` and run one pipeline (`lrmq.ptq.pipeline`:
@@ -56,7 +57,9 @@ def parse_args(argv=None):
                                  epilog="Or: python -m lrmq.quantize --config configs/ptq/NAME.yaml [key=value ...] "
                                         "for the full PTQ pipeline (calibration, AWQ/GPTQ/QuantLRM, exports); "
                                         "--help-config lists its options.")
-    ap.add_argument("--checkpoint", required=True, help="float HF or lrmq checkpoint directory")
+    ap.add_argument("--checkpoint", default=None,
+                    help="float HF or lrmq checkpoint directory (required unless --run-dir gives it: "
+                         "RUN/final_policy)")
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
     ap.add_argument("--bits", type=int, default=None)
     ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None, help="-1: per output channel")
@@ -79,7 +82,8 @@ def parse_args(argv=None):
 def config_from_flags(args):
     """The QuantizeConfig of a flag-form run (the importance plot is a config-form output: off)."""
     bits, group = FLAG_DEFAULTS.get(args.method, (4, 128))
-    cfg = QuantizeConfig(model=args.checkpoint, method=args.method, bits=bits if args.bits is None else args.bits,
+    model = args.checkpoint or (os.path.join(args.run_dir, "final_policy") if args.run_dir else None)
+    cfg = QuantizeConfig(model=model, method=args.method, bits=bits if args.bits is None else args.bits,
                          group_size=group if args.group_size is None else args.group_size,
                          symmetric=args.symmetric, targets=args.targets)
     calib = dataclasses.replace(cfg.calibration, path=args.calibration,
@@ -124,6 +128,13 @@ def check_flags(args, cfg) -> None:
     """Flag errors found without reading any checkpoint (UsageError)."""
     if args.method not in PTQ_METHODS:
         raise UsageError(f"--method {args.method!r} is not registered; known: {PTQ_METHODS.names()}")
+    if not args.checkpoint and not (args.run_dir and args.method == "quantlrm"):
+        raise UsageError("--checkpoint DIR is required (the checkpoint to quantize)")
+    if args.run_dir and args.checkpoint and args.method == "quantlrm":
+        ft = os.path.join(args.run_dir, "final_policy")
+        if os.path.realpath(resolve_model_path(args.checkpoint)) != os.path.realpath(ft):
+            raise UsageError(f"--run-dir quantizes {ft}; --checkpoint {args.checkpoint} conflicts with it (drop "
+                             "--checkpoint, or use --checkpoint with --base instead of --run-dir)")
     if args.base and args.run_dir:
         raise UsageError("--base and --run-dir both name the base checkpoint; give one (--run-dir: its "
                          "initial_policy and final_policy)")
@@ -185,7 +196,7 @@ def run(args) -> dict:
     cfg = config_from_flags(args)
     check_flags(args, cfg)
     try:
-        checkpoint_kind(resolve_model_path(args.checkpoint))
+        checkpoint_kind(resolve_model_path(cfg.model))
     except Exception as e:
         raise UsageError(f"--checkpoint: {e}") from None
     prep = prepare(cfg)
