@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+import jax
+
 from lrmq import cli, configlib
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
 from lrmq.checkpoint.peft import ADAPTER_CONFIG, load_lora
@@ -21,7 +23,9 @@ from lrmq.evals.config import EvalConfig, eval_config
 from lrmq.evals.runner import (COMPLETIONS, RESULTS, TABLE, EvalError, markdown_table, open_writer, read_records,
                                run_suite, score_records, summarize_records)
 from lrmq.atomic import atomic_write_text
+from lrmq.generation.engine import Generator
 from lrmq.quant.lora import DEFAULT_TARGETS, apply_lora
+from lrmq.sharding import make_mesh
 from lrmq.tokenizer import Tokenizer
 
 RUN_CONFIG = "eval_config.yaml"
@@ -94,14 +98,18 @@ def check_run_dir(cfg: EvalConfig, overwrite: bool) -> None:
 
 
 def load_eval_model(cfg: EvalConfig):
+    """(model, tokenizer, mesh): with several devices the weights are sharded on the default mesh and
+    the Generator splits each batch over its data axes."""
     ckpt = resolve_checkpoint(cfg.checkpoint)
-    model = load_model(ckpt, dtype=cfg.dtype)
+    mesh = make_mesh(None) if jax.device_count() > 1 else None
+    model = load_model(ckpt, mesh=mesh, dtype=cfg.dtype)
     if cfg.adapter:
         with open(os.path.join(cfg.adapter, ADAPTER_CONFIG)) as f:
             acfg = json.load(f)
-        apply_lora(model, DEFAULT_TARGETS, rank=int(acfg["r"]), alpha=float(acfg["lora_alpha"]), mode="eval")
+        apply_lora(model, DEFAULT_TARGETS, rank=int(acfg["r"]), alpha=float(acfg["lora_alpha"]), mesh=mesh,
+                   mode="off")
         load_lora(model, cfg.adapter)
-    return model, Tokenizer.from_dir(ckpt)
+    return model, Tokenizer.from_dir(ckpt), mesh
 
 
 def rescore(cfg: EvalConfig) -> dict:
@@ -151,10 +159,12 @@ def _main(args) -> int:
     if errors:
         raise EvalDataError("\n".join(errors))
     check_run_dir(cfg, args.overwrite)
-    model, tok = load_eval_model(cfg)
+    model, tok, mesh = load_eval_model(cfg)
+    generator = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=mesh)
     writer = open_writer(cfg.out_dir) if cfg.tensorboard else None
     try:
-        results = run_suite(model, tok, items, cfg.generation, suite=suite, out_dir=cfg.out_dir, pass_k=cfg.pass_k,
+        results = run_suite(model, tok, items, cfg.generation, suite=suite, generator=generator,
+                            out_dir=cfg.out_dir, pass_k=cfg.pass_k,
                             timeout_s=cfg.timeout_s, progress=cfg.progress, writer=writer, meta=run_meta(cfg))
     finally:
         if writer is not None:

@@ -127,6 +127,27 @@ def test_quantlrm_packed_int4_segmented(int4_checkpoint, tmp_path):
     assert all(r["reward"] in (0.0, 1.0) for r in recs)
 
 
+def test_qlora_adapter_unmerged(int4_checkpoint, tmp_path):
+    """A packed base plus a PEFT adapter directory, evaluated with the adapter unmerged."""
+    import jax.numpy as jnp
+
+    from lrmq.checkpoint.load import load_model
+    from lrmq.checkpoint.peft import save_lora
+    from lrmq.quant.lora import apply_lora, lora_linears
+
+    m = load_model(int4_checkpoint)
+    apply_lora(m, rank=4, alpha=8.0)
+    for _, lin in lora_linears(m):
+        lin.lora.b.set_value(jnp.full(lin.lora.b.get_value().shape, 0.01, lin.lora.b.get_value().dtype))
+    adapter = str(tmp_path / "adapter")
+    save_lora(m, adapter)
+    cfg = eval_config({"checkpoint": int4_checkpoint, "adapter": adapter})
+    model, _, _ = ev.load_eval_model(cfg)
+    [(_, lin)] = lora_linears(model)[:1]
+    assert lin.lora.rank == 4 and float(jnp.abs(lin.lora.b.get_value()).max()) == pytest.approx(0.01)
+    assert _run(tmp_path / "o", "--limit", "1", f"adapter={adapter}", checkpoint=int4_checkpoint, suite="amc") == 0
+
+
 def test_segmented_greedy_equals_one_call():
     """Segments (rows leave the batch, the rest re-prefill) give the same greedy tokens as one call."""
     from lrmq.checkpoint.load import load_model
