@@ -69,7 +69,7 @@ def build_config(args) -> EvalConfig:
         flags.append("generation.greedy=true")
     cfg = eval_config(data, [*flags, *args.overrides], source)
     if not cfg.out_dir:
-        name = os.path.basename(os.path.normpath(cfg.checkpoint)) or "model"
+        name = os.path.basename(os.path.normpath(cfg.checkpoint)) if cfg.checkpoint else "model"
         cfg.out_dir = os.path.join("eval_runs", f"{cfg.suite.replace(',', '+')}_{name}")
     return cfg
 

@@ -167,6 +167,27 @@ def test_segmented_greedy_equals_one_call():
     assert one == seg
     assert any(stopped for _, stopped in one)  # the tiny model finishes arithmetic with EOS
 
+    # the trainer's path: a state + its Generator, in memory, scalars to its writer
+    from flax import nnx
+
+    from lrmq.evals.runner import run_suite
+
+    class Writer:
+        def __init__(self):
+            self.s = {}
+
+        def add_scalar(self, k, v, step):
+            self.s[k] = (v, step)
+
+        def flush(self):
+            pass
+
+    items = bm.load_items(bm.BENCHMARKS["amc"], FIXTURES, limit=2)
+    w = Writer()
+    res = run_suite(nnx.state(model), tok, items, GenerationSection(max_new_tokens=8), generator=gen,
+                    max_positions=model.cfg.max_position_embeddings, writer=w, step=10, tb_prefix="bench")
+    assert res["benchmarks"]["amc"]["n_problems"] == 2 and w.s["bench/amc/accuracy"][1] == 10
+
 
 def test_length_policy_and_missing_data(tmp_path, capsys):
     g = GenerationSection(max_new_tokens=100)
