@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+import numpy as np
+
 from lrmq import aot
 from lrmq.checkpoint.load import load_model
 from lrmq.cli import ArgumentParser, UsageError, number, run_main
@@ -137,6 +139,12 @@ def generate(args) -> int:
     t0 = time.perf_counter()
     res = gen.generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     dt = time.perf_counter() - t0
+    for i in range(len(prompts)):
+        lp = np.asarray(res.logprobs[i, :int(res.lengths[i])], np.float32)
+        bad = np.isnan(lp) | np.isposinf(lp)
+        if bad.any():
+            raise UsageError(f"prompt {i + 1}: the model produced non-finite logits (NaN/Inf) at completion token "
+                             f"{int(np.argmax(bad))}; nothing is printed")
     for i in range(len(prompts)):
         n = int(res.lengths[i])
         token_ids = [int(t) for t in res.tokens[i, :n]]

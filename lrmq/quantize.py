@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 
 from lrmq.checkpoint.hf import save_hf_model
@@ -150,6 +151,10 @@ def check_flags(args, cfg) -> None:
     elif not args.calibration:
         raise UsageError(f"--method {args.method} needs --calibration FILE: documents (.txt, or .jsonl/.json/"
                          ".parquet with a 'text' field) or a prompt dataset such as lrmq's data JSONL")
+    try:
+        re.compile(args.targets)
+    except re.error as e:
+        raise UsageError(f"--targets {args.targets!r} is not a regular expression ({e})") from None
     if args.bits is not None:
         try:
             check_bits(args.bits)

@@ -23,9 +23,10 @@ from lrmq import generate as generate_cli
 from lrmq import perplexity as perplexity_cli
 from lrmq import quantize as quantize_cli
 from lrmq.checkpoint.load import TINY_MODEL_DIR
+from lrmq.ptq import pseudo_ft as pseudo_ft_cli
 
 CLIS = {"convert": convert_cli.main, "generate": generate_cli.main, "perplexity": perplexity_cli.main,
-        "quantize": quantize_cli.main}
+        "quantize": quantize_cli.main, "ptq.pseudo_ft": pseudo_ft_cli.main}
 
 
 def _tree_sums(root: str) -> dict[str, str]:
@@ -133,6 +134,14 @@ ROWS = [
     ("quantize-checkpoint-vs-run-dir", "quantize",
      ["--run-dir", "{run}", "--checkpoint", "{ckpt}", "--method", "quantlrm", "--calibration", "{data}",
       "--out", "{out}"], "conflicts with it"),
+    ("quantize-targets-not-a-regex", "quantize", ["--checkpoint", "{ckpt}", "--method", "rtn", "--targets", "(",
+                                                  "--out", "{out}"], "--targets '(' is not a regular expression"),
+    ("quantize-config-targets-not-a-regex", "quantize", ["--config", "{ptq_yaml}", "targets=(", "outputs.dir={out}",
+                                                         "--print-config"], "is not a regular expression"),
+    ("pseudo_ft-out-is-checkpoint", "ptq.pseudo_ft", ["--checkpoint", "{ckpt}", "--traces", "{data}", "--out",
+                                                      "{ckpt}", "--overwrite"], "--out {ckpt} is --checkpoint"),
+    ("pseudo_ft-steps-0", "ptq.pseudo_ft", ["--checkpoint", "{ckpt}", "--traces", "{data}", "--out", "{out}",
+                                            "--steps", "0"], "--steps: must be >= 1"),
     ("quantize-group-size-0", "quantize", ["--checkpoint", "{ckpt}", "--method", "rtn", "--group-size", "0",
                                            "--out", "{out}"], "--group-size: must be >= 1 or -1, found 0"),
     ("quantize-bits-9", "quantize", ["--checkpoint", "{ckpt}", "--method", "rtn", "--bits", "9", "--out", "{out}"],
@@ -266,3 +275,10 @@ def test_position_limit_helper():
     with pytest.raises(ConfigError, match=r"rollout.max_prompt_len \+ rollout.max_new_tokens = 257 positions "
                                           r"exceeds the model's max_position_embeddings 256"):
         check_position_limit(cfg, 257, "rollout.max_prompt_len + rollout.max_new_tokens")
+
+
+def test_perplexity_default_window_is_the_model_limit(env, capsys):
+    """No --window: the tiny model's 256 positions (not 2048, past its limit)."""
+    assert perplexity_cli.main(["--checkpoint", env["ckpt"], "--text-file", env["text"], "--max-windows", "1"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["window"] == 256 and res["windows"] == 1

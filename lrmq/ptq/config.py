@@ -11,6 +11,7 @@ registry-backed ones (method, templates, mapping, output formats) are checked wh
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal, Optional
 
 from lrmq.configlib import load_config, opt
@@ -140,6 +141,10 @@ class QuantizeConfig:
     outputs: OutputsSection = opt(help="what is written", factory=OutputsSection)
 
     def validate(self):
+        try:
+            re.compile(self.targets)
+        except re.error as e:
+            raise ValueError(f"targets {self.targets!r} is not a regular expression ({e})") from None
         if self.bits not in (3, 4, 8):
             raise ValueError(f"bits must be 3, 4 or 8, got {self.bits}")
         if self.group_size != -1 and self.group_size < 1:

@@ -21,7 +21,6 @@ quantize the original).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -37,6 +36,7 @@ from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import checkpoint_kind, load_model
 from lrmq.checkpoint.orbax_io import read_lrmq_config
+from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main
 from lrmq.data.synthetic import read_jsonl
 from lrmq.model.config import ModelConfig
 from lrmq.tokenizer import Tokenizer
@@ -148,31 +148,32 @@ def pseudo_finetune(checkpoint: str, traces: str, out_dir: str, opts: PseudoFTOp
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lrmq.ptq.pseudo_ft", description=__doc__.splitlines()[0])
+    ap = ArgumentParser("ptq.pseudo_ft", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--traces", required=True, help="jsonl: text, or prompt + completion")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokenizer", default=None)
     d = PseudoFTOptions()
-    ap.add_argument("--steps", type=int, default=d.steps)
-    ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--batch-size", type=int, default=d.batch_size)
-    ap.add_argument("--seq-len", type=int, default=d.seq_len)
+    ap.add_argument("--steps", type=number(int, ge=1), default=d.steps)
+    ap.add_argument("--lr", type=number(float, gt=0), default=d.lr)
+    ap.add_argument("--batch-size", type=number(int, ge=1), default=d.batch_size)
+    ap.add_argument("--seq-len", type=number(int, ge=2), default=d.seq_len)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="dtype of the saved pair (default: the checkpoint's)")
     ap.add_argument("--overwrite", action="store_true")
     a = ap.parse_args(argv)
     opts = PseudoFTOptions(steps=a.steps, lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed)
-    try:
+    def body() -> int:
+        check_disjoint({"--out": a.out}, {"--checkpoint": a.checkpoint, "--traces": a.traces,
+                                          "--tokenizer": a.tokenizer})
         r = pseudo_finetune(a.checkpoint, a.traces, a.out, opts, tokenizer=a.tokenizer, dtype=a.dtype,
                             overwrite=a.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"lrmq.ptq.pseudo_ft: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({"before": r["before"], "after": r["after"], "first_loss": r["losses"][0],
-                      "last_loss": r["losses"][-1]}))
-    return 0
+        print(json.dumps({"before": r["before"], "after": r["after"], "first_loss": r["losses"][0],
+                          "last_loss": r["losses"][-1]}))
+        return 0
+
+    return run_main("ptq.pseudo_ft", body, USER_ERRORS)
 
 
 if __name__ == "__main__":
