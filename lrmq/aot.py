@@ -32,7 +32,7 @@ from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.training import pack_linears, prepare_for_training, trainable_filter
 from lrmq.quant.transforms import qweight_shardings
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings
+from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings, uses_rollout_logprobs
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, logical_to_spec, make_mesh
 
 GIB = 1024 ** 3
@@ -176,7 +176,7 @@ def compile_train_step(run: AbstractRun, micro_batch: int | None = None):
     tr_sh = jax.tree.map(lambda x: x.sharding, run.trainable)
     opt_sh = opt_state_shardings(tx, run.trainable, run.mesh)
     opt = _with_shardings(jax.eval_shape(tx.init, run.trainable), opt_sh)
-    step = make_train_step(run.graphdef, cfg, tx, (tr_sh, opt_sh))
+    step = make_train_step(run.graphdef, cfg, tx, (tr_sh, opt_sh), use_old=uses_rollout_logprobs(cfg))
     s, n = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens
     ref = _sds((s, n), jnp.float32, batch_sharding(run.mesh, 2)) if cfg.algo.beta != 0.0 else None
     return _compile(step, run.trainable, run.rest, opt, abstract_batch(cfg, run.mesh), ref, mesh=run.mesh)

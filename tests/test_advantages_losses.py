@@ -126,11 +126,12 @@ def _clip_case():
 
 def test_clipping_values_and_indicator():
     logp, old, adv, mask = _clip_case()
-    loss, clipped = policy_loss_terms(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    loss, low, high = policy_loss_terms(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
     # A>0: ratio 1.5 -> clipped to 1.2; 0.5 -> unclipped (min); 1.1 inside.
     # A<0: ratio 1.5 -> unclipped -1.5 (min); 0.5 -> clipped -0.8; 1.1 inside.
     np.testing.assert_allclose(loss, [[-1.2, -0.5, -1.1], [1.5, 0.8, 1.1]], rtol=1e-6)
-    np.testing.assert_array_equal(clipped, [[1, 0, 0], [0, 1, 0]])
+    np.testing.assert_array_equal(high, [[1, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(low, [[0, 0, 0], [0, 1, 0]])
 
 
 def test_clipping_gradient():
@@ -142,12 +143,12 @@ def test_clipping_gradient():
 
 def test_asymmetric_clip_high():
     logp = jnp.log(jnp.array([[1.25]]))
-    loss, clipped = policy_loss_terms(logp, jnp.zeros((1, 1)), jnp.array([1.0]), jnp.ones((1, 1)), eps_low=0.2, eps_high=0.28)
+    loss, _, high = policy_loss_terms(logp, jnp.zeros((1, 1)), jnp.array([1.0]), jnp.ones((1, 1)), eps_low=0.2, eps_high=0.28)
     assert float(loss[0, 0]) == pytest.approx(-1.25)
-    assert float(clipped[0, 0]) == 0.0
-    loss, clipped = policy_loss_terms(logp, jnp.zeros((1, 1)), jnp.array([1.0]), jnp.ones((1, 1)), eps_low=0.2, eps_high=0.2)
+    assert float(high[0, 0]) == 0.0
+    loss, _, high = policy_loss_terms(logp, jnp.zeros((1, 1)), jnp.array([1.0]), jnp.ones((1, 1)), eps_low=0.2, eps_high=0.2)
     assert float(loss[0, 0]) == pytest.approx(-1.2)
-    assert float(clipped[0, 0]) == 1.0
+    assert float(high[0, 0]) == 1.0
 
 
 def test_extreme_log_ratio_on_padding_stays_finite():
@@ -182,7 +183,10 @@ def test_grpo_loss_with_kl_and_metrics():
     s, c, m = grpo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, aggregation="token-mean", beta=0.1, ref_logp=ref, kl_estimator="k1")
     policy = np.array([[-1.2, -0.5, -1.1], [1.5, 0.8, 1.1]])
     assert float(s / c) == pytest.approx((policy + 0.1 * math.log(2)).mean(), rel=1e-5)
-    assert float(m["clip_fraction"][0] / m["clip_fraction"][1]) == pytest.approx(2 / 6)
+    mean = lambda k: float(m[k][0] / m[k][1])
+    assert mean("clip_ratio/region_mean") == pytest.approx(2 / 6)
+    assert mean("clip_ratio/low_mean") == pytest.approx(1 / 6)
+    assert mean("clip_ratio/high_mean") == pytest.approx(1 / 6)
     assert float(m["kl"][0] / m["kl"][1]) == pytest.approx(math.log(2), rel=1e-5)
     assert float(m["ratio"][0] / m["ratio"][1]) == pytest.approx((1.5 + 0.5 + 1.1) / 3, rel=1e-5)
 
@@ -225,3 +229,86 @@ def test_token_logprobs_and_entropy():
     masked = jnp.array([0.0, 0.0, 0.0, -jnp.inf])
     assert float(token_entropy(masked)) == pytest.approx(math.log(3), rel=1e-6)
     assert float(token_entropy(jnp.array([1e4, 0.0, 0.0]))) == pytest.approx(0.0, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- TRL-facing behaviours
+
+PAPER_REWARDS = (0.0, 0.1, 1.1)  # paper 1's reward set: {0, format bonus, correct + bonus}
+
+
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo"])
+@pytest.mark.parametrize("eps", [1e-4, 0.0])
+def test_equal_rewards_give_exactly_zero_advantage(name, eps):
+    # float32: the mean of eight 0.1 is one ulp off 0.1, its std ~1e-8; without the guard A was -7.45e-5
+    # (eps 1e-4) or ~-0.9 (eps 0).
+    values = PAPER_REWARDS + (1.0, 0.3, 0.7, -0.1)
+    for g in range(2, 65):
+        # one constant group per value beside a varied one (so the batch std is not 0)
+        r = np.concatenate([np.full(g, v, np.float32) for v in values] + [np.linspace(0, 1, g, dtype=np.float32)])
+        for scale in ("group", "batch", "none"):
+            a = np.asarray(compute_advantages(name, r, g, eps=eps, scale=scale))
+            assert np.all(a[:-g] == 0.0), (name, g, scale, a[:-g])
+            assert np.all(np.isfinite(a)) and np.any(a[-g:] != 0.0)
+
+
+def test_equal_rewards_are_not_counted_as_clipped():
+    a = compute_advantages("grpo", np.full(8, 0.1, np.float32), 8)
+    logp = jnp.full((8, 4), -1.0)
+    old = logp - 1.0  # ratio e: far outside the clip range
+    _, _, m = grpo_loss(logp, old, a, jnp.ones((8, 4)))
+    assert float(m["clip_ratio/region_mean"][0]) == 0.0
+
+
+def test_batch_scaled_advantages():
+    r = np.array([1.0, 0.0, 0.0, 0.0, 1.1, 1.1, 0.1, 0.0], np.float32)
+    a = np.asarray(compute_advantages("grpo", r, 4, scale="batch"))
+    g = r.reshape(2, 4)
+    want = (g - g.mean(1, keepdims=True)).reshape(-1) / (np.std(r, ddof=1) + 1e-4)
+    np.testing.assert_allclose(a, want, rtol=1e-6)
+    np.testing.assert_allclose(compute_advantages("grpo", r, 4, scale="none"), compute_advantages("drgrpo", r, 4))
+
+
+def test_kl_bias_correction_matches_formula():
+    # TRL: per_token_kl = k3(logp, ref) * exp(logp - old_logp), the ratio differentiable.
+    rng = np.random.default_rng(3)
+    logp = jnp.asarray(rng.normal(-1, 0.3, (2, 5)), jnp.float32)
+    old = logp + jnp.asarray(rng.normal(0, 0.05, (2, 5)), jnp.float32)
+    ref = logp + jnp.asarray(rng.normal(0, 0.2, (2, 5)), jnp.float32)
+    mask = jnp.ones((2, 5))
+    adv = jnp.zeros(2)  # policy term 0: the loss is the KL term alone
+    beta = 0.5
+
+    def ours(lp, corr):
+        s, c, _ = grpo_loss(lp, old, adv, mask, beta=beta, ref_logp=ref, kl_bias_correction=corr,
+                            aggregation="token-mean")
+        return s / c
+
+    def formula(lp, corr):
+        k3 = jnp.exp(ref - lp) - (ref - lp) - 1
+        return beta * (k3 * (jnp.exp(lp - old) if corr else 1.0)).mean()
+
+    for corr in (False, True):
+        np.testing.assert_allclose(ours(logp, corr), formula(logp, corr), rtol=1e-6)
+        np.testing.assert_allclose(jax.grad(ours)(logp, corr), jax.grad(formula)(logp, corr), rtol=1e-5, atol=1e-8)
+    assert not np.allclose(jax.grad(ours)(logp, True), jax.grad(ours)(logp, False))
+
+
+def test_sequence_level_importance_is_gspo():
+    # GSPO: w_i = exp(mean_t(logp - old)), one clip decision per sequence, the same loss on each of its tokens.
+    logp = jnp.array([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
+    old = jnp.array([[-1.5, -2.0, -3.5], [-0.1, -0.2, -9.0]])
+    mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = jnp.array([1.0, -1.0])
+    w = np.exp([(0.5 + 0.0 + 0.5) / 3, (-0.4 - 0.3) / 2])  # 1.396 (clipped at 1.2, A>0), 0.705 (A<0: clipped)
+    loss, low, high = policy_loss_terms(logp, old, adv, mask, level="sequence")
+    np.testing.assert_allclose(loss, [[-1.2] * 3, [0.8, 0.8, 0.0]], rtol=1e-6)
+    assert low.shape == (2, 1) and high.tolist() == [[1.0], [0.0]] and low.tolist() == [[0.0], [1.0]]
+    s, c, m = grpo_loss(logp, old, adv, mask, importance_level="sequence")
+    assert float(m["clip_ratio/region_mean"][1]) == 2.0  # counted per sequence, as TRL
+    np.testing.assert_allclose(float(m["ratio"][0] / m["ratio"][1]), w.mean(), rtol=1e-6)
+    # inside the clip range the gradient of a token is -A * w / |o_i| (per sequence-mean aggregation)
+    old2 = logp - 0.05
+    f = lambda lp: (lambda s, c, _: s / c)(*grpo_loss(lp, old2, adv, mask, importance_level="sequence"))
+    g = np.asarray(jax.grad(f)(logp))
+    wi = np.exp(0.05)
+    np.testing.assert_allclose(g, [[-wi / 3 / 3 / 2 * 3] * 3, [wi / 2 / 2 / 2 * 2] * 2 + [0.0]], rtol=1e-5)

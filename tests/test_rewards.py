@@ -18,7 +18,8 @@ from lrmq.rl.verify_pool import VerifyPool, get_verify_pool
 
 
 def test_registered_rewards():
-    assert REWARDS.names() == ["boxed_exact", "boxed_math"]
+    assert REWARDS.names() == ["boxed_exact", "boxed_math", "format", "length_penalty", "overlong_penalty",
+                              "think_format"]
 
 
 # ----------------------------------------------------------------------------- extraction

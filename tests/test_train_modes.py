@@ -69,7 +69,7 @@ def make_trainer(cfg):
     return GRPOTrainer(cfg, writer_factory=lambda path: NullWriter())
 
 
-def digit_reward(texts, answers, reward_name="", *, timeout_s=1.0):
+def digit_reward(texts, answers, reward_name="", *, timeout_s=1.0, **_):
     """Dense stand-in reward (share of digits + a length term): an untrained model's samples differ in it,
     so advantages and gradients are non-zero (boxed_math gives an untrained model 0 everywhere)."""
     r = np.asarray([sum(c.isdigit() for c in t) / max(len(t), 1) + 0.01 * (len(t) % 5) for t in texts], np.float32)

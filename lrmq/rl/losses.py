@@ -30,28 +30,44 @@ def _f32(x):
 
 # ----------------------------------------------------------------------------- per-token policy loss
 
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def importance_log_weights(logp, old_logp, mask, level: str = "token"):
+    """log of the importance ratio pi/pi_old: per token ``[B, T]`` (GRPO, PPO) or, for ``level="sequence"``
+    (GSPO), the length-normalised sequence log-ratio ``mean_t(logp - old_logp)`` as ``[B, 1]``."""
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance level {level!r}: expected one of {IMPORTANCE_LEVELS}")
+    log_ratio = _f32(logp) - _f32(old_logp)
+    if level == "sequence":
+        m = _f32(mask)
+        log_ratio = (jnp.where(m > 0, log_ratio, 0.0).sum(-1) / jnp.maximum(m.sum(-1), 1.0))[:, None]
+    return jnp.clip(log_ratio, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+
 
 @POLICY_LOSSES.register("grpo")
 @POLICY_LOSSES.register("ppo-clip")
-def policy_loss_terms(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2):
+def policy_loss_terms(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
+                      level: str = "token"):
     """PPO-clip surrogate per token.
 
-    Returns ``(loss [B,T], clipped [B,T])``: ``loss = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)``
-    with ``ratio = exp(logp - old_logp)``, zero on padding; ``clipped`` is 1.0 where the clipped
-    branch is the active one (ratio below 1-eps_low with A<0, or above 1+eps_high with A>0), i.e.
-    where the token gets no gradient, and is used for the clip-fraction metric.
+    Returns ``(loss [B,T], low [B,T'], high [B,T'])``: ``loss = -min(w*A, clip(w, 1-eps_low, 1+eps_high)*A)``
+    with ``w`` the importance ratio of ``importance_log_weights`` (``T' = T`` per token, ``1`` per
+    sequence), zero on padding. ``low`` / ``high`` are 1.0 where the clipped branch is the one taken
+    (``w < 1-eps_low`` with ``A < 0``, ``w > 1+eps_high`` with ``A > 0``), i.e. where the token gets no
+    policy gradient: TRL's ``clip_ratio/low`` and ``/high`` indicators.
     """
-    logp, old_logp, mask = _f32(logp), _f32(old_logp), _f32(mask)
+    mask = _f32(mask)
     adv = _f32(advantages)[:, None]
-    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
-    ratio = jnp.exp(log_ratio)
+    ratio = jnp.exp(importance_log_weights(logp, old_logp, mask, level))
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -jnp.minimum(unclipped, clipped)
-    is_clipped = ((ratio < 1.0 - eps_low) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
+    low = ((ratio < 1.0 - eps_low) & (adv < 0)).astype(jnp.float32)
+    high = ((ratio > 1.0 + eps_high) & (adv > 0)).astype(jnp.float32)
     valid = mask > 0
     # where, not multiply: a NaN on a padded position must not leak into the sums.
-    return jnp.where(valid, loss, 0.0), jnp.where(valid & is_clipped, 1.0, 0.0)
+    return jnp.where(valid, jnp.broadcast_to(loss, mask.shape), 0.0), low, high
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -130,6 +146,16 @@ def kl_k3(logp, ref_logp):
 # ----------------------------------------------------------------------------- full loss
 
 
+def _indicator_mean(x, mask):
+    """(sum, count) of a clip indicator: over valid tokens for ``[B, T]``, over non-empty sequences for
+    ``[B, 1]`` (sequence-level importance), as TRL's ``global_masked_mean``."""
+    m = _f32(mask)
+    if x.shape[-1] == 1 and m.shape[-1] != 1:
+        has = m.sum(-1) > 0
+        return jnp.where(has, x[:, 0], 0.0).sum(), has.sum().astype(jnp.float32)
+    return jnp.where(m > 0, x, 0.0).sum(), m.sum()
+
+
 def grpo_loss(
     logp,
     old_logp,
@@ -142,36 +168,47 @@ def grpo_loss(
     beta: float = 0.0,
     ref_logp=None,
     kl_estimator: str = "k3",
+    kl_bias_correction: bool = False,
+    importance_level: str = "token",
     max_len: int | None = None,
     policy_loss: str = "grpo",
 ):
-    """GRPO / Dr.GRPO / DAPO-style loss for one micro-batch.
+    """GRPO / Dr.GRPO / DAPO / GSPO-style loss for one micro-batch.
 
     Per token: ``l = policy_loss + beta * KL_est(logp, ref_logp)`` (KL added before aggregation, as in
-    TRL and Tunix), then aggregated with ``aggregation``. ``old_logp=None`` means on-policy
-    (one inner iteration): ``old_logp = stop_gradient(logp)``, so ratio == 1 but the gradient is
-    the policy gradient. With ``beta == 0`` no KL is computed and ``ref_logp`` may be None.
+    TRL and Tunix), then aggregated with ``aggregation``. ``kl_bias_correction`` multiplies the KL term
+    by the (differentiable) importance ratio, as TRL's ``use_bias_correction_kl`` (its default since
+    1.x): the KL is estimated from samples of pi_old, not pi. ``importance_level="sequence"`` is GSPO.
+    ``old_logp=None`` means on-policy (one inner iteration): ``old_logp = stop_gradient(logp)``, so the
+    ratio == 1 but the gradient is the policy gradient. With ``beta == 0`` no KL is computed and
+    ``ref_logp`` may be None.
 
-    Returns ``(loss_sum, count, metrics)``; ``metrics`` maps name -> ``(sum, count)`` token means:
-    ``clip_fraction``, ``ratio`` and (when beta != 0) ``kl``.
+    Returns ``(loss_sum, count, metrics)``; ``metrics`` maps name -> ``(sum, count)``:
+    ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (TRL's names and
+    meaning), ``ratio`` and (when beta != 0) ``kl``.
     """
     logp = _f32(logp)
     mask = _f32(mask)
     if old_logp is None:
         old_logp = jax.lax.stop_gradient(logp)
-    per_token, is_clipped = POLICY_LOSSES.get(policy_loss)(
-        logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high
+    per_token, low, high = POLICY_LOSSES.get(policy_loss)(
+        logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, level=importance_level
     )
     n_tokens = mask.sum()
-    ratio = jnp.exp(jnp.clip(logp - _f32(old_logp), -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
+    ratio = jnp.exp(importance_log_weights(logp, old_logp, mask, importance_level))
     metrics = {
-        "clip_fraction": (is_clipped.sum(), n_tokens),
-        "ratio": (jnp.where(mask > 0, jax.lax.stop_gradient(ratio), 0.0).sum(), n_tokens),
+        "clip_ratio/low_mean": _indicator_mean(low, mask),
+        "clip_ratio/high_mean": _indicator_mean(high, mask),
+        "clip_ratio/region_mean": _indicator_mean(jnp.maximum(low, high), mask),
+        "ratio": _indicator_mean(jax.lax.stop_gradient(ratio), mask),
     }
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")
-        kl = jnp.where(mask > 0, KL_ESTIMATORS.get(kl_estimator)(logp, ref_logp), 0.0)
+        kl = KL_ESTIMATORS.get(kl_estimator)(logp, ref_logp)
+        if kl_bias_correction:
+            kl = kl * ratio
+        kl = jnp.where(mask > 0, kl, 0.0)
         per_token = per_token + beta * kl
         metrics["kl"] = (jax.lax.stop_gradient(kl).sum(), n_tokens)
     loss_sum, count = AGGREGATIONS.get(aggregation)(per_token, mask, max_len=max_len)

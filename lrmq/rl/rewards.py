@@ -2,8 +2,12 @@ r"""Math rewards: last-``\boxed{}`` extraction, MATH-style normalisation, bounde
 
 Reward functions are registered by name in ``REWARDS`` and are batched:
 
-    fn(completions: list[str], answers: list[str], *, timeout_s, max_chars)
-        -> (rewards float32 [N], {"correct": bool [N], "formatted": bool [N]})
+    fn(completions: list[str], answers: list[str], *, timeout_s, max_chars, lengths=None, max_len=None)
+        -> (rewards float32 [N], info: dict of per-completion arrays)
+
+``lengths`` (completion tokens) and ``max_len`` (the generation budget) are what length-shaped rewards
+need; the answer rewards return ``{"correct", "formatted"}`` in ``info``. The trainer sums a main
+reward and any weighted extra ones (``algo.extra_rewards``), logging each.
 
 ``score_completions`` is the entry point the trainer uses; it never raises.
 
@@ -214,15 +218,67 @@ def _boxed_reward(completions, answers, *, timeout_s, max_chars, use_math_verify
 
 
 @REWARDS.register("boxed_math")
-def boxed_math_reward(completions, answers, *, timeout_s: float = 1.0, max_chars: int = DEFAULT_MAX_CHARS):
+def boxed_math_reward(completions, answers, *, timeout_s: float = 1.0, max_chars: int = DEFAULT_MAX_CHARS, **_):
     """Paper 1: ``1[correct] + 0.1 * 1[a \\boxed answer exists]`` in {0, 0.1, 1.1}; string match + math-verify."""
     return _boxed_reward(completions, answers, timeout_s=timeout_s, max_chars=max_chars, use_math_verify=True)
 
 
 @REWARDS.register("boxed_exact")
-def boxed_exact_reward(completions, answers, *, timeout_s: float = 1.0, max_chars: int = DEFAULT_MAX_CHARS):
+def boxed_exact_reward(completions, answers, *, timeout_s: float = 1.0, max_chars: int = DEFAULT_MAX_CHARS, **_):
     """Same values as ``boxed_math`` but normalised exact match only (fast; synthetic arithmetic)."""
     return _boxed_reward(completions, answers, timeout_s=timeout_s, max_chars=max_chars, use_math_verify=False)
+
+
+@REWARDS.register("format")
+def format_reward(completions, answers, *, max_chars: int = DEFAULT_MAX_CHARS, **_):
+    r"""1 when the completion ends with a non-empty ``\boxed{}`` answer (right or wrong), else 0."""
+    del answers
+    ok = np.array([bool((extract_last_boxed(c, max_chars=max_chars) or "").strip()) for c in completions], bool)
+    return ok.astype(np.float32), {}
+
+
+@REWARDS.register("think_format")
+def think_format_reward(completions, answers, *, max_chars: int = DEFAULT_MAX_CHARS, **_):
+    r"""1 when the completion closes its reasoning exactly once (one ``</think>``) and puts a non-empty
+    ``\boxed{}`` answer after it (the R1 format), else 0."""
+    del answers
+    out = []
+    for c in completions:
+        head, sep, tail = c.partition("</think>")
+        out.append(bool(sep) and "</think>" not in tail and bool((extract_last_boxed(tail, max_chars=max_chars)
+                                                                   or "").strip()))
+    return np.array(out, np.float32), {}
+
+
+def _lengths(lengths, max_len, n):
+    if lengths is None or not max_len:
+        raise ValueError("a length reward needs the completion lengths and the generation budget max_len")
+    lengths = np.asarray(lengths, np.float32)
+    if lengths.shape != (n,):
+        raise ValueError(f"{lengths.shape} lengths for {n} completions")
+    return lengths
+
+
+@REWARDS.register("length_penalty")
+def length_penalty_reward(completions, answers, *, lengths=None, max_len=None, **_):
+    """-length / max_len in [-1, 0]: every token costs the same."""
+    del answers
+    return -_lengths(lengths, max_len, len(completions)) / np.float32(max_len), {}
+
+
+# DAPO's soft overlong punishment ramps over the last quarter of the budget.
+OVERLONG_BUFFER_FRACTION = 0.25
+
+
+@REWARDS.register("overlong_penalty")
+def overlong_penalty_reward(completions, answers, *, lengths=None, max_len=None, **_):
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer, then linear down to -1 at max_len
+    (buffer = a quarter of max_len)."""
+    del answers
+    lengths = _lengths(lengths, max_len, len(completions))
+    buffer = max(1.0, OVERLONG_BUFFER_FRACTION * max_len)
+    start = max_len - buffer
+    return np.clip((start - lengths) / np.float32(buffer), -1.0, 0.0).astype(np.float32), {}
 
 
 def score_completions(
@@ -232,6 +288,8 @@ def score_completions(
     *,
     timeout_s: float = 1.0,
     max_chars: int = DEFAULT_MAX_CHARS,
+    lengths=None,
+    max_len: int | None = None,
 ):
     """Rewards for ``completions`` against ``answers``: ``(float32 [N], {"correct", "formatted"})``.
 
@@ -243,7 +301,8 @@ def score_completions(
     fn = REWARDS.get(reward_name)
     n = len(completions)
     try:
-        return fn(list(completions), list(answers), timeout_s=timeout_s, max_chars=max_chars)
+        return fn(list(completions), list(answers), timeout_s=timeout_s, max_chars=max_chars, lengths=lengths,
+                  max_len=max_len)
     except Exception as e:
         log.warning("reward %s failed on a batch (%s); scoring it 0", reward_name, e)
         return np.zeros(n, np.float32), {"correct": np.zeros(n, bool), "formatted": np.zeros(n, bool)}

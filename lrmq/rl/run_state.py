@@ -62,6 +62,7 @@ class RunLogs:
     """
 
     METRICS = "metrics.jsonl"
+    COMPLETIONS = "completions.jsonl"
 
     def __init__(self, run_dir: str, *, enabled: bool = True, sync_s: float = 30.0):
         self.enabled = enabled
@@ -71,8 +72,10 @@ class RunLogs:
             self.local_dir = tempfile.mkdtemp(prefix="lrmq-run-logs-")
             self._mirror = paths.Mirror(self.local_dir, run_dir, interval_s=sync_s)
             self._mirror.pull(self.METRICS)
+            self._mirror.pull(self.COMPLETIONS)
             log.info("logs of %s are written to %s and copied up", run_dir, self.local_dir)
         self.metrics_path = os.path.join(self.local_dir, self.METRICS)
+        self.completions_path = os.path.join(self.local_dir, self.COMPLETIONS)
         self.tb_dir = os.path.join(self.local_dir, "tb")
 
     def append(self, row: dict) -> None:
@@ -82,14 +85,22 @@ class RunLogs:
             f.write(json.dumps(row) + "\n")
         self.sync()
 
+    def append_completions(self, rows: list[dict]) -> None:
+        """Sampled completions, one JSON object per line (prompt, completion, reward parts, advantage)."""
+        if not self.enabled or not rows:
+            return
+        with open(self.completions_path, "a") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
     def reset(self) -> None:
         """A fresh run: drop the metrics of an earlier run in the same dir."""
         if not self.enabled:
             return
-        if self._mirror is not None:
-            self._mirror.delete(self.METRICS)
-        elif os.path.exists(self.metrics_path):
-            os.remove(self.metrics_path)
+        for name, path in ((self.METRICS, self.metrics_path), (self.COMPLETIONS, self.completions_path)):
+            if self._mirror is not None:
+                self._mirror.delete(name)
+            elif os.path.exists(path):
+                os.remove(path)
 
     def sync(self, force: bool = False) -> None:
         if self._mirror is None:

@@ -89,22 +89,29 @@ def micro_batches(x, n_micro: int):
     return x.reshape((x.shape[0] // n_micro, n_micro) + x.shape[1:]).swapaxes(0, 1)
 
 
-def _loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg: TrainConfig):
+def _loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg: TrainConfig, use_old: bool):
     model = nnx.merge(graphdef, trainable, rest)
     a = cfg.algo
     logp, ent = completion_logprobs(model, mb["tokens"], mb["mask"], mb["completion"], cfg.rollout.temperature,
                                     remat=cfg.model.remat, chunk=cfg.model.logits_chunk)
-    loss_sum, _, metrics = grpo_loss(logp, mb["old_logp"], mb["advantages"], mb["completion_mask"], eps_low=a.eps_low,
-                                     eps_high=a.eps_high, aggregation=a.loss_aggregation, beta=a.beta,
-                                     ref_logp=ref_logp, kl_estimator=a.kl_estimator,
-                                     max_len=cfg.rollout.max_new_tokens, policy_loss=a.policy_loss)
+    loss_sum, _, metrics = grpo_loss(logp, mb["old_logp"] if use_old else None, mb["advantages"],
+                                     mb["completion_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
+                                     aggregation=a.loss_aggregation, beta=a.beta, ref_logp=ref_logp,
+                                     kl_estimator=a.kl_estimator, kl_bias_correction=a.kl_bias_correction,
+                                     importance_level=a.importance_sampling, max_len=cfg.rollout.max_new_tokens,
+                                     policy_loss=a.policy_loss)
     m = mb["completion_mask"]
     metrics["entropy"] = ((jax.lax.stop_gradient(ent) * m).sum(), m.sum())
-    return loss_sum / total_count, (loss_sum, metrics)
+    return loss_sum / total_count, (loss_sum, metrics, jax.lax.stop_gradient(logp))
 
 
-def train_step(graphdef, cfg: TrainConfig, tx, trainable, rest, opt_state, batch, ref_logp):
-    """One optimizer update over the whole rollout batch, accumulated over micro-batches exactly."""
+def train_step(graphdef, cfg: TrainConfig, tx, use_old, trainable, rest, opt_state, batch, ref_logp):
+    """One optimizer update over the whole rollout batch, accumulated over micro-batches exactly.
+
+    ``use_old=False`` is the on-policy update: the importance ratio's denominator is the policy's own
+    (stop-gradient) log-probs of this very forward pass, so no separate old-log-prob forward is needed;
+    the step also returns those log-probs ``[S, N]`` (the pre-update policy's), which later inner
+    iterations (mu > 1) use as old log-probs."""
     s = batch["tokens"].shape[0]
     mbs = cfg.optim.micro_batch_size or s
     n_micro = s // mbs
@@ -121,30 +128,41 @@ def train_step(graphdef, cfg: TrainConfig, tx, trainable, rest, opt_state, batch
     def body(carry, xs):
         g_acc, loss_acc, m_acc = carry
         mb, ref = xs
-        g, (loss_sum, metrics) = grad_fn(trainable, rest, graphdef, mb, total_count, ref, cfg)
+        g, (loss_sum, metrics, logp) = grad_fn(trainable, rest, graphdef, mb, total_count, ref, cfg, use_old)
         g_acc = jax.tree.map(jnp.add, g_acc, g)
         m_acc = jax.tree.map(jnp.add, m_acc, metrics)
-        return (g_acc, loss_acc + loss_sum, m_acc), None
+        return (g_acc, loss_acc + loss_sum, m_acc), (None if use_old else logp)
 
     zeros_g = jax.tree.map(jnp.zeros_like, trainable)
     zero_metrics = {k: (jnp.zeros(()), jnp.zeros(())) for k in _metric_names(cfg)}
-    (grads, loss_sum, msum), _ = jax.lax.scan(body, (zeros_g, jnp.zeros(()), zero_metrics), (micro, ref_micro))
+    (grads, loss_sum, msum), logps = jax.lax.scan(body, (zeros_g, jnp.zeros(()), zero_metrics), (micro, ref_micro))
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
     out = {k: v[0] / jnp.maximum(v[1], 1.0) for k, v in msum.items()}
     out["loss"] = loss_sum / total_count
     out["grad_norm"] = grad_norm
+    if not use_old:  # undo the strided micro-batch split: [n_micro, S/n_micro, N] -> [S, N]
+        out["logp"] = logps.swapaxes(0, 1).reshape(s, -1)
     return trainable, opt_state, out
 
 
+METRIC_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio", "entropy")
+
+
 def _metric_names(cfg: TrainConfig) -> tuple[str, ...]:
-    names = ("clip_fraction", "ratio", "entropy")
-    return names + (("kl",) if cfg.algo.beta != 0.0 else ())
+    return METRIC_NAMES + (("kl",) if cfg.algo.beta != 0.0 else ())
 
 
-def make_train_step(graphdef, cfg: TrainConfig, tx, shardings=None):
-    fn = partial(train_step, graphdef, cfg, tx)
+def uses_rollout_logprobs(cfg: TrainConfig) -> bool:
+    """Whether the first update of a batch divides by the sampler's log-probs (algo.old_logprobs=rollout).
+    Otherwise (recompute) the old policy *is* the current one at the first update, and the ratio's
+    denominator is that update's own forward pass: no extra forward, as TRL does at mu=1."""
+    return cfg.algo.old_logprobs == "rollout"
+
+
+def make_train_step(graphdef, cfg: TrainConfig, tx, shardings=None, *, use_old: bool = True):
+    fn = partial(train_step, graphdef, cfg, tx, use_old)
     if shardings is None:
         return jax.jit(fn, donate_argnums=(0, 2))
     tr_sh, opt_sh = shardings

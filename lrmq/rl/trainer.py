@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrmq import aot, paths
+from lrmq import aot, compile_cache, paths
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
 from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
@@ -28,11 +28,12 @@ from lrmq.generation.engine import Generator, generation_chunk, left_pad
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.quant.training import export_float_model, prepare_for_training, trainable_filter
 from lrmq.rl.advantages import compute_advantages
-from lrmq.rl.batch import build_batch, truncate_left
+from lrmq.rl.batch import build_batch, bucketed_arrays, mask_rows, truncate_left, truncated_rows
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.rewards import score_completions
 from lrmq.rl.run_state import RunCheckpointer, RunLogs
-from lrmq.rl.step import init_opt_state, make_optimizer, make_ref_logprobs, make_train_step
+from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step,
+                          uses_rollout_logprobs)
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, host_array, make_mesh
 from lrmq.tokenizer import Tokenizer
 
@@ -74,6 +75,7 @@ def build_model(cfg: TrainConfig, mesh):
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, *, writer_factory=None):
         self.cfg = cfg
+        compile_cache.enable(cfg.run.compile_cache)
         self.run_dir = paths.resolve(cfg.run.out_dir)  # local: absolute path; or a URL (gs://...)
         paths.ensure_dir(self.run_dir)
         self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
@@ -91,12 +93,17 @@ class GRPOTrainer:
             self.opt_state = init_opt_state(self.tx, self.trainable, self.mesh)
         tr_sh = jax.tree.map(lambda x: x.sharding, self.trainable)
         opt_sh = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        self.train_step = make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh))
+        # The first update of a batch either divides by the sampler's log-probs (use_old) or is on-policy and
+        # returns its own forward's log-probs for the later inner iterations (mu > 1): no extra forward.
+        self._first_uses_old = uses_rollout_logprobs(cfg)
+        self.train_steps = {use_old: make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh), use_old=use_old)
+                            for use_old in (True, False)}
+        self._aot_steps: dict = {}  # (use_old, batch shapes) -> the preflight's compiled update
         self.ref_trainable = None
-        if cfg.algo.beta != 0.0 or cfg.algo.old_logprobs == "recompute":
-            self.logprob_fn = make_ref_logprobs(self.graphdef, cfg)
         if cfg.algo.beta != 0.0:
+            self.logprob_fn = make_ref_logprobs(self.graphdef, cfg)
             self.ref_trainable = self._reference_params()
+        self.last_completions: list[dict] = []
         self.generator = Generator(model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
                                    graphdef=self.graphdef)
 
@@ -164,47 +171,81 @@ class GRPOTrainer:
         comp, logp, lengths = self._generate(tokens, mask, key, sampling, r.max_new_tokens)
         t_gen = time.perf_counter() - t0
         texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(problems))]
-        rewards, info = score_completions(texts, answers, a.reward, timeout_s=a.reward_timeout_s)
-        adv = np.asarray(compute_advantages(a.advantage, jnp.asarray(rewards), g, eps=a.adv_eps,
-                                            std_ddof=a.std_ddof))
+        rewards, parts, info = self.score(texts, answers, lengths)
+        adv = np.asarray(compute_advantages(a.advantage, rewards, g, eps=a.adv_eps,
+                                            std_ddof=a.std_ddof, scale=a.scale_rewards))
         rb = build_batch(tokens, mask, comp, lengths, logp, adv, rewards)
+        cut = truncated_rows(comp, lengths, self.tokenizer.eos_ids)
+        if a.mask_truncated_completions:
+            rb = mask_rows(rb, cut)
+        self.last_completions = [
+            {"prompt": self.tokenizer.decode([int(t) for t, m in zip(tokens[i], mask[i]) if m]),
+             "completion": texts[i], "answer": answers[i], "reward": float(rewards[i]),
+             "rewards": {k: float(v[i]) for k, v in parts.items()}, "advantage": float(adv[i]),
+             "tokens": int(lengths[i]), "truncated": bool(cut[i])}
+            for i in range(len(texts))]
+        grouped = rewards.reshape(-1, g)
         stats = {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
+            **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
             "reward/accuracy": float(np.mean(info["correct"])),
             "reward/format_rate": float(np.mean(info["formatted"])),
+            "reward/frac_zero_std": float(np.mean(grouped.max(1) == grouped.min(1))),
             "completion/length_mean": float(lengths.mean()),
-            "completion/truncated_rate": float(np.mean(lengths >= r.max_new_tokens)),
+            "completion/truncated_rate": float(np.mean(cut)),
             "prompt/truncated": float(truncated),
             "perf/rollout_tokens_per_s": float(lengths.sum() / max(t_gen, 1e-9)),
             "perf/rollout_s": t_gen,
         }
         return rb, stats
 
+    def score(self, texts: list[str], answers: list[str], lengths) -> tuple[np.ndarray, dict, dict]:
+        """(training reward [N], {reward name: its unweighted values}, the main reward's info): the main
+        reward times algo.reward_weight plus each of algo.extra_rewards times its weight."""
+        a = self.cfg.algo
+        kw = dict(timeout_s=a.reward_timeout_s, lengths=lengths, max_len=self.cfg.rollout.max_new_tokens)
+        main, info = score_completions(texts, answers, a.reward, **kw)
+        parts = {a.reward: main}
+        total = np.float32(a.reward_weight) * main
+        for name, weight in a.extra_rewards.items():
+            parts[name] = score_completions(texts, answers, name, **kw)[0]
+            total = total + np.float32(weight) * parts[name]
+        return total.astype(np.float32), parts, info
+
     # ------------------------------------------------------------------ update
+    def _step_fn(self, use_old: bool, arrays, ref_logp):
+        """The jitted update, or the preflight's compiled one when the batch has the shape it was compiled for."""
+        key = (use_old, tuple((k, v.shape) for k, v in sorted(arrays.items())), ref_logp is None)
+        return self._aot_steps.get(key, self.train_steps[use_old])
+
     def update(self, rb) -> dict[str, float]:
+        r = self.cfg.rollout
+        host = bucketed_arrays(rb, r.max_prompt_len) if r.update_padding == "bucket" else rb.arrays()
         with jax.set_mesh(self.mesh):
-            arrays = {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in rb.arrays().items()}
+            arrays = {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in host.items()}
             ref_logp = None
             if self.cfg.algo.beta != 0.0:
                 ref_logp = self.logprob_fn(self.ref_trainable, self.rest, arrays["tokens"], arrays["mask"],
                                            arrays["completion"])
-            if self.cfg.algo.old_logprobs == "recompute":
-                arrays["old_logp"] = self.logprob_fn(self.trainable, self.rest, arrays["tokens"], arrays["mask"],
-                                                     arrays["completion"]) * arrays["completion_mask"]
-                # the preflight-compiled update takes exactly the batch layout it was compiled for
-                arrays["old_logp"] = jax.device_put(arrays["old_logp"], batch_sharding(self.mesh, 2))
+                ref_logp = jax.device_put(ref_logp, batch_sharding(self.mesh, 2))
             t0 = time.perf_counter()
             metrics = {}
+            use_old = self._first_uses_old
             for _ in range(self.cfg.algo.num_iterations):
-                self.trainable, self.opt_state, m = self.train_step(self.trainable, self.rest, self.opt_state,
-                                                                    arrays, ref_logp)
-                metrics = m
+                step = self._step_fn(use_old, arrays, ref_logp)
+                self.trainable, self.opt_state, metrics = step(self.trainable, self.rest, self.opt_state, arrays,
+                                                               ref_logp)
+                if not use_old:  # on-policy first update: its log-probs are the old policy's for the next ones
+                    arrays["old_logp"] = jax.device_put(metrics.pop("logp") * arrays["completion_mask"],
+                                                        batch_sharding(self.mesh, 2))
+                    use_old = True
             metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
         dt = time.perf_counter() - t0
-        n_tok = float(rb.mask.sum()) * self.cfg.algo.num_iterations
+        n_tok = float(host["mask"].sum()) * self.cfg.algo.num_iterations
         metrics["perf/train_tokens_per_s"] = n_tok / max(dt, 1e-9)
         metrics["perf/update_s"] = dt
+        metrics["perf/update_width"] = float(host["tokens"].shape[1])
         return metrics
 
     # ------------------------------------------------------------------ evaluation
@@ -247,8 +288,9 @@ class GRPOTrainer:
         s, n = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens
         ref = (jax.ShapeDtypeStruct((s, n), jnp.float32, sharding=batch_sharding(self.mesh, 2))
                if cfg.algo.beta != 0.0 else None)
+        use_old = self._first_uses_old
         with jax.set_mesh(self.mesh):
-            step = self.train_step.lower(self.trainable, self.rest, self.opt_state, batch, ref).compile()
+            step = self.train_steps[use_old].lower(self.trainable, self.rest, self.opt_state, batch, ref).compile()
         rows = generation_chunk(cfg.rollout.generation_batch, s, batch_divisor(self.mesh))
         rollout, _ = aot.compile_generate(self.graphdef, self.states(), self.mesh, batch=rows,
                                           prompt_len=cfg.rollout.max_prompt_len, max_new=n,
@@ -265,7 +307,8 @@ class GRPOTrainer:
                 "preflight: " + ", ".join(f"{k} needs {gib(v)}" for k, v in over.items()) +
                 f" per device, more than the {gib(limit)} allowed; nothing was run. Find a micro-batch that fits "
                 f"with `python -m lrmq.train --config CONFIG --compile-only` (or lower rollout.prompts_per_step)")
-        self.train_step = step  # same shapes and shardings as every update: no second compile
+        # used for every full-width batch (always with rollout.update_padding=max): no second compile
+        self._aot_steps[(use_old, tuple((k, v.shape) for k, v in sorted(batch.items())), ref is None)] = step
         return mem
 
     # ------------------------------------------------------------------ checkpoints
@@ -299,6 +342,16 @@ class GRPOTrainer:
     def _on_signal(self, signum, frame):
         self._stop_signal = signum
         log.warning("signal %d received: finishing this step, saving a checkpoint, then exiting", signum)
+
+    def log_completions(self, step: int, records: list[dict]):
+        """All of a step's completions to completions.jsonl, the first run.log_completions to TensorBoard."""
+        if jax.process_index() != 0 or not records:
+            return
+        if self.cfg.run.completions_jsonl:
+            self.logs.append_completions([{"step": step, **r} for r in records])
+        shown = records[: self.cfg.run.log_completions]
+        if shown:
+            self.writer.add_text("completions", "\n\n---\n\n".join(_markdown(r) for r in shown), step)
 
     def log_metrics(self, step: int, metrics: dict[str, float]):
         if jax.process_index() != 0:  # every process holds the same (global) metrics
@@ -340,6 +393,7 @@ class GRPOTrainer:
                 if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.steps:
                     m.update(self.evaluate())
                 self.log_metrics(self.step, m)
+                self.log_completions(self.step, self.last_completions)
                 last = m
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['reward/accuracy']:.2f}",
@@ -367,10 +421,22 @@ class GRPOTrainer:
             self.logs.sync(force=True)
 
 
+def _markdown(r: dict) -> str:
+    """One completion as TensorBoard text (markdown): the prompt's tail, the completion, its scores."""
+    fence = lambda t: "```\n" + t.replace("```", "` ` `") + "\n```"
+    scores = ", ".join(f"{k} {v:.3g}" for k, v in r["rewards"].items())
+    return (f"**reward {r['reward']:.3g}** ({scores}), advantage {r['advantage']:.3g}, {r['tokens']} tokens"
+            f"{' (truncated)' if r['truncated'] else ''}, answer `{r['answer']}`\n\n"
+            f"{fence(r['prompt'][-500:])}\n\n{fence(r['completion'])}")
+
+
 class NullWriter:
     """The SummaryWriter calls the trainer makes, doing nothing (processes other than 0)."""
 
     def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def add_text(self, *args, **kwargs) -> None:
         pass
 
     def flush(self) -> None:
