@@ -40,7 +40,7 @@ from lrmq.configlib import add_config_args, dump_config
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
 from lrmq.ptq.exports import packed_kernels
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
-from lrmq.ptq.pipeline import load_float_model, prepare, resolve_model_path, run_quantize
+from lrmq.ptq.pipeline import load_float_model, model_config, prepare, resolve_model_path, run_quantize
 from lrmq.quant.quantizers import check_bits
 from lrmq.quant.training import param_bytes
 from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
@@ -204,6 +204,11 @@ def run(args) -> dict:
         checkpoint_kind(resolve_model_path(cfg.model))
     except Exception as e:
         raise UsageError(f"--checkpoint: {e}") from None
+    # the flag form has no block-size flag: calibration blocks fit the model's positions
+    limit = model_config(resolve_model_path(cfg.model)).max_position_embeddings
+    c = cfg.calibration
+    cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(
+        c, block_size=min(c.block_size, limit), max_doc_tokens=min(c.max_doc_tokens, limit)))
     prep = prepare(cfg)
     model = load_float_model(prep.model_path)
     check_targets(model, cfg)

@@ -23,10 +23,12 @@ from lrmq import generate as generate_cli
 from lrmq import perplexity as perplexity_cli
 from lrmq import quantize as quantize_cli
 from lrmq.checkpoint.load import TINY_MODEL_DIR
+from lrmq.data import synthetic as synthetic_cli
 from lrmq.ptq import pseudo_ft as pseudo_ft_cli
 
 CLIS = {"convert": convert_cli.main, "generate": generate_cli.main, "perplexity": perplexity_cli.main,
-        "quantize": quantize_cli.main, "ptq.pseudo_ft": pseudo_ft_cli.main}
+        "quantize": quantize_cli.main, "ptq.pseudo_ft": pseudo_ft_cli.main,
+        "data.synthetic": synthetic_cli.main}
 
 
 def _tree_sums(root: str) -> dict[str, str]:
@@ -142,6 +144,9 @@ ROWS = [
                                                       "{ckpt}", "--overwrite"], "--out {ckpt} is --checkpoint"),
     ("pseudo_ft-steps-0", "ptq.pseudo_ft", ["--checkpoint", "{ckpt}", "--traces", "{data}", "--out", "{out}",
                                             "--steps", "0"], "--steps: must be >= 1"),
+    ("synthetic-n-train-0", "data.synthetic", ["--out", "{out}", "--n-train", "0"], "--n-train: must be >= 1"),
+    ("synthetic-min-ops-over-max", "data.synthetic", ["--out", "{out}", "--min-ops", "4", "--max-ops", "2"],
+     "--min-ops 4 is greater than --max-ops 2"),
     ("quantize-group-size-0", "quantize", ["--checkpoint", "{ckpt}", "--method", "rtn", "--group-size", "0",
                                            "--out", "{out}"], "--group-size: must be >= 1 or -1, found 0"),
     ("quantize-bits-9", "quantize", ["--checkpoint", "{ckpt}", "--method", "rtn", "--bits", "9", "--out", "{out}"],
@@ -149,6 +154,9 @@ ROWS = [
     ("quantize-config-bound", "quantize", ["--config", "{ptq_yaml}", "calibration.block_size=0",
                                            "outputs.dir={out}", "--print-config"],
      "calibration.block_size: must be >= 2, found 0"),
+    ("quantize-config-calibration-past-limit", "quantize",
+     ["--config", "{ptq_yaml}", "method=awq", "calibration.path={data}", "calibration.block_size=512",
+      "outputs.dir={out}"], "calibration.block_size = 512 positions exceeds the model's max_position_embeddings 256"),
     ("quantize-config-nan", "quantize", ["--config", "{ptq_yaml}", "awq.max_shrink=.nan", "outputs.dir={out}",
                                          "--print-config"], "awq.max_shrink: expected a number, found nan"),
     ("generate-max-new-tokens-negative", "generate",

@@ -10,7 +10,6 @@ set is tiny on purpose (digits, `+-*=.`, space, the words "Compute"/"boxed", a b
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from lrmq.atomic import atomic_write_text
+from lrmq.cli import ArgumentParser, UsageError, number, run_main
 
 OPS = ("+", "-", "*")
 
@@ -132,24 +132,31 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Write train.jsonl / test.jsonl of synthetic arithmetic")
+def main(argv: Sequence[str] | None = None) -> int:
+    p = ArgumentParser("data.synthetic", description="Write train.jsonl / test.jsonl of synthetic arithmetic")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--n-train", type=int, default=2000)
-    p.add_argument("--n-eval", type=int, default=200)
+    p.add_argument("--n-train", type=number(int, ge=1), default=2000)
+    p.add_argument("--n-eval", type=number(int, ge=0), default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-ops", type=int, default=1)
-    p.add_argument("--max-ops", type=int, default=3)
-    p.add_argument("--max-operand", type=int, default=20)
-    p.add_argument("--max-mul-operand", type=int, default=9)
+    p.add_argument("--min-ops", type=number(int, ge=1), default=1)
+    p.add_argument("--max-ops", type=number(int, ge=1), default=3)
+    p.add_argument("--max-operand", type=number(int, ge=1), default=20)
+    p.add_argument("--max-mul-operand", type=number(int, ge=1), default=9)
     p.add_argument("--allow-negative", action="store_true")
     a = p.parse_args(argv)
-    diff = ArithDifficulty(a.min_ops, a.max_ops, a.max_operand, a.max_mul_operand, a.allow_negative)
-    train, test = make_splits(a.n_train, a.n_eval, a.seed, diff)
-    write_jsonl(os.path.join(a.out, "train.jsonl"), train)
-    write_jsonl(os.path.join(a.out, "test.jsonl"), test)
-    print(f"wrote {len(train)} train and {len(test)} test rows to {a.out}")
+
+    def body() -> int:
+        if a.min_ops > a.max_ops:
+            raise UsageError(f"--min-ops {a.min_ops} is greater than --max-ops {a.max_ops}")
+        diff = ArithDifficulty(a.min_ops, a.max_ops, a.max_operand, a.max_mul_operand, a.allow_negative)
+        train, test = make_splits(a.n_train, a.n_eval, a.seed, diff)
+        write_jsonl(os.path.join(a.out, "train.jsonl"), train)
+        write_jsonl(os.path.join(a.out, "test.jsonl"), test)
+        print(f"wrote {len(train)} train and {len(test)} test rows to {a.out}")
+        return 0
+
+    return run_main("data.synthetic", body)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

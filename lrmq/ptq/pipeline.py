@@ -19,8 +19,10 @@ import json
 import os
 
 from lrmq.checkpoint.load import checkpoint_kind, load_model, resolve_checkpoint
+from lrmq.checkpoint.orbax_io import read_lrmq_config
 from lrmq.configlib import dump_config
 from lrmq.ptq.calibration import calibration_blocks
+from lrmq.model.config import ModelConfig, check_position_limit
 from lrmq.ptq.config import QuantizeConfig
 from lrmq.ptq.exports import write_outputs
 from lrmq.ptq.methods import PTQ_METHODS, MethodInputs, needs_calibration
@@ -47,6 +49,22 @@ class Prepared:
 
 def resolve_model_path(p: str) -> str:
     return resolve_checkpoint(p)
+
+
+def model_config(path: str) -> ModelConfig:
+    """The ModelConfig of an HF or lrmq checkpoint, without reading its weights."""
+    return read_lrmq_config(path) if checkpoint_kind(path) == "lrmq" else ModelConfig.from_hf_file(path)
+
+
+def check_calibration_length(cfg: QuantizeConfig) -> None:
+    """Calibration blocks longer than the model's max_position_embeddings would calibrate on positions
+    the model never saw (ConfigError with both numbers). Checked before any expensive pass."""
+    if not needs_calibration(cfg.method):
+        return
+    path = resolve_model_path(cfg.model) if cfg.model else (
+        os.path.join(cfg.quantlrm.run_dir, "final_policy") if cfg.quantlrm.run_dir else None)
+    if path and os.path.isdir(path):
+        check_position_limit(model_config(path), cfg.calibration.block_size, "calibration.block_size")
 
 
 def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str):
@@ -93,6 +111,7 @@ def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
 def prepare(cfg: QuantizeConfig) -> Prepared:
     """Every input of the run, read and checked (FileNotFoundError, QuantLRMError, CalibrationError, ...)."""
     model_path = resolve_model_path(cfg.model) if cfg.model else None
+    check_calibration_length(cfg)
     importances, files, report = None, {}, {}
     if cfg.method == "quantlrm":
         model_path, importances, files, report = quantlrm_importance(cfg, model_path)
