@@ -240,9 +240,10 @@ def example_override(cls: type | None) -> str:
     """`section.key=value` for the first numeric option of a section of `cls` (a real key, so the help
     never shows one the loader rejects)."""
     if cls is not None:
-        for key, tp, f in iter_options(cls):
-            if "." in key and strip_optional(tp) in (int, float) and f.default is not dataclasses.MISSING:
-                return f"{key}={_flow(f.default)}"
+        for kinds in ((float,), (int, float)):  # a float (a rate, a temperature) reads best
+            for key, tp, f in iter_options(cls):
+                if "." in key and strip_optional(tp) in kinds and f.default is not dataclasses.MISSING:
+                    return f"{key}={_flow(f.default)}"
     return "section.key=value"
 
 
