@@ -177,7 +177,7 @@ class RunSection:
     save_every: int = opt(50, "save a checkpoint every N steps (and after the last)", ge=1)
     keep_checkpoints: int = opt(2, "checkpoints kept in the run directory (older ones are deleted)", ge=1)
     eval_every: int = opt(0, "evaluate on held-out problems every N steps (0 = only before and after training)", ge=0)
-    eval_size: int = opt(128, "held-out problems per evaluation", ge=1)
+    eval_size: int = opt(128, "held-out problems per evaluation", ge=0)
     eval_greedy: bool = opt(True, "also evaluate greedy decoding (eval/accuracy is sampled at the rollout "
                                   "temperature)")
     log_completions: int = opt(2, "sampled completions per step shown in TensorBoard's text tab (every completion "
