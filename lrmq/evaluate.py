@@ -113,6 +113,13 @@ def load_eval_model(cfg: EvalConfig):
 
 
 def rescore(cfg: EvalConfig) -> dict:
+    """Re-score out_dir's completions.jsonl with the current scorers and rewrite the results; the run's own
+    config (its eval_config.yaml) describes it, the command line only picks the dir and timeout_s."""
+    saved_path = os.path.join(cfg.out_dir, RUN_CONFIG)
+    if os.path.exists(saved_path):
+        saved = configlib.load_config(EvalConfig, saved_path)
+        saved.out_dir, saved.timeout_s = cfg.out_dir, cfg.timeout_s
+        cfg = saved
     suite, names = resolve_suite(cfg.suite)
     names = [n for n in names if not cfg.benchmarks or n in cfg.benchmarks]
     path = os.path.join(cfg.out_dir, COMPLETIONS)
@@ -122,7 +129,8 @@ def rescore(cfg: EvalConfig) -> dict:
     records = score_records(records, timeout_s=cfg.timeout_s)
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records))
     names = [n for n in names if any(r["benchmark"] == n for r in records)]
-    results = summarize_records(records, suite, names, [k for k in cfg.pass_k if k <= cfg.generation.samples])
+    k_max = 1 + max(int(r["sample"]) for r in records)
+    results = summarize_records(records, suite, names, [k for k in cfg.pass_k if k <= k_max])
     atomic_write_text(os.path.join(cfg.out_dir, RESULTS),
                       json.dumps({**run_meta(cfg), **results}, indent=2, sort_keys=True) + "\n")
     atomic_write_text(os.path.join(cfg.out_dir, TABLE), markdown_table(results))

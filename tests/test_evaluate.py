@@ -97,10 +97,12 @@ def test_rescore(paper1_run, tmp_path, capsys):
     recs[i]["completion"] = "6/8 reduces. <think>no</think> So \\boxed{0.75}"
     with open(out / "completions.jsonl", "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in recs))
-    assert ev.main(["--suite", "paper1", "--out", str(out), "--rescore", "--samples", "2", "pass_k=[1,2]"]) == 0
+    assert ev.main(["--suite", "paper1", "--out", str(out), "--rescore"]) == 0  # K, pass_k: the run's own
     new = [json.loads(l) for l in _lines(out)]
     assert new[i]["extracted"] == "0.75" and new[i]["correct"] and new[i]["reward"] == pytest.approx(1.1)
-    assert _results(out)["benchmarks"]["math500"]["reward"] > _results(paper1_run)["benchmarks"]["math500"]["reward"]
+    before, after = _results(paper1_run), _results(out)
+    assert after["benchmarks"]["math500"]["reward"] > before["benchmarks"]["math500"]["reward"]
+    assert after["benchmarks"]["amc"] == before["benchmarks"]["amc"] and after["config"] == before["config"]
     assert "MATH-500" in capsys.readouterr().out
 
 
@@ -253,6 +255,8 @@ TRICKY = [
     ("label_match", "option_letter", r"<think>A</think> \boxed{B}", "B", "B", True),
     ("label_match", "option_letter", r"<think>x</think> \boxed{(D)}", "D", "D", True),
     ("label_match", "option_letter", "<think>x</think> Answer: B", "(A)", "B", False),
+    ("label_match", "option_letter", "<think>x</think> The answer is a bit unclear.", "A", None, False),
+    ("label_match", "option_letter", "<think>x</think> The answer is D. Iron", "D", "D", True),
 ]
 
 

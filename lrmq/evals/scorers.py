@@ -88,7 +88,8 @@ def true_false_uncertain(text: str) -> Optional[str]:
 
 
 _LETTER_BOX = re.compile(r"^\s*(?:\\text\{)?\(?([A-J])\)?(?:\})?\s*(?:[:.)].*)?$", re.S)
-_LETTER_ANSWER = re.compile(r"answer\s*(?:is|:)\s*(?:option\s*)?[*\s]*\(?([A-J])\)?(?![A-Za-z])", re.I)
+# "answer" in any case; the letter itself upper case only ("the answer is a bit unclear" is no answer)
+_LETTER_ANSWER = re.compile(r"(?i:answer)\s*(?i:is|:)\s*(?i:option\s*)?[*\s]*\(?([A-J])\)?(?![A-Za-z])")
 _LETTER_PAREN = re.compile(r"\(([A-J])\)")
 
 
