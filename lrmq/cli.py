@@ -2,7 +2,7 @@
 
 * One error format: `lrmq.NAME: error: MESSAGE` on stderr, exit status 2, no traceback, for argparse
   errors (`ArgumentParser`) and for bad inputs found later (`run_main`: the exceptions of
-  `USER_ERRORS`, a full disk included).
+  `USER_ERRORS`, a full disk included); Ctrl-C is `lrmq.NAME: interrupted`, exit status 130.
 * Numeric options are range-checked by argparse before any work starts (`number`), with the same
   wording as config bounds (`lrmq.configlib`: `opt(ge=...)`): "must be >= 1, found 0".
 * Outputs never overlap inputs (`check_disjoint`): an output that is, contains or is inside an input
@@ -81,6 +81,9 @@ def run_main(name: str, body: Callable[[], int], errors: tuple = USER_ERRORS) ->
             print_error(name, e)
             return 2
         raise
+    except KeyboardInterrupt:  # Ctrl-C: outputs are atomic, so nothing half-written is left
+        print(f"lrmq.{name}: interrupted", file=sys.stderr)
+        return 130
 
 
 _OPS = (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b), ("le", "<=", lambda v, b: v <= b),
