@@ -112,8 +112,10 @@ class AbstractRun:
     rest: object
 
 
-def abstract_run(cfg: TrainConfig, mesh) -> AbstractRun:
-    mcfg = model_config(cfg)
+def abstract_run(cfg: TrainConfig, mesh, mcfg: ModelConfig | None = None) -> AbstractRun:
+    """The run's model, parameters and batch as shapes with shardings; `mcfg` overrides the architecture the
+    config names (benchmarks compile configs that exist only in code)."""
+    mcfg = mcfg or model_config(cfg)
 
     def build():
         return prepare_for_training(Decoder(mcfg, nnx.Rngs(cfg.run.seed)), cfg.quant, seed=cfg.run.seed)
