@@ -11,6 +11,7 @@ import logging
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as cc
 
 log = logging.getLogger(__name__)
 
@@ -55,5 +56,8 @@ def enable(setting: str = "auto") -> str | None:
             return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
+    # JAX decides whether to use a persistent cache at its first compile; a process that compiled before
+    # this call (a notebook, a test session) must be told to look again.
+    cc.reset_cache()
     log.info("JAX compilation cache: %s", path)
     return path

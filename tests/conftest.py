@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 # Several processes compile for TPU through libtpu at once (tests and the CLIs they launch); without this
 # libtpu's machine-wide lockfile makes every process after the first fail.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# Trainers use JAX's persistent compilation cache (lrmq.compile_cache, default ~/.cache/lrmq/jax): the tests
+# keep theirs in one temporary dir per session, shared with the CLIs they launch (identical tiny programs
+# compiled by many tests and subprocesses are compiled once), and never touch the user's.
+if "LRMQ_COMPILE_CACHE" not in os.environ:
+    os.environ["LRMQ_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="lrmq-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["LRMQ_COMPILE_CACHE"], True)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
