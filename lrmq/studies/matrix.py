@@ -1,0 +1,154 @@
+"""The arms of a study: the paper presets expanded, explicit arms added, dependencies checked.
+
+Paper 1 (arXiv 2511.15694), for each RL algorithm A (GRPO, Dr.GRPO):
+
+    A                      full-precision RL
+    A-ptq-M-wB             PTQ of A's policy with M at B bits (rtn/awq/gptq/quantlrm at each of `bits`, g=group_size;
+                           nf4 at 4 bits (block 64, double quant); int8 at 8 bits per channel)
+    A-qat-S                QAT inside RL with scheme S (paper_int8 = the paper's per-tensor int8 STE, int8 / int4 AQT)
+    A-qlora-F              QLoRA on a packed F (nf4 / int4) base
+    base                   the starting checkpoint without RL (the floor)
+
+Paper 2 (QuantLRM, arXiv 2602.02581), on the RL policy P (the A run above, or its own) with the pre-RL
+checkpoint (P's initial_policy) as "before":
+
+    P-ptq-M-wB             M in quantlrm / awq / gptq / rtn at each of `bits`
+    P-quantlrm-MAP-wB      the importance-mapping ablation (u_shape is the main arm)
+    P-quantlrm-pft-wB      QuantLRM with pseudo-fine-tuning "before" weights (as when no pre-RL checkpoint exists)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lrmq.configlib import ConfigError
+from lrmq.studies.config import ArmSpec, StudyConfig
+
+# (bits, group) that a method always uses, whatever the matrix says
+FIXED_WIDTH = {"nf4": (4, 64), "int8": (8, -1)}
+FLOAT_BITS = {"float32": 32.0, "bfloat16": 16.0}
+
+
+def _ptq(name: str, source: str, method: str, bits: int, group: int, **kw) -> ArmSpec:
+    return ArmSpec(name=name, kind="ptq", group=kw.pop("group", "PTQ"), source=source, method=method, bits=bits,
+                   group_size=group, **kw)
+
+
+def ptq_widths(methods, bits_list, group: int) -> list[tuple[str, int, int]]:
+    """(method, bits, group) of each PTQ arm: fixed-width methods once, the others at every width."""
+    out = []
+    for m in methods:
+        if m in FIXED_WIDTH:
+            b, g = FIXED_WIDTH[m]
+            out.append((m, b, g))
+        else:
+            out += [(m, b, group) for b in bits_list]
+    return out
+
+
+def paper1_arms(cfg: StudyConfig) -> list[ArmSpec]:
+    p = cfg.paper1
+    arms = [ArmSpec(name="base", kind="base", group="base (no RL)")] if p.base else []
+    for alg, overrides in p.algorithms.items():
+        label = alg.upper().replace("DRGRPO", "Dr.GRPO")
+        arms.append(ArmSpec(name=alg, kind="train", group=f"{label} FP", train=list(overrides),
+                            baseline="base" if p.base else ""))
+        for m, b, g in ptq_widths(p.ptq_methods, p.bits, p.group_size):
+            arms.append(_ptq(f"{alg}-ptq-{m}-w{b}", alg, m, b, g, group=f"{label} + PTQ"))
+        for s in p.qat_schemes:
+            arms.append(ArmSpec(name=f"{alg}-qat-{s}", kind="train", group=f"{label} QAT", baseline=alg,
+                                train=[*overrides, "quant.mode=qat", f"quant.qat_scheme={s}", *p.qat_overrides]))
+        for f in p.qlora_bases:
+            arms.append(ArmSpec(name=f"{alg}-qlora-{f}", kind="train", group=f"{label} QLoRA", baseline=alg,
+                                train=[*overrides, "quant.mode=qlora", f"quant.base_format={f}",
+                                       *p.qlora_overrides]))
+    return arms
+
+
+def paper2_arms(cfg: StudyConfig) -> list[ArmSpec]:
+    p = cfg.paper2
+    src = p.algorithm
+    arms = []
+    if not (cfg.paper1.enabled and src in cfg.paper1.algorithms):
+        arms.append(ArmSpec(name=src, kind="train", group="RL policy (FP)", train=list(p.algorithm_overrides)))
+    for m, b, g in ptq_widths(p.methods, p.bits, p.group_size):
+        arms.append(_ptq(f"{src}-ptq-{m}-w{b}", src, m, b, g, group=f"{m}"))
+    if "quantlrm" in p.methods or p.mappings:
+        for mp in p.mappings:
+            if mp == "u_shape":
+                continue
+            arms.append(_ptq(f"{src}-quantlrm-{mp}-w{p.ablation_bits}", src, "quantlrm", p.ablation_bits,
+                             p.group_size, group="quantlrm mapping ablation", quantize=[f"quantlrm.mapping={mp}"]))
+    if p.pseudo_ft:
+        arms.append(_ptq(f"{src}-quantlrm-pft-w{p.ablation_bits}", src, "quantlrm", p.ablation_bits, p.group_size,
+                         group="quantlrm pseudo-FT", before="pseudo_ft"))
+    return arms
+
+
+def expand(cfg: StudyConfig) -> list[ArmSpec]:
+    """Every arm of the study in run order (an arm after its source), `only` applied; ConfigError on a
+    duplicate name, an unknown or cyclic source, or a ptq arm whose source cannot give a 'before'."""
+    arms: dict[str, ArmSpec] = {}
+    for a in (paper1_arms(cfg) if cfg.paper1.enabled else []) + (paper2_arms(cfg) if cfg.paper2.enabled else []):
+        if a.name in arms and a != arms[a.name]:
+            raise ConfigError(f"the presets define arm {a.name!r} twice, differently")
+        arms[a.name] = a
+    seen = set()
+    for a in cfg.arms:
+        if a.name in seen:
+            raise ConfigError(f"arms: {a.name!r} is listed twice")
+        seen.add(a.name)
+        arms[a.name] = a
+    if not arms:
+        raise ConfigError("the study has no arms: enable paper1 / paper2 or list arms")
+    for a in arms.values():
+        if a.baseline and a.baseline not in arms:
+            raise ConfigError(f"arm {a.name}: baseline {a.baseline!r} is not an arm of the study")
+        if a.kind == "ptq":
+            if a.source not in arms:
+                raise ConfigError(f"arm {a.name}: source {a.source!r} is not an arm of the study; arms: "
+                                  f"{sorted(arms)}")
+            s = arms[a.source]
+            if s.kind == "ptq":
+                raise ConfigError(f"arm {a.name}: source {a.source!r} is a ptq arm (quantize a float model)")
+            if a.method == "quantlrm" and a.before == "run" and s.kind != "train":
+                raise ConfigError(f"arm {a.name}: quantlrm with before=run needs a train arm as source (its "
+                                  f"initial_policy is the 'before'); {a.source!r} is {s.kind} (use before: pseudo_ft)")
+            if s.kind == "train" and any(o.startswith("quant.mode=") and not o.endswith("=none") for o in s.train):
+                raise ConfigError(f"arm {a.name}: source {a.source!r} trains with QAT/QLoRA; PTQ quantizes "
+                                  "full-precision policies")
+    order = [a for a in arms.values() if a.kind != "ptq"] + [a for a in arms.values() if a.kind == "ptq"]
+    if cfg.only:
+        unknown = [n for n in cfg.only if n not in arms]
+        if unknown:
+            raise ConfigError(f"only: unknown arms {unknown}; arms: {sorted(arms)}")
+        keep = set(cfg.only) | {arms[n].source for n in cfg.only if arms[n].kind == "ptq"}
+        order = [a for a in order if a.name in keep]
+    return order
+
+
+def nominal_bits(arm: ArmSpec, arms: dict[str, ArmSpec], float_bits: float) -> float:
+    """Bits per linear weight of the model an arm deploys (the accuracy-vs-bits x axis)."""
+    if arm.nominal_bits:
+        return arm.nominal_bits
+    if arm.kind == "ptq":
+        return float(arm.bits)
+    if arm.kind == "train":
+        mode = scheme = fmt = None
+        for o in arm.train:
+            k, _, v = o.partition("=")
+            if k == "quant.mode":
+                mode = v
+            elif k == "quant.qat_scheme":
+                scheme = v
+            elif k == "quant.base_format":
+                fmt = v
+        if mode == "qat":
+            return 4.0 if scheme == "int4" else 8.0
+        if mode == "qlora":
+            return 4.0 if fmt in ("nf4", "int4", None) else float_bits
+    return float_bits
+
+
+def arm_table(arms: list[ArmSpec]) -> list[dict]:
+    return [dataclasses.asdict(a) for a in arms]
