@@ -29,9 +29,9 @@ FIXED_WIDTH = {"nf4": (4, 64), "int8": (8, -1)}
 FLOAT_BITS = {"float32": 32.0, "bfloat16": 16.0}
 
 
-def _ptq(name: str, source: str, method: str, bits: int, group: int, **kw) -> ArmSpec:
-    return ArmSpec(name=name, kind="ptq", group=kw.pop("group", "PTQ"), source=source, method=method, bits=bits,
-                   group_size=group, **kw)
+def _ptq(name: str, source: str, method: str, bits: int, group_size: int, **kw) -> ArmSpec:
+    kw.setdefault("group", "PTQ")
+    return ArmSpec(name=name, kind="ptq", source=source, method=method, bits=bits, group_size=group_size, **kw)
 
 
 def ptq_widths(methods, bits_list, group: int) -> list[tuple[str, int, int]]:
@@ -73,16 +73,22 @@ def paper2_arms(cfg: StudyConfig) -> list[ArmSpec]:
         arms.append(ArmSpec(name=src, kind="train", group="RL policy (FP)", train=list(p.algorithm_overrides)))
     for m, b, g in ptq_widths(p.methods, p.bits, p.group_size):
         arms.append(_ptq(f"{src}-ptq-{m}-w{b}", src, m, b, g, group=f"{m}"))
-    if "quantlrm" in p.methods or p.mappings:
-        for mp in p.mappings:
-            if mp == "u_shape":
-                continue
-            arms.append(_ptq(f"{src}-quantlrm-{mp}-w{p.ablation_bits}", src, "quantlrm", p.ablation_bits,
-                             p.group_size, group="quantlrm mapping ablation", quantize=[f"quantlrm.mapping={mp}"]))
+    main = f"{src}-ptq-quantlrm-w{p.ablation_bits}"  # the ablations compare with the paper's u_shape arm
+    main = main if any(a.name == main for a in arms) else ""
+    for mp in p.mappings:
+        if mp == "u_shape":
+            continue
+        arms.append(_ptq(f"{src}-quantlrm-{mp}-w{p.ablation_bits}", src, "quantlrm", p.ablation_bits,
+                         p.group_size, group="quantlrm mapping ablation", quantize=[f"quantlrm.mapping={mp}"],
+                         baseline=main))
     if p.pseudo_ft:
         arms.append(_ptq(f"{src}-quantlrm-pft-w{p.ablation_bits}", src, "quantlrm", p.ablation_bits, p.group_size,
-                         group="quantlrm pseudo-FT", before="pseudo_ft"))
+                         group="quantlrm pseudo-FT", before="pseudo_ft", baseline=main))
     return arms
+
+
+def _recipe(a: ArmSpec) -> tuple:
+    return (a.kind, tuple(a.train), a.source, a.method, a.bits, a.group_size, tuple(a.quantize), a.before)
 
 
 def expand(cfg: StudyConfig) -> list[ArmSpec]:
@@ -90,8 +96,10 @@ def expand(cfg: StudyConfig) -> list[ArmSpec]:
     duplicate name, an unknown or cyclic source, or a ptq arm whose source cannot give a 'before'."""
     arms: dict[str, ArmSpec] = {}
     for a in (paper1_arms(cfg) if cfg.paper1.enabled else []) + (paper2_arms(cfg) if cfg.paper2.enabled else []):
-        if a.name in arms and a != arms[a.name]:
-            raise ConfigError(f"the presets define arm {a.name!r} twice, differently")
+        if a.name in arms:  # paper 2 shares paper 1's arms of the same recipe (the first keeps its labels)
+            if _recipe(a) != _recipe(arms[a.name]):
+                raise ConfigError(f"the presets define arm {a.name!r} twice, differently")
+            continue
         arms[a.name] = a
     seen = set()
     for a in cfg.arms:
