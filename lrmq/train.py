@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
-from lrmq import aot
+from lrmq import aot, cli
 from lrmq.atomic import atomic_write_text
 from lrmq.configlib import ConfigError, add_config_args, config_from_args, dump_config
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.trainer import GRPOTrainer
+from lrmq.rl.run_lock import RunDirBusy
+from lrmq.rl.trainer import GRPOTrainer, PreflightError, TrainingStopped
 
 
 def maybe_init_distributed() -> None:
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(TrainConfig, args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        cli.print_error("train", f"config: {e}")
         return 2
     if args.print_config:
         print(dump_config(cfg, comments=True))
@@ -60,16 +62,30 @@ def main(argv=None) -> int:
         return compile_only(cfg, args.topology or cfg.mesh.topology, args.report)
     maybe_init_distributed()
 
+    # Until the training loop installs its own handlers (finish the step, save, exit), SIGTERM during
+    # start-up (loading, resuming, the preflight compile, the first export and evaluation) ends the
+    # command with a message; every output is written atomically, so nothing half-written is left.
+    def startup_signal(signum, frame):
+        raise _StartupInterrupted(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, startup_signal)
     try:
         trainer = GRPOTrainer(cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
         final = trainer.train(stop_after=args.stop_after or None)
-    except ConfigError as e:  # the preflight memory check
-        print(f"error: {e}", file=sys.stderr)
+    except _StartupInterrupted as e:
+        cli.print_error("train", f"interrupted by {e} during start-up, before the first step; nothing to resume "
+                                 "from was lost: rerun the same command")
+        return 143 if str(e) == "SIGTERM" else 130
+    except PreflightError as e:  # the memory check: exit 3
+        cli.print_error("train", e)
         return 3
+    except TrainingStopped as e:
+        cli.print_error("train", e)
+        return 1
+    except (RunDirBusy, *cli.USER_ERRORS) as e:
+        cli.print_error("train", e)
+        return 2
     if trainer._stop_signal is not None:
         print(f"interrupted at step {trainer.step}; checkpoint saved in {trainer.ckpt.directory}; "
               "rerun the same command to resume", file=sys.stderr)
@@ -81,6 +97,10 @@ def main(argv=None) -> int:
     return 0
 
 
+class _StartupInterrupted(BaseException):
+    """SIGTERM / SIGINT before the training loop took over the signals."""
+
+
 def compile_only(cfg, topology: str, report_path: str | None) -> int:
     """--compile-only: 0 when the step and the rollout fit, 3 when they do not, 2 on a config error."""
     import json
@@ -89,7 +109,7 @@ def compile_only(cfg, topology: str, report_path: str | None) -> int:
         devices = aot.topology_devices(topology) if topology else None
         report = aot.check_fit(cfg, devices, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.print_error("train", e)
         return 2
     target = topology or "local devices"
     print(f"target: {target}; mesh data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}; "

@@ -234,9 +234,9 @@ def test_adversarial_inputs_are_bounded(monkeypatch):
     sent = []
     verify_many = pool.verify_many
 
-    def recording(pairs, timeout_s):
+    def recording(pairs, timeout_s, budget_s=None):
         sent.append((list(pairs), timeout_s))
-        return verify_many(pairs, timeout_s)
+        return verify_many(pairs, timeout_s, budget_s)
 
     monkeypatch.setattr(pool, "verify_many", recording)
     comps = [
@@ -284,3 +284,28 @@ def test_pool_kills_a_stuck_worker_and_recovers(monkeypatch):
     finally:
         pool.close()
     assert pool.workers == []
+
+
+def _slow_equal(pred, gold):
+    import time
+
+    time.sleep(0.4)  # each comparison is slow but within its own timeout
+    return pred == gold
+
+
+def test_batch_budget_bounds_a_slow_batch_and_counts_timeouts():
+    """24 comparisons of 0.4 s on one worker would take ~10 s; a 1.5 s batch budget stops after ~3, the rest
+    score False and are counted, and the pool keeps working."""
+    import time
+
+    pool = VerifyPool(num_workers=1, equal=_slow_equal)
+    try:
+        pool.verify_many([("w", "w")], 5.0)  # worker start-up is not part of the bound
+        t0 = time.monotonic()
+        res = pool.verify_many([("a", "a")] * 24, 5.0, budget_s=1.5)
+        took = time.monotonic() - t0
+        assert took < 1.5 + 2.0, took
+        assert 1 <= sum(res) < 24 and pool.last_timeouts == 24 - sum(res)
+        assert pool.verify_many([("b", "b")], 5.0) == [True] and pool.last_timeouts == 0
+    finally:
+        pool.close()

@@ -110,6 +110,12 @@ class AlgoSection:
     reward: str = opt("boxed_math", "reward function: boxed_math (1 correct + 0.1 for a \\boxed answer; "
                                     "math-verify), boxed_exact (same values, exact match only)", names=REWARDS)
     reward_timeout_s: float = opt(1.0, "time limit in seconds of one math-verify comparison (boxed_math)", gt=0, lt=float("inf"))
+    reward_budget_s: float = opt(30.0, "wall-time budget of one batch's math-verify comparisons (0 = none); "
+                                       "comparisons not decided in time score 0 and count in reward/timeouts",
+                                 ge=0)
+    max_failed_reward_batches: int = opt(3, "stop after this many consecutive reward batches in which every "
+                                            "comparison failed or timed out (0 = never); such a batch is not "
+                                            "trained on", ge=0)
     reward_weight: float = opt(1.0, "weight of `reward` in the training reward")
     extra_rewards: dict[str, float] = opt(
         help="more reward functions and their weights, summed with reward_weight x reward into the training "

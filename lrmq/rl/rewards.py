@@ -168,8 +168,10 @@ def normalize_answer(s: str | None) -> str | None:
 # ----------------------------------------------------------------------------- equivalence
 
 
-def is_equiv_many(preds: list[str | None], golds: list[str], *, timeout_s: float = 1.0, use_math_verify: bool = True) -> list[bool]:
-    """Batched ``is_equiv``: string match in-process, math-verify for the rest in parallel workers."""
+def is_equiv_many(preds: list[str | None], golds: list[str], *, timeout_s: float = 1.0, use_math_verify: bool = True,
+                  budget_s: float | None = None, stats: dict | None = None) -> list[bool]:
+    """Batched ``is_equiv``: string match in-process, math-verify for the rest in parallel workers, each
+    item bounded by ~timeout_s and the batch by budget_s; ``stats["timeouts"]`` counts undecided items."""
     out = [False] * len(preds)
     todo: list[int] = []
     for i, (p, g) in enumerate(zip(preds, golds)):
@@ -185,9 +187,12 @@ def is_equiv_many(preds: list[str | None], golds: list[str], *, timeout_s: float
             pass
     if todo:
         try:
-            res = get_verify_pool().verify_many([(str(preds[i]), str(golds[i])) for i in todo], timeout_s)
+            pool = get_verify_pool()
+            res = pool.verify_many([(str(preds[i]), str(golds[i])) for i in todo], timeout_s, budget_s)
             for i, r in zip(todo, res):
                 out[i] = r
+            if stats is not None:
+                stats["timeouts"] = stats.get("timeouts", 0) + pool.last_timeouts
         except Exception as e:
             log.warning("math-verify batch failed: %s", e)
     return out
@@ -201,7 +206,7 @@ def is_equiv(pred: str | None, gold: str, *, timeout_s: float = 1.0) -> bool:
 # ----------------------------------------------------------------------------- rewards
 
 
-def _boxed_reward(completions, answers, *, timeout_s, max_chars, use_math_verify):
+def _boxed_reward(completions, answers, *, timeout_s, max_chars, use_math_verify, budget_s=None):
     extracted = []
     for c in completions:
         try:
@@ -210,17 +215,19 @@ def _boxed_reward(completions, answers, *, timeout_s, max_chars, use_math_verify
             extracted.append(None)
     # An empty box earns no format bonus (understand-r1-zero would give it 0.1): nothing to grade.
     formatted = np.array([a is not None and a.strip() != "" for a in extracted], bool)
-    correct = np.array(
-        is_equiv_many(extracted, list(answers), timeout_s=timeout_s, use_math_verify=use_math_verify), bool
-    ) & formatted
+    stats = {"timeouts": 0}
+    correct = np.array(is_equiv_many(extracted, list(answers), timeout_s=timeout_s, use_math_verify=use_math_verify,
+                                     budget_s=budget_s, stats=stats), bool) & formatted
     rewards = correct.astype(np.float32) + np.float32(FORMAT_BONUS) * formatted
-    return rewards.astype(np.float32), {"correct": correct, "formatted": formatted}
+    return rewards.astype(np.float32), {"correct": correct, "formatted": formatted, "timeouts": stats["timeouts"]}
 
 
 @REWARDS.register("boxed_math")
-def boxed_math_reward(completions, answers, *, timeout_s: float = 1.0, max_chars: int = DEFAULT_MAX_CHARS, **_):
+def boxed_math_reward(completions, answers, *, timeout_s: float = 1.0, max_chars: int = DEFAULT_MAX_CHARS,
+                      budget_s: float | None = None, **_):
     """Paper 1: ``1[correct] + 0.1 * 1[a \\boxed answer exists]`` in {0, 0.1, 1.1}; string match + math-verify."""
-    return _boxed_reward(completions, answers, timeout_s=timeout_s, max_chars=max_chars, use_math_verify=True)
+    return _boxed_reward(completions, answers, timeout_s=timeout_s, max_chars=max_chars, use_math_verify=True,
+                         budget_s=budget_s)
 
 
 @REWARDS.register("boxed_exact")
@@ -290,11 +297,15 @@ def score_completions(
     max_chars: int = DEFAULT_MAX_CHARS,
     lengths=None,
     max_len: int | None = None,
+    budget_s: float | None = None,
 ):
-    """Rewards for ``completions`` against ``answers``: ``(float32 [N], {"correct", "formatted"})``.
+    """Rewards for ``completions`` against ``answers``: ``(float32 [N], info)``; the answer rewards' info has
+    ``correct``, ``formatted`` and ``timeouts`` (comparisons not decided in time); ``failed`` is True when the
+    reward function raised and the batch was scored 0.
 
     Never raises on bad completions (an unknown ``reward_name`` or mismatched lengths still raise:
-    those are configuration bugs). Each math-verify comparison takes at most ~``timeout_s`` + 0.5 s.
+    those are configuration bugs). Each math-verify comparison takes at most ~``timeout_s`` + 0.5 s and
+    the batch at most ~``budget_s`` (None: unbounded).
     """
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions vs {len(answers)} answers")
@@ -302,7 +313,8 @@ def score_completions(
     n = len(completions)
     try:
         return fn(list(completions), list(answers), timeout_s=timeout_s, max_chars=max_chars, lengths=lengths,
-                  max_len=max_len)
+                  max_len=max_len, budget_s=budget_s)
     except Exception as e:
         log.warning("reward %s failed on a batch (%s); scoring it 0", reward_name, e)
-        return np.zeros(n, np.float32), {"correct": np.zeros(n, bool), "formatted": np.zeros(n, bool)}
+        return np.zeros(n, np.float32), {"correct": np.zeros(n, bool), "formatted": np.zeros(n, bool),
+                                         "timeouts": n, "failed": True}

@@ -16,6 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from lrmq import paths
+from lrmq.atomic import atomic_write_text
 
 log = logging.getLogger("lrmq.train")
 
@@ -91,6 +92,28 @@ class RunLogs:
             return
         with open(self.completions_path, "a") as f:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+    def truncate_after(self, step: int) -> None:
+        """A resumed run: drop the log lines of steps after `step` (the checkpoint it resumes from), which
+        the killed run wrote before it could save, so a reader never sees a step twice."""
+        if not self.enabled:
+            return
+        for path in (self.metrics_path, self.completions_path):
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                lines = f.readlines()
+            keep = []
+            for line in lines:
+                try:
+                    if int(json.loads(line).get("step", 0)) > step:
+                        continue
+                except (ValueError, AttributeError):
+                    continue  # a line cut by the kill
+                keep.append(line if line.endswith("\n") else line + "\n")
+            if len(keep) != len(lines):
+                atomic_write_text(path, "".join(keep))
+        self.sync(force=True)
 
     def reset(self) -> None:
         """A fresh run: drop the metrics of an earlier run in the same dir."""

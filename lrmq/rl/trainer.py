@@ -20,17 +20,19 @@ from flax import nnx
 from lrmq import aot, compile_cache, paths
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
-from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
+from lrmq.configlib import ConfigError, check_data_parallel_batch, load_config, save_config, to_plain
 from lrmq.data.pipeline import PromptPipeline
 from lrmq.data.prompts import format_prompt, load_prompt_dataset
 from lrmq.data.synthetic import make_splits
 from lrmq.generation.engine import Generator, generation_chunk, left_pad
 from lrmq.generation.sampling import SamplingConfig
+from lrmq.model.config import check_position_limit
 from lrmq.quant.training import export_float_model, prepare_for_training, trainable_filter
 from lrmq.rl.advantages import compute_advantages
 from lrmq.rl.batch import build_batch, bucketed_arrays, mask_rows, truncate_left, truncated_rows
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.rewards import score_completions
+from lrmq.rl.run_lock import RunDirLock
 from lrmq.rl.run_state import RunCheckpointer, RunLogs
 from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step,
                           uses_rollout_logprobs)
@@ -38,6 +40,15 @@ from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, host_array,
 from lrmq.tokenizer import Tokenizer
 
 log = logging.getLogger("lrmq.train")
+
+
+class PreflightError(ConfigError):
+    """The update or the rollout needs more memory per device than the device has (exit status 3)."""
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (a non-finite metric, rewards that keep failing); the message says why and what
+    was kept."""
 
 # ----------------------------------------------------------------------------- data
 
@@ -78,6 +89,10 @@ class GRPOTrainer:
         compile_cache.enable(cfg.run.compile_cache)
         self.run_dir = paths.resolve(cfg.run.out_dir)  # local: absolute path; or a URL (gs://...)
         paths.ensure_dir(self.run_dir)
+        # one training per run dir (process 0 holds it for the whole multi-process run)
+        self.lock = RunDirLock(self.run_dir)
+        if jax.process_index() == 0:
+            self.lock.acquire()
         self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
         self._check_mesh()
 
@@ -87,6 +102,8 @@ class GRPOTrainer:
         with jax.set_mesh(self.mesh):
             model = build_model(cfg, self.mesh)
         self.model_cfg = model.cfg
+        check_position_limit(model.cfg, cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
+                             "rollout.max_prompt_len + rollout.max_new_tokens")
         self.graphdef, self.trainable, self.rest = nnx.split(model, trainable_filter(cfg.quant.mode), ...)
         self.tx, self.schedule = make_optimizer(cfg)
         with jax.set_mesh(self.mesh):
@@ -104,6 +121,8 @@ class GRPOTrainer:
             self.logprob_fn = make_ref_logprobs(self.graphdef, cfg)
             self.ref_trainable = self._reference_params()
         self.last_completions: list[dict] = []
+        self.failed_reward_batches = 0  # consecutive
+        self.reward_failed = False
         self.generator = Generator(model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
                                    graphdef=self.graphdef)
 
@@ -185,6 +204,7 @@ class GRPOTrainer:
              "tokens": int(lengths[i]), "truncated": bool(cut[i])}
             for i in range(len(texts))]
         grouped = rewards.reshape(-1, g)
+        self.reward_failed = bool(info.get("failed")) or int(info.get("timeouts", 0)) >= len(texts)
         stats = {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
@@ -192,6 +212,7 @@ class GRPOTrainer:
             "reward/accuracy": float(np.mean(info["correct"])),
             "reward/format_rate": float(np.mean(info["formatted"])),
             "reward/frac_zero_std": float(np.mean(grouped.max(1) == grouped.min(1))),
+            "reward/timeouts": float(info.get("timeouts", 0)),
             "completion/length_mean": float(lengths.mean()),
             "completion/truncated_rate": float(np.mean(cut)),
             "prompt/truncated": float(truncated),
@@ -204,7 +225,8 @@ class GRPOTrainer:
         """(training reward [N], {reward name: its unweighted values}, the main reward's info): the main
         reward times algo.reward_weight plus each of algo.extra_rewards times its weight."""
         a = self.cfg.algo
-        kw = dict(timeout_s=a.reward_timeout_s, lengths=lengths, max_len=self.cfg.rollout.max_new_tokens)
+        kw = dict(timeout_s=a.reward_timeout_s, lengths=lengths, max_len=self.cfg.rollout.max_new_tokens,
+                  budget_s=a.reward_budget_s or None)
         main, info = score_completions(texts, answers, a.reward, **kw)
         parts = {a.reward: main}
         total = np.float32(a.reward_weight) * main
@@ -303,7 +325,7 @@ class GRPOTrainer:
         log.info("preflight: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()) + f" per device (limit {gib(limit)})")
         over = {k: v for k, v in mem.items() if limit and v > limit}
         if over:
-            raise ConfigError(
+            raise PreflightError(
                 "preflight: " + ", ".join(f"{k} needs {gib(v)}" for k, v in over.items()) +
                 f" per device, more than the {gib(limit)} allowed; nothing was run. Find a micro-batch that fits "
                 f"with `python -m lrmq.train --config CONFIG --compile-only` (or lower rollout.prompts_per_step)")
@@ -327,6 +349,7 @@ class GRPOTrainer:
         self.trainable, self.rest, self.opt_state = tree["trainable"], tree["rest"], tree["opt"]
         self.pipeline.set_state(meta["data"])
         self.step = int(meta["step"])
+        self.logs.truncate_after(self.step)
         log.info("resumed from step %d (%s)", self.step, self.ckpt.directory)
         return True
 
@@ -363,9 +386,15 @@ class GRPOTrainer:
 
     def train(self, stop_after: int | None = None) -> dict[str, float]:
         cfg = self.cfg
+        try:
+            resumed = self.maybe_restore()
+        except Exception as e:  # the checkpoints describe another model / optimizer: keep their config.yaml
+            raise ConfigError(f"cannot resume from {self.ckpt.directory}: its checkpoints do not fit this config"
+                              f"{self._config_diff()} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              "config.yaml was left as it was: rerun with that config, or use another "
+                              "run.out_dir") from e
         if jax.process_index() == 0:  # one writer: object stores throttle concurrent writes to one object
             save_config(cfg, paths.join(self.run_dir, "config.yaml"))
-        resumed = self.maybe_restore()
         self.preflight()
         if not resumed:
             if self.cfg.run.export_hf:  # every process: the export gathers the sharded parameters
@@ -384,7 +413,17 @@ class GRPOTrainer:
                 t0 = time.perf_counter()
                 batch = next(self.pipeline)
                 rb, stats = self.rollout(batch, jax.random.fold_in(base_key, self.step))
-                m = self.update(rb)
+                self.failed_reward_batches = self.failed_reward_batches + 1 if self.reward_failed else 0
+                limit = cfg.algo.max_failed_reward_batches
+                if self.reward_failed and limit and self.failed_reward_batches >= limit:
+                    self.save()
+                    self.ckpt.wait()
+                    raise TrainingStopped(
+                        f"step {self.step + 1}: {self.failed_reward_batches} consecutive reward batches in which every "
+                        f"comparison failed or timed out (algo.max_failed_reward_batches={limit}); checkpoint of step "
+                        f"{self.step} saved. Raise algo.reward_timeout_s / algo.reward_budget_s, or check the reward")
+                m = {} if self.reward_failed else self.update(rb)  # never train on a batch the reward never scored
+                self._check_finite(self.step + 1, m, rb)
                 self.step += 1
                 ran += 1
                 m.update(stats)
@@ -419,6 +458,39 @@ class GRPOTrainer:
                 signal.signal(s, h)
             self.writer.flush()
             self.logs.sync(force=True)
+            self.lock.release()
+
+    def _check_finite(self, step: int, metrics: dict[str, float], rb) -> None:
+        """Stop before a non-finite update can be logged as fine or saved over a good checkpoint."""
+        bad = [k for k, v in metrics.items() if k.startswith("train/") and not np.isfinite(v)]
+        if not bad and not np.all(np.isfinite(rb.old_logp)):
+            bad = ["rollout log-probs"]
+        if bad:
+            latest = self.ckpt.latest_step()
+            raise TrainingStopped(
+                f"step {step}: non-finite {bad[0]} ({metrics.get(bad[0], 'nan')}); the update was not saved"
+                + (f", the checkpoint of step {latest} is intact" if latest is not None else "")
+                + ". Lower optim.lr or check the model and data")
+
+    def _config_diff(self) -> str:
+        """': the saved config.yaml differs in a, b, c' (the keys whose values differ), or ''."""
+        saved_path = paths.join(self.run_dir, "config.yaml")
+        try:
+            saved = to_plain(load_config(TrainConfig, saved_path))
+        except Exception:
+            return ""
+        now = to_plain(self.cfg)
+
+        def flat(d, prefix=""):
+            for k, v in d.items():
+                if isinstance(v, dict) and v and all(isinstance(x, str) for x in v) and k != "extra_rewards":
+                    yield from flat(v, f"{prefix}{k}.")
+                else:
+                    yield f"{prefix}{k}", v
+
+        a, b = dict(flat(saved)), dict(flat(now))
+        keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith("run.")]
+        return f": the saved config.yaml differs in {', '.join(keys[:8])}" if keys else ""
 
 
 def _markdown(r: dict) -> str:

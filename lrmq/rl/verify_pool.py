@@ -149,11 +149,14 @@ class VerifyPool:
         # ``equal(pred, gold) -> bool`` must be a self-contained top-level function (its source is
         # what the worker runs); tests substitute one that hangs.
         self.equal = equal
-        self.num_workers = num_workers or max(1, min(4, os.cpu_count() or 1))
+        # sized to the machine: one worker per core up to 8 (the trainer's own threads mostly wait meanwhile)
+        self.num_workers = num_workers or max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                     else os.cpu_count() or 1))
         self.workers: list[_Worker] = []
         self.lock = threading.Lock()
         self.broken = False
         self.kills = 0  # workers killed for missing a deadline (diagnostics)
+        self.last_timeouts = 0  # items of the last verify_many that ran out of time (or were never run)
 
     def _spawn(self) -> _Worker | None:
         try:
@@ -163,10 +166,14 @@ class VerifyPool:
             self.broken = True
             return None
 
-    def verify_many(self, pairs: list[tuple[str, str]], timeout_s: float) -> list[bool]:
+    def verify_many(self, pairs: list[tuple[str, str]], timeout_s: float, budget_s: float | None = None) -> list[bool]:
+        """Equivalence of each (pred, gold), each item bounded by ~timeout_s and the whole batch by budget_s
+        (None: no batch bound): items not decided in time score False and are counted in last_timeouts."""
         results = [False] * len(pairs)
+        self.last_timeouts = 0
         if not pairs:
             return results
+        end = time.monotonic() + budget_s if budget_s else None
         with self.lock:
             while len(self.workers) < min(self.num_workers, len(pairs)) and not self.broken:
                 w = self._spawn()
@@ -177,6 +184,17 @@ class VerifyPool:
             pending = deque(range(len(pairs)))
             failed_starts = 0
             while pending or any(w.job for w in self.workers):
+                if end is not None and time.monotonic() > end:  # the batch's budget is spent
+                    self.last_timeouts += len(pending)
+                    pending.clear()
+                    for k, w in enumerate(self.workers):
+                        if w.job:
+                            self.last_timeouts += 1
+                            self.kills += 1
+                            w.kill()
+                            self.workers[k] = self._spawn()
+                    self.workers = [w for w in self.workers if w is not None]
+                    break
                 for w in self.workers:
                     if w.ready and w.job is None and pending:
                         i = pending.popleft()
@@ -187,6 +205,8 @@ class VerifyPool:
                 now = time.monotonic()
                 deadlines = [w.job[1] for w in self.workers if w.job]
                 deadlines += [w.started + WORKER_START_TIMEOUT_S for w in self.workers if not w.ready]
+                if end is not None:
+                    deadlines.append(end)
                 wait = max(0.0, min(deadlines) - now) if deadlines else 0.0
                 # selectors (poll/epoll), not select.select: a big process can hold fds >= 1024.
                 with selectors.DefaultSelector() as sel:
@@ -210,6 +230,7 @@ class VerifyPool:
                     if (w.job and now > w.job[1]) or (not w.ready and now > w.started + WORKER_START_TIMEOUT_S):
                         dead = True
                     if dead:
+                        self.last_timeouts += bool(w.job)
                         failed_starts += not w.ready
                         self.kills += 1
                         w.kill()  # its item (if any) stays False
