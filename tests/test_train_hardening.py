@@ -12,7 +12,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_train_modes import grpo_config, make_trainer, scratch_ckpt  # noqa: F401 (fixture)
