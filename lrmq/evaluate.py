@@ -130,7 +130,7 @@ def rescore(cfg: EvalConfig) -> dict:
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records))
     names = [n for n in names if any(r["benchmark"] == n for r in records)]
     k_max = 1 + max(int(r["sample"]) for r in records)
-    results = summarize_records(records, suite, names, [k for k in cfg.pass_k if k <= k_max])
+    results = summarize_records(records, suite, names, sorted({k for k in cfg.pass_k if k <= k_max} | {k_max}))
     atomic_write_text(os.path.join(cfg.out_dir, RESULTS),
                       json.dumps({**run_meta(cfg), **results}, indent=2, sort_keys=True) + "\n")
     atomic_write_text(os.path.join(cfg.out_dir, TABLE), markdown_table(results))
@@ -179,7 +179,9 @@ def _main(args) -> int:
             writer.close()
     print(markdown_table(results), end="")
     t = results["timing"]
-    print(f"[lrmq.evaluate] {t['generated_sequences']} sequences, {t['new_tokens']} new tokens in {t['seconds']:.1f}s; "
+    where = f" on a mesh of {mesh.devices.size} devices" if mesh is not None else ""
+    print(f"[lrmq.evaluate] {t['generated_sequences']} sequences, {t['new_tokens']} new tokens in {t['seconds']:.1f}s"
+          f"{where}; "
           f"results in {os.path.join(cfg.out_dir, RESULTS)}", file=sys.stderr)
     return 0
 

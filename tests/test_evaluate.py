@@ -163,7 +163,7 @@ def test_segmented_greedy_equals_one_call():
     model, tok = load_model(TINY_MODEL_DIR), Tokenizer.from_dir(TINY_MODEL_DIR)
     gen = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     prompts = [tok.encode(p) for p in ("Compute 12+7*3-5. Answer:", "Compute 3+4. Answer:", "Compute 9*9-1. Answer:")]
-    kw = dict(max_new=24, sampling=SamplingConfig(greedy=True), key=jax.random.key(0))
+    kw = dict(max_new=16, sampling=SamplingConfig(greedy=True), key=jax.random.key(0))
     one = generate_rows(gen, model, prompts, **kw)
     seg = generate_rows(gen, model, prompts, segment_tokens=8, **kw)
     assert one == seg
@@ -189,6 +189,25 @@ def test_segmented_greedy_equals_one_call():
     res = run_suite(nnx.state(model), tok, items, GenerationSection(max_new_tokens=8), generator=gen,
                     max_positions=model.cfg.max_position_embeddings, writer=w, step=10, tb_prefix="bench")
     assert res["benchmarks"]["amc"]["n_problems"] == 2 and w.s["bench/amc/accuracy"][1] == 10
+
+
+def test_cli_on_two_devices(tmp_path):
+    """With several devices the CLI shards the weights on the default mesh and splits batches over it
+    (a fresh interpreter: XLA reads the device count once)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+    out = tmp_path / "mesh"
+    # 3 items, batch 3: the Generator pads the rows to the 2 data-parallel devices
+    p = subprocess.run([sys.executable, "-m", "lrmq.evaluate", "--checkpoint", "tiny", "--suite", "amc", "--out",
+                        str(out), "--data-dir", FIXTURES, "progress=false", "generation.max_new_tokens=8",
+                        "generation.batch_size=3", "tensorboard=false"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "on a mesh of 2 devices" in p.stderr
+    assert _results(out)["benchmarks"]["amc"]["n_problems"] == 3 and len(_lines(out)) == 3
 
 
 def test_length_policy_and_missing_data(tmp_path, capsys):

@@ -44,7 +44,7 @@ class EvalConfig:
     data_dir: str = opt("", "local benchmark files (empty = $LRMQ_EVAL_DATA or ~/.cache/lrmq/evals)")
     out_dir: str = opt("", "run directory: completions.jsonl, results.json, results.md, tb/")
     dtype: Optional[str] = opt(None, "compute dtype override (float32 | bfloat16)")
-    pass_k: list[int] = opt(help="report pass@k for these k (each <= samples)", factory=lambda: [1])
+    pass_k: list[int] = opt(help="report pass@k for these k <= samples (pass@samples always)", factory=lambda: [1])
     timeout_s: float = opt(1.0, "math-verify time bound per comparison")
     tensorboard: bool = opt(True, "write TensorBoard scalars to out_dir/tb")
     progress: bool = opt(True, "progress bar with ETA over sequences")

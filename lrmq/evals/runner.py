@@ -341,7 +341,8 @@ def run_suite(model_or_state, tokenizer, items: Sequence[Item], gen: GenerationS
         bar.update(len(new))
     bar.close()
     seconds = time.perf_counter() - t0
-    results = summarize_records(records, suite, benchmarks, [k for k in pass_k if k <= gen.samples])
+    # pass@K of the K samples is always reported, besides the asked-for k <= K
+    results = summarize_records(records, suite, benchmarks, sorted({k for k in pass_k if k <= gen.samples} | {gen.samples}))
     if writer is not None:
         _tb_scalars(writer, results, step, tb_prefix)
     if out_dir:
