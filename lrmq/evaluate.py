@@ -30,7 +30,7 @@ from lrmq.tokenizer import Tokenizer
 
 RUN_CONFIG = "eval_config.yaml"
 # Settings that change what a completion is: a run dir holding another value cannot be resumed.
-_RUN_KEYS = ("checkpoint", "adapter", "suite", "dtype", "generation")
+_RUN_KEYS = ("checkpoint", "adapter", "suite", "prompt", "dtype", "generation")
 
 
 def parse_args(argv=None):
@@ -161,7 +161,7 @@ def _main(args) -> int:
     items, errors = [], []
     for n in names:
         try:
-            items += load_items(BENCHMARKS[n], data_dir, cfg.limit)
+            items += load_items(BENCHMARKS[n], data_dir, cfg.limit, cfg.prompt)
         except EvalDataError as e:
             errors.append(str(e))
     if errors:

@@ -69,6 +69,18 @@ def test_paper1_end_to_end_reproducible(paper1_run, tmp_path):
     assert sorted(_lines(again)) == sorted(_lines(paper1_run))
 
 
+def test_tiny_model_scores_with_its_own_prompt(tmp_path):
+    """The tiny model answers its arithmetic format: completions are graded right as well as wrong."""
+    out = tmp_path / "arith"
+    assert ev.main(["--checkpoint", "tiny", "--suite", "aime24,amc", "--out", str(out), "--data-dir", FIXTURES,
+                    "--greedy", "prompt=arith", "progress=false", "generation.max_new_tokens=40"]) == 0
+    recs = [json.loads(l) for l in _lines(out)]
+    assert all(r["prompt"].endswith(" Answer:") for r in recs)
+    assert any(r["correct"] and r["reward"] == pytest.approx(1.1) for r in recs), [r["completion"] for r in recs]
+    res = _results(out)
+    assert 0 < res["pooled"]["accuracy"] and res["pooled"]["reward"] > res["pooled"]["accuracy"]
+
+
 def test_resume_after_partial_file(paper1_run, tmp_path):
     import shutil
 

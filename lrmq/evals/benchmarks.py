@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from lrmq.data.prompts import qwen_math_template
+from lrmq.data.prompts import arith_template, qwen_math_template
 from lrmq.registry import Registry
 
 DATA_DIR_ENV = "LRMQ_EVAL_DATA"
@@ -54,6 +54,12 @@ def _qwen_math(row: dict, b: "Benchmark") -> str:
 @EVAL_PROMPTS.register("raw")
 def _raw(row: dict, b: "Benchmark") -> str:
     return str(row[b.problem_field])
+
+
+@EVAL_PROMPTS.register("arith")
+def _arith(row: dict, b: "Benchmark") -> str:
+    """The shipped tiny model's training format ("{problem} Answer:"): exercises the suites end to end."""
+    return arith_template(str(row[b.problem_field]))
 
 
 @EVAL_PROMPTS.register("quantlrm_aime")
@@ -259,8 +265,9 @@ def load_rows(b: Benchmark, data_dir: str) -> tuple[list[dict], str]:
                             f"loading it from Hugging Face failed: {msg}") from None
 
 
-def load_items(b: Benchmark, data_dir: str, limit: int = 0) -> list[Item]:
-    """The benchmark's first `limit` items (all when 0), prompts rendered."""
+def load_items(b: Benchmark, data_dir: str, limit: int = 0, prompt: str = "") -> list[Item]:
+    """The benchmark's first `limit` items (all when 0), prompts rendered with the benchmark's prompt (or
+    `prompt`, an `EVAL_PROMPTS` name)."""
     rows, where = load_rows(b, data_dir)
     if not rows:
         raise EvalDataError(f"benchmark {b.name!r}: {where} has no rows")
@@ -270,11 +277,11 @@ def load_items(b: Benchmark, data_dir: str, limit: int = 0) -> list[Item]:
         raise EvalDataError(f"benchmark {b.name!r}: {where} has no field(s) {missing}; it has {sorted(rows[0])} "
                             f"(the schema of {b.hf_id})")
     rows = rows[:limit] if limit else rows
-    prompt = EVAL_PROMPTS.get(b.prompt)
+    render = EVAL_PROMPTS.get(prompt or b.prompt)
     out = []
     for i, r in enumerate(rows):
         a = answer_text(r[b.answer_field])
         if a is None or a == "":
             raise EvalDataError(f"benchmark {b.name!r}: {where} row {i} has no answer in {b.answer_field!r}")
-        out.append(Item(b.name, str(i), prompt(r, b), a))
+        out.append(Item(b.name, str(i), render(r, b), a))
     return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lrmq.configlib import ConfigError, apply_overrides, config_from_dict, opt
-from lrmq.evals.benchmarks import resolve_suite
+from lrmq.evals.benchmarks import EVAL_PROMPTS, resolve_suite
 
 
 @dataclass
@@ -41,6 +41,8 @@ class EvalConfig:
     suite: str = opt("paper1", "paper1, quantlrm, a benchmark name, or comma-separated benchmark names")
     benchmarks: list[str] = opt(help="run only these benchmarks of the suite (empty = all)", factory=list)
     limit: int = opt(0, "first N items of each benchmark (0 = all)")
+    prompt: str = opt("", "render every item with this prompt instead of its benchmark's (empty = the paper's)",
+                      names=EVAL_PROMPTS, empty_ok=True)
     data_dir: str = opt("", "local benchmark files (empty = $LRMQ_EVAL_DATA or ~/.cache/lrmq/evals)")
     out_dir: str = opt("", "run directory: completions.jsonl, results.json, results.md, tb/")
     dtype: Optional[str] = opt(None, "compute dtype override (float32 | bfloat16)")
