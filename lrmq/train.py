@@ -42,7 +42,7 @@ def main(argv=None) -> int:
                     help="with --compile-only: TPU topology to compile for, e.g. v5p:2x4x4 "
                          "(default: mesh.topology of the config, else this machine's devices)")
     ap.add_argument("--report", default=None, help="with --compile-only: also write the report as JSON here")
-    ap.add_argument("--stop-after", type=int, default=0,
+    ap.add_argument("--stop-after", type=cli.number(int, ge=0), default=0,
                     help="run at most this many steps in this invocation, then save and exit (resume later)")
     args = ap.parse_args(argv)
     # force: an imported library has already given the root logger a WARNING handler
