@@ -131,7 +131,7 @@ def int4_checkpoint(tmp_path_factory):
 def test_quantlrm_packed_int4_segmented(int4_checkpoint, tmp_path):
     out = tmp_path / "q"
     # the tiny model has 256 positions, less than FOLIO's prompt: allow more (the error case is tested below)
-    assert _run(out, "--limit", "1", "generation.max_positions=1024", "generation.segment_tokens=5",
+    assert _run(out, "--limit", "1", "generation.max_positions=1024", "generation.segment_tokens=6",
                 checkpoint=int4_checkpoint, suite="quantlrm") == 0
     res = _results(out)
     assert set(res["benchmarks"]) == {"aime120", "folio", "temporal_sequences", "gpqa_diamond"}
