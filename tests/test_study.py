@@ -1,0 +1,177 @@
+"""`python -m lrmq.study`: the quick study end to end (configs/study/quick.yaml: base, a short GRPO run and RTN
+W4 of its policy, one seed), resume (a rerun skips finished jobs; a job missing only its evaluation reruns
+only that), results.json / results.md contents, plots, and the matrix presets and config checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+from lrmq.configlib import ConfigError
+from lrmq.studies.config import load_study_config
+from lrmq.studies.matrix import expand
+
+QUICK = os.path.join(REPO_ROOT, "configs", "study", "quick.yaml")
+
+
+def _study(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "lrmq.study", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+# ----------------------------------------------------------------------------- presets and config
+
+
+def test_paper_matrices():
+    p1 = expand(load_study_config(os.path.join(REPO_ROOT, "configs/study/paper1.yaml")))
+    names = {a.name: a for a in p1}
+    # per algorithm: FP, 3 QAT, 2 QLoRA, PTQ rtn/awq/gptq/quantlrm x W4/W3 + nf4 + int8; plus the base model
+    assert len(p1) == 1 + 2 * (1 + 3 + 2 + 4 * 2 + 2)
+    assert names["drgrpo-ptq-nf4-w4"].group_size == 64 and names["grpo-ptq-int8-w8"].bits == 8
+    assert names["grpo-ptq-gptq-w3"].group_size == 128 and names["grpo-ptq-gptq-w3"].source == "grpo"
+    assert "quant.qat_scheme=paper_int8" in names["drgrpo-qat-paper_int8"].train
+    assert "algo.advantage=drgrpo" in names["drgrpo-qlora-int4"].train
+    assert names["grpo-qlora-nf4"].baseline == "grpo" and names["grpo"].baseline == "base"
+    # sources come before the arms that quantize them
+    order = [a.name for a in p1]
+    assert all(order.index(a.source) < order.index(a.name) for a in p1 if a.kind == "ptq")
+
+    p2 = {a.name: a for a in expand(load_study_config(os.path.join(REPO_ROOT, "configs/study/paper2.yaml")))}
+    assert {f"grpo-ptq-{m}-w{b}" for m in ("quantlrm", "awq", "gptq", "rtn") for b in (3, 4)} <= set(p2)
+    assert p2["grpo-quantlrm-inverted_u-w3"].quantize == ["quantlrm.mapping=inverted_u"]
+    assert p2["grpo-quantlrm-pft-w3"].before == "pseudo_ft"
+    assert p2["grpo-quantlrm-constant-w3"].baseline == "grpo-ptq-quantlrm-w3"
+    # both presets: paper 2 reuses paper 1's GRPO run and its PTQ arms
+    both = expand(load_study_config(os.path.join(REPO_ROOT, "configs/study/paper1.yaml"), ["paper2.enabled=true"]))
+    assert len(both) == len(p1) + 5 and len({a.name for a in both}) == len(both)
+    for scaled in ("paper1_qwen3.yaml", "paper2_qwen3.yaml"):
+        cfg = load_study_config(os.path.join(REPO_ROOT, "configs/study", scaled))
+        assert cfg.eval.kind == "suite" and os.path.exists(os.path.join(REPO_ROOT, cfg.train.config))
+        assert expand(cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["arms=[{name: q, kind: ptq, source: nope, method: rtn}]"], "source 'nope' is not an arm"),
+    (["arms=[{name: b, kind: base}, {name: q, kind: ptq, source: b, method: quantlrm}]"], "needs a train arm"),
+    (["arms=[{name: t, kind: train, train: [quant.mode=qat]}, {name: q, kind: ptq, source: t, method: rtn}]"],
+     "trains with QAT/QLoRA"),
+    (["only=[nope]"], "only: unknown arms"),
+    (["eval.metric=headline"], "eval.metric"),
+    (["paper1.ptq_methods=[rtm]"], "rtm"),
+    (["seeds=[]"], "seeds is empty"),
+    (["parallel=0"], "parallel"),
+    (["eval.sizes=3"], "unknown key"),
+])
+def test_config_errors(overrides, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        expand(load_study_config(QUICK, overrides))
+
+
+def test_only_keeps_sources():
+    cfg = load_study_config(QUICK, ["only=[grpo-ptq-rtn-w4]"])
+    assert [a.name for a in expand(cfg)] == ["grpo", "grpo-ptq-rtn-w4"]
+
+
+def test_bad_config_is_one_line(tmp_path):
+    p = _study("--config", QUICK, "eval.sizes=3", f"out_dir={tmp_path / 's'}")
+    assert p.returncode == 2 and p.stderr.strip().startswith("lrmq.study: error:")
+    assert "Traceback" not in p.stderr and not (tmp_path / "s").exists()
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def quick_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study") / "quick"
+    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=32", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out, p
+
+
+def test_quick_study_results(quick_study):
+    out, _ = quick_study
+    res = json.loads((out / "results.json").read_text())
+    arms = {a["name"]: a for a in res["arms"]}
+    assert list(arms) == ["base", "grpo", "grpo-ptq-rtn-w4"]
+    assert res["metric"] == "sampled_accuracy" and res["seeds"] == [0] and not res["failed"]
+    for a in arms.values():
+        assert a["n"] == 1 and 0.0 <= a["mean"] <= 1.0 and a["std"] == 0.0
+        assert a["seeds"]["0"]["problems"] == 32 and "greedy_accuracy" in a["seeds"]["0"]
+        job = json.loads((out / "runs" / a["name"] / "seed0" / "result.json").read_text())
+        assert job["metrics"]["sampled_accuracy"] == a["mean"]  # the table is the jobs' numbers
+    # memory: the packed W4 model is far smaller than the float policy; training memory is the recipe's
+    fp, q = arms["grpo"]["memory"], arms["grpo-ptq-rtn-w4"]["memory"]
+    assert q["weight_bytes"] < fp["weight_bytes"] / 3
+    assert fp["train_opt_bytes"] >= 2 * fp["train_param_bytes"] > 0  # AdamW: two moments per float param
+    assert q["train_param_bytes"] == fp["train_param_bytes"] and "train_param_bytes" not in arms["base"]["memory"]
+    assert arms["grpo-ptq-rtn-w4"]["nominal_bits"] == 4 and arms["grpo"]["nominal_bits"] == 32
+    assert arms["grpo-ptq-rtn-w4"]["vs_baseline"]["baseline"] == "grpo"
+    d = arms["grpo-ptq-rtn-w4"]["vs_baseline"]["diff"]
+    assert d == pytest.approx(arms["grpo-ptq-rtn-w4"]["mean"] - arms["grpo"]["mean"])
+    # the train arm's own log: 6 steps with a reward curve
+    steps = [json.loads(x)["step"] for x in (out / "runs/grpo/seed0/run/metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 6
+
+    md = (out / "results.md").read_text()
+    assert "| arm | group | bits | sampled_accuracy |" in md
+    for name in arms:
+        assert f"| {name} |" in md
+    assert f"{arms['grpo']['mean']:.3f}" in md and "1 seed, no spread" in md
+    for plot in ("reward_curves.png", "accuracy_vs_bits.png", "accuracy_vs_bytes.png"):
+        f = out / "plots" / plot
+        assert f.stat().st_size > 5000 and f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"(plots/{plot})" in md
+    assert not (out / "plots" / "importance_hist.png").exists()  # no QuantLRM arm
+
+
+def test_quick_study_resumes(quick_study):
+    out, _ = quick_study
+    results = {n: (out / "runs" / n / "seed0" / "result.json") for n in ("base", "grpo", "grpo-ptq-rtn-w4")}
+    mtimes = {n: p.stat().st_mtime_ns for n, p in results.items()}
+    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=32", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "3 of 3 jobs already done" in p.stderr and "0 ran" in p.stderr
+    assert {n: q.stat().st_mtime_ns for n, q in results.items()} == mtimes
+
+    # a job killed after quantizing: only its evaluation runs again (quant/packed is kept)
+    job = out / "runs" / "grpo-ptq-rtn-w4" / "seed0"
+    before = json.loads(results["grpo-ptq-rtn-w4"].read_text())
+    os.remove(job / "result.json")
+    os.remove(job / "eval.json")
+    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=32", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 of 3 jobs already done" in p.stderr and "1 ran" in p.stderr
+    assert (job / "logs" / "quantize.log").read_text().count("$ ") == 1  # not quantized again
+    assert (job / "logs" / "eval.log").read_text().count("$ ") == 2
+    after = json.loads(results["grpo-ptq-rtn-w4"].read_text())
+    assert after["metrics"] == before["metrics"]  # same seed, same model: the same numbers
+    assert results["grpo"].stat().st_mtime_ns == mtimes["grpo"]
+
+    # another study's settings in the same dir are refused, not mixed
+    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--no-progress")
+    assert p.returncode == 2 and "holds a study with different eval settings" in p.stderr
+
+
+def test_report_importance_histogram(quick_study):
+    """--report rewrites the results from finished jobs; an importance.npz (what quantlrm writes) is plotted."""
+    out, _ = quick_study
+    q = out / "runs" / "grpo-ptq-rtn-w4" / "seed0" / "quant"
+    rng = np.random.default_rng(0)
+    np.savez(q / "importance.npz", **{"layers.0.attn.q_proj": rng.lognormal(size=128).astype(np.float32),
+                                      "layers.0.mlp.down_proj": rng.lognormal(size=384).astype(np.float32)})
+    try:
+        p = _study("--config", QUICK, f"out_dir={out}", "eval.size=32", "--report")
+        assert p.returncode == 0, p.stderr[-3000:]
+        res = json.loads((out / "results.json").read_text())
+        assert "importance_hist.png" in res["plots"]
+        assert (out / "plots" / "importance_hist.png").stat().st_size > 5000
+    finally:
+        os.remove(q / "importance.npz")
