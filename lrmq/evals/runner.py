@@ -339,6 +339,8 @@ def run_suite(model_or_state, tokenizer, items: Sequence[Item], gen: GenerationS
         records.extend(new)
         done.update((r["benchmark"], r["item_id"], r["sample"]) for r in new)
         bar.update(len(new))
+        if progress and records:
+            bar.set_postfix(acc=f"{np.mean([r['correct'] for r in records]):.3f}", refresh=False)
     bar.close()
     seconds = time.perf_counter() - t0
     # pass@K of the K samples is always reported, besides the asked-for k <= K
