@@ -62,6 +62,8 @@ def test_paper_matrices():
     (["arms=[{name: b, kind: base}, {name: q, kind: ptq, source: b, method: quantlrm}]"], "needs a train arm"),
     (["arms=[{name: t, kind: train, train: [quant.mode=qat]}, {name: q, kind: ptq, source: t, method: rtn}]"],
      "trains with QAT/QLoRA"),
+    (["arms=[{name: b, kind: base}, {name: q, kind: ptq, source: b, method: quantlrm, before: pseudo_ft}]"],
+     "before=pseudo_ft is for quantlrm with a train arm"),
     (["only=[nope]"], "only: unknown arms"),
     (["eval.metric=headline"], "eval.metric"),
     (["paper1.ptq_methods=[rtm]"], "rtm"),
@@ -132,6 +134,24 @@ def test_quick_study_results(quick_study):
     assert not (out / "plots" / "importance_hist.png").exists()  # no QuantLRM arm
 
 
+def test_heldout_matches_the_trainer(quick_study):
+    """lrmq.studies.heldout scores a float policy exactly as its trainer's final held-out evaluation did (same
+    problems, prompts, key): the study's numbers and the training logs agree."""
+    out, _ = quick_study
+    run = out / "runs" / "grpo" / "seed0" / "run"
+    last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-m", "lrmq.studies.heldout", "--checkpoint", str(run / "final_policy"),
+                        "--train-config", str(out / "train_config.yaml"), "--seed", "0", "--size", "16",
+                        "--out", str(out / "check16.json")], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = json.loads((out / "check16.json").read_text())
+    assert ev["problems"] == 16  # the quick recipe's run.eval_size
+    for k in ("greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward"):
+        assert ev[k] == pytest.approx(last[f"eval/{k}"], abs=1e-6), k
+
+
 def test_quick_study_resumes(quick_study):
     out, _ = quick_study
     results = {n: (out / "runs" / n / "seed0" / "result.json") for n in ("base", "grpo", "grpo-ptq-rtn-w4")}
@@ -175,3 +195,22 @@ def test_report_importance_histogram(quick_study):
         assert (out / "plots" / "importance_hist.png").stat().st_size > 5000
     finally:
         os.remove(q / "importance.npz")
+
+
+def test_suite_eval_arm(tmp_path):
+    """eval.kind=suite: the arm is scored by python -m lrmq.evaluate (fixture items of paper 1's suite) and its
+    memory by lrmq.studies.heldout --memory-only; the headline is the table's number."""
+    out = tmp_path / "suite"
+    data = os.path.join(REPO_ROOT, "tests", "fixtures", "evals")
+    p = _study("--config", QUICK, f"out_dir={out}", "only=[base]", "eval.kind=suite", "eval.metric=headline",
+               f"eval.overrides=[data_dir={data}, limit=2, generation.max_new_tokens=8, tensorboard=false]",
+               "plots=false", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    job = out / "runs" / "base" / "seed0"
+    ev = json.loads((job / "eval" / "results.json").read_text())
+    res = json.loads((out / "results.json").read_text())
+    (arm,) = res["arms"]
+    assert arm["metric"] == "headline" and arm["mean"] == ev["headline"]["value"]
+    assert set(ev["benchmarks"]) == {"aime24", "amc", "math500", "minerva", "olympiadbench"}
+    assert arm["memory"]["weight_bytes"] == json.loads((job / "memory.json").read_text())["weight_bytes"] > 0
+    assert not (out / "plots").exists()

@@ -122,6 +122,9 @@ def expand(cfg: StudyConfig) -> list[ArmSpec]:
             if a.method == "quantlrm" and a.before == "run" and s.kind != "train":
                 raise ConfigError(f"arm {a.name}: quantlrm with before=run needs a train arm as source (its "
                                   f"initial_policy is the 'before'); {a.source!r} is {s.kind} (use before: pseudo_ft)")
+            if a.before == "pseudo_ft" and (a.method != "quantlrm" or s.kind != "train"):
+                raise ConfigError(f"arm {a.name}: before=pseudo_ft is for quantlrm with a train arm as source (its "
+                                  "correct rollouts are the fine-tuning traces)")
             if s.kind == "train" and any(o.startswith("quant.mode=") and not o.endswith("=none") for o in s.train):
                 raise ConfigError(f"arm {a.name}: source {a.source!r} trains with QAT/QLoRA; PTQ quantizes "
                                   "full-precision policies")
