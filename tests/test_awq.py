@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lrmq.ptq import layer_fn
 from lrmq.ptq import layerwise as lw
 
 _CACHE: dict = {}
@@ -91,7 +92,7 @@ def plant_outlier_channels(model, frac=0.2, s=16.0, seed=0):
         return jnp.asarray(v)
 
     for layer in model.layers:
-        p = dict(lw.get_layer_params(layer))
+        p = dict(layer_fn.get_layer_params(layer))
         for norm, linears in (("attn_norm", ("q_proj", "k_proj", "v_proj")), ("mlp_norm", ("gate_proj", "up_proj"))):
             v = factors(d)
             p[norm] = p[norm] * v
@@ -99,7 +100,7 @@ def plant_outlier_channels(model, frac=0.2, s=16.0, seed=0):
                 p[name] = p[name] / v[:, None]
         v = factors(f)
         p["up_proj"], p["down_proj"] = p["up_proj"] * v[None, :], p["down_proj"] / v[:, None]
-        lw.set_layer_params(layer, p)
+        layer_fn.set_layer_params(layer, p)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,7 @@ def test_functional_layer_matches_module(hf_checkpoint, variant):
     pos = lw.positions_for(2, 16)
     for i in range(m.cfg.num_layers):
         ref, _ = m.layers[i](jnp.asarray(x), jnp.asarray(pos))
-        out, caps = lw.layer_forward(lw.get_layer_params(m.layers[i]), lw.layer_spec(m.cfg, i), x, pos, capture=True)
+        out, caps = layer_fn.layer_forward(layer_fn.get_layer_params(m.layers[i]), layer_fn.layer_spec(m.cfg, i), x, pos, capture=True)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
         # The captured Linear inputs are the module's: rebuilding the layer from them with the module's own
         # Linears and norms gives its output (attention = o_proj(o_in), MLP = down_proj(down_in)).
@@ -224,11 +225,11 @@ def test_scale_fold_preserves_function(hf_checkpoint):
 
     d, _ = hf_checkpoint("llama_linear")  # GQA (4 heads, 2 kv heads), biases
     m = load_hf_model(d)
-    spec = lw.layer_spec(m.cfg, 0)
-    p = lw.get_layer_params(m.layers[0])
+    spec = layer_fn.layer_spec(m.cfg, 0)
+    p = layer_fn.get_layer_params(m.layers[0])
     x = lw.embed_tokens(m, np.random.default_rng(2).integers(0, 128, (2, 16)))
     pos = lw.positions_for(2, 16)
-    ref = lw.layer_forward(p, spec, x, pos)
+    ref = layer_fn.layer_forward(p, spec, x, pos)
     caps = {}
     rng = np.random.default_rng(3)
     for grp, k in ((ATTN_IN, 64), (ATTN_OUT, 64), (MLP_IN, 64), (MLP_OUT, 96)):
@@ -238,7 +239,7 @@ def test_scale_fold_preserves_function(hf_checkpoint):
             s_prev = downsample_vo(s, spec)
             s_fc = upsample_vo(s_prev, spec)
         p, caps = apply_scale(p, {grp.inp: jnp.ones((1, k))}, s_prev, s_fc, grp)
-    np.testing.assert_allclose(np.asarray(lw.layer_forward(p, spec, x, pos)), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(layer_fn.layer_forward(p, spec, x, pos)), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
 def test_packed_equals_fake_quant_forward(hf_checkpoint):

@@ -35,9 +35,8 @@ import jax
 import numpy as np
 
 from lrmq.model.config import ModelConfig
-# the layer as a function lives in layer_fn; these names stay importable from here
-from lrmq.ptq.layer_fn import (INPUT_OF, LINEARS, MODULE_OF, LayerSpec, get_layer_params,  # noqa: F401
-                               layer_forward, layer_forward_jit, layer_spec, set_layer_params)
+from lrmq.ptq.layer_fn import (MODULE_OF, LayerSpec, get_layer_params, layer_forward_jit, layer_spec,
+                               set_layer_params)
 
 
 def chunked(fn: Callable, *arrays, batch_size: int):
