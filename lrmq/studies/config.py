@@ -147,7 +147,8 @@ class StudyConfig:
     seeds: list[int] = opt(help="seeds: each arm runs once per seed (run.seed, eval sampling)",
                            factory=lambda: [0, 1, 2])
     parallel: int = opt(1, "arm jobs run at once (separate processes)", ge=1)
-    threads: int = opt(0, "CPU threads per job (XLA/numba/BLAS env; 0 = leave the defaults)", ge=0)
+    threads: int = opt(0, "threads per job of OpenMP, MKL, OpenBLAS and numba (environment; XLA keeps its own; "
+                          "0 = leave the defaults)", ge=0)
     only: list[str] = opt(help="run only these arms (and the arms they depend on); empty = all", factory=list)
     timeout_s: float = opt(0.0, "per command time limit in seconds (0 = none)", ge=0)
     train: TrainSection = opt(help="the train recipe the train arms start from", factory=TrainSection)
