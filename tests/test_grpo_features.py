@@ -241,3 +241,32 @@ def test_enabled_cache_stores_compiled_programs(tmp_path):
     second = subprocess.run([sys.executable, "-c", code, cache], env=env, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0 and second.stdout == first.stdout
     assert sorted(os.listdir(cache)) == sorted(entries)  # a hit: nothing new compiled and stored
+
+
+# ----------------------------------------------------------------------------- benchmark suite in training
+
+
+def test_periodic_eval_can_run_a_benchmark_suite(scratch_ckpt, tmp_path):
+    fixtures = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "evals")
+    cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"))
+    cfg.run.eval_suite, cfg.run.eval_suite_limit, cfg.run.eval_data_dir = "aime24,math500", 1, fixtures
+    cfg.run.eval_size = 2
+    trainer = make_trainer(cfg)
+    assert [it.benchmark for it in trainer.suite_items] == ["aime24", "math500"]
+    out = trainer.evaluate()
+    assert {"eval/paper1/aime24/accuracy", "eval/paper1/math500/reward", "eval/paper1/pooled_reward"} <= set(out)
+    assert "eval/accuracy" in out  # the held-out split still runs
+
+
+def test_eval_suite_errors_name_the_problem(scratch_ckpt, tmp_path):
+    from lrmq.configlib import ConfigError
+
+    cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"))
+    cfg.run.eval_suite = "paper2"
+    with pytest.raises(ConfigError, match="run.eval_suite: unknown suite or benchmark 'paper2'"):
+        make_trainer(cfg)
+    cfg.run.eval_suite, cfg.run.eval_data_dir = "aime24", str(tmp_path / "no-data")
+    from lrmq.evals.benchmarks import EvalDataError
+
+    with pytest.raises(EvalDataError, match="benchmark 'aime24': dataset .* is not available"):
+        make_trainer(cfg)

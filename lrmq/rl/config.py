@@ -184,6 +184,13 @@ class RunSection:
     keep_checkpoints: int = opt(2, "checkpoints kept in the run directory (older ones are deleted)", ge=1)
     eval_every: int = opt(0, "evaluate on held-out problems every N steps (0 = only before and after training)", ge=0)
     eval_size: int = opt(128, "held-out problems per evaluation", ge=0)
+    eval_suite: str = opt("", "also run this lrmq.evaluate suite (paper1, quantlrm) or comma-separated benchmarks at "
+                              "every evaluation, eval_suite_limit items per benchmark (empty = held-out split only)",
+                          empty_ok=True)
+    eval_suite_limit: int = opt(3, "items per benchmark of eval_suite at each evaluation (paper 1: 3 per split "
+                                   "every 10 steps; 0 = all)", ge=0)
+    eval_data_dir: str = opt("", "local benchmark files of eval_suite (empty = $LRMQ_EVAL_DATA or "
+                                 "~/.cache/lrmq/evals; see docs/evaluate.md)", empty_ok=True)
     eval_greedy: bool = opt(True, "also evaluate greedy decoding (eval/accuracy is sampled at the rollout "
                                   "temperature)")
     log_completions: int = opt(2, "sampled completions per step shown in TensorBoard's text tab (every completion "

@@ -8,6 +8,7 @@ cheap next to generation) and then places its own shards of the train batch.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -24,6 +25,9 @@ from lrmq.configlib import ConfigError, check_data_parallel_batch, load_config, 
 from lrmq.data.pipeline import PromptPipeline
 from lrmq.data.prompts import format_prompt, load_prompt_dataset
 from lrmq.data.synthetic import make_splits
+from lrmq.evals.benchmarks import BENCHMARKS, default_data_dir, load_items, resolve_suite
+from lrmq.evals.config import GenerationSection
+from lrmq.evals.runner import run_suite
 from lrmq.generation.engine import Generator, generation_chunk, left_pad
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
@@ -126,6 +130,15 @@ class GRPOTrainer:
         self.generator = Generator(model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
                                    graphdef=self.graphdef)
 
+        self.suite, self.suite_items = None, []
+        if cfg.run.eval_suite:  # load the benchmark items now: missing data fails before any compute
+            try:
+                self.suite, names = resolve_suite(cfg.run.eval_suite)
+            except KeyError as e:
+                raise ConfigError(f"run.eval_suite: {e.args[0]}") from None
+            data_dir = os.path.expanduser(cfg.run.eval_data_dir) if cfg.run.eval_data_dir else default_data_dir()
+            for name in names:
+                self.suite_items += load_items(BENCHMARKS[name], data_dir, limit=cfg.run.eval_suite_limit)
         self.pipeline = PromptPipeline(self.train_rows, batch_size=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
                                        process_index=0, process_count=1)
         self.ckpt = RunCheckpointer(paths.join(self.run_dir, "checkpoints"), keep=cfg.run.keep_checkpoints)
@@ -294,6 +307,22 @@ class GRPOTrainer:
             out[f"eval/{name}_reward"] = float(rewards.mean())
             out[f"eval/{name}_format_rate"] = float(np.mean(info["formatted"]))
         out["eval/accuracy"] = out["eval/sampled_accuracy"]
+        if self.suite is not None:
+            out.update(self.evaluate_suite())
+        return out
+
+    def evaluate_suite(self) -> dict[str, float]:
+        """run.eval_suite on the current policy, with the suite's decoding protocol (lrmq.evaluate's runner)."""
+        gen = GenerationSection(**self.suite.generation)
+        gen.batch_size = max(1, min(len(self.suite_items), 32))
+        res = run_suite(self.states(), self.tokenizer, self.suite_items, gen, suite=self.suite,
+                        generator=self.generator, max_positions=self.model_cfg.max_position_embeddings,
+                        timeout_s=self.cfg.algo.reward_timeout_s)
+        out = {f"eval/{self.suite.name}/{b}/{k}": float(v[k]) for b, v in res["benchmarks"].items()
+               for k in ("accuracy", "reward") if k in v}
+        h = res.get("headline")
+        if h:
+            out[f"eval/{self.suite.name}/{h['how']}_{h['metric']}"] = float(h["value"])
         return out
 
     # ------------------------------------------------------------------ pre-flight
