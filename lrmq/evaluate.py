@@ -45,6 +45,16 @@ def parse_args(argv=None):
     ap.add_argument("--rescore", action="store_true", help="re-score --out's completions.jsonl; no generation")
     ap.add_argument("--overwrite", action="store_true", help="discard --out's records of a different config")
     configlib.add_config_args(ap, EvalConfig)  # --config, key=value overrides, --help-config, --print-config
+    aot_args = ap.add_argument_group("ahead-of-time compile (no weights are read or allocated)")
+    aot_args.add_argument("--compile-only", action="store_true",
+                          help="compile the suite's generation (its batch, prompt length and decode length) for "
+                               "--topology and print per-device memory; exit 3 when it does not fit")
+    aot_args.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:2x4 (default: this machine)")
+    aot_args.add_argument("--shapes", default=None, help="architecture preset instead of --checkpoint's config.json")
+    aot_args.add_argument("--prompt-len", type=cli.number(int, ge=1), default=512,
+                          help="left-padded prompt length to compile for (prompts are bucketed to powers of two)")
+    aot_args.add_argument("--pack", choices=["int4", "int8", "nf4"], default=None,
+                          help="compile with every linear packed in this format (the Pallas kernels serve them)")
     return ap.parse_intermixed_args(argv)  # key=value overrides may sit between flags
 
 
@@ -137,6 +147,52 @@ def rescore(cfg: EvalConfig) -> dict:
     return results
 
 
+def compile_only(cfg: EvalConfig, args) -> int:
+    """--compile-only: one generate call of the suite's protocol (batch_size rows, --prompt-len, the decode
+    length: segment_tokens or max_new_tokens, capped by the model's positions) compiled for the target."""
+    from lrmq import aot
+    from lrmq.generation.sampling import SamplingConfig
+    from lrmq.model.config import ModelConfig
+    from lrmq.model.presets import preset_config
+
+    if not (cfg.checkpoint or args.shapes):
+        raise ConfigError("--compile-only needs --checkpoint or --shapes")
+    mcfg = (preset_config(args.shapes, dtype=cfg.dtype) if args.shapes
+            else ModelConfig.from_hf_file(resolve_checkpoint(cfg.checkpoint), dtype=cfg.dtype))
+    g = cfg.generation
+    positions = g.max_positions or mcfg.max_position_embeddings
+    if args.prompt_len >= positions:
+        raise ConfigError(f"--prompt-len {args.prompt_len} leaves no room for new tokens in the model's "
+                          f"{positions} positions")
+    new = min(g.segment_tokens or g.max_new_tokens, g.max_new_tokens, positions - args.prompt_len)
+    devices = list(aot.topology_devices(args.topology)) if args.topology else None
+    mesh = make_mesh(None, devices=devices)
+    graphdef, state = aot.abstract_model(mcfg, mesh, pack=args.pack)
+    sampling = SamplingConfig(greedy=g.greedy, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
+    try:
+        compiled, secs = aot.compile_generate(graphdef, state, mesh, batch=g.batch_size, prompt_len=args.prompt_len,
+                                              max_new=new, sampling=sampling)
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program past HBM
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"does not fit: the compiler ran out of device memory ({str(e).splitlines()[0][:300]}); lower "
+              "generation.batch_size or generation.segment_tokens")
+        return 3
+    hbm = aot.hbm_bytes(mesh.devices.flat[0])
+    report = aot.FitReport([{"name": "generate", "memory": aot.memory_report(compiled), "flops": aot._flops(compiled),
+                             "seconds": secs}], hbm, True)
+    report.fits = not hbm or report.rows[0]["memory"]["total"] <= hbm * (1 - aot.HEADROOM)
+    print(f"target: {args.topology or 'local devices'} ({mesh.devices.size} devices); suite {cfg.suite}: batch "
+          f"{g.batch_size}, prompt {args.prompt_len} + {new} new tokens per generate call; weights "
+          f"{args.pack or mcfg.param_dtype}")
+    print(report.table())
+    total = report.rows[0]["memory"]["total"] / aot.GIB
+    print(f"{'fits' if report.fits else 'does not fit'}: {total:.2f} GiB per device"
+          + (f" of {hbm * (1 - aot.HEADROOM) / aot.GIB:.1f} GiB usable" if hbm else "")
+          + ("" if report.fits else "; lower generation.batch_size or generation.segment_tokens"))
+    return 0 if report.fits else 3
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     return cli.run_main("evaluate", lambda: _main(args))
@@ -150,6 +206,8 @@ def _main(args) -> int:
     if args.rescore:
         print(markdown_table(rescore(cfg)), end="")
         return 0
+    if args.compile_only:
+        return compile_only(cfg, args)
     if not cfg.checkpoint:
         raise ConfigError("--checkpoint (or checkpoint: in --config) is required")
     suite, names = resolve_suite(cfg.suite)

@@ -137,3 +137,17 @@ def test_train_modes_compile_for_a_multichip_slice(tmp_path, quant):
     rollout, _ = aot.compile_rollout(run)
     kernels = ["tpu_custom_call" in c.as_text() for c in (step, rollout)]
     assert kernels == ([True, True] if quant["mode"] == "qlora" else [False, False])
+
+
+def test_evaluate_compile_only_for_a_tpu_topology(capsys):
+    """`lrmq.evaluate --compile-only`: the suite's generate call compiled for a TPU slice without weights;
+    too large a batch for the chip's HBM exits 3 naming the knob to lower."""
+    from lrmq.evaluate import main
+
+    assert main(["--checkpoint", "tiny", "--suite", "quantlrm", "--compile-only", "--topology", "v5e:2x2",
+                 "--prompt-len", "64", "generation.batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "target: v5e:2x2 (4 devices); suite quantlrm: batch 8, prompt 64 + 192 new tokens" in out and "fits:" in out
+    assert main(["--checkpoint", "tiny", "--suite", "quantlrm", "--compile-only", "--topology", "v5e:2x2",
+                 "--prompt-len", "64", "generation.batch_size=1048576"]) == 3  # a 64 GiB KV cache per chip
+    assert "does not fit" in capsys.readouterr().out
