@@ -214,3 +214,19 @@ def test_suite_eval_arm(tmp_path):
     assert set(ev["benchmarks"]) == {"aime24", "amc", "math500", "minerva", "olympiadbench"}
     assert arm["memory"]["weight_bytes"] == json.loads((job / "memory.json").read_text())["weight_bytes"] > 0
     assert not (out / "plots").exists()
+
+
+def test_ptq_pairs_are_paired_by_seed():
+    from lrmq.studies.report import ptq_pairs
+
+    def arm(name, accs, bits=3, source="grpo"):
+        return {"name": name, "kind": "ptq", "source": source, "bits": bits,
+                "seeds": {str(s): {"acc": v} for s, v in enumerate(accs)}}
+
+    arms = [arm("q", [0.30, 0.40, 0.50]), arm("a", [0.28, 0.37, 0.49]), arm("r4", [0.1, 0.2, 0.3], bits=4),
+            {"name": "grpo", "kind": "train", "seeds": {}}]
+    (p,) = ptq_pairs(arms, "acc")  # only the two W3 arms of the same source pair up
+    d = np.array([0.02, 0.03, 0.01])
+    assert (p["a"], p["b"], p["n"]) == ("q", "a", 3)
+    assert p["diff"] == pytest.approx(d.mean()) and p["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(3))
+    assert p["beyond_2se"] is True  # a consistent per-seed gain is real although the seed spread is large

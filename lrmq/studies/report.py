@@ -5,6 +5,8 @@
 * Each arm is compared with its baseline (a ptq arm: its source; a preset's QAT/QLoRA arm: the FP run of
   the same algorithm; the FP run: the base model): the difference of means and its standard error
   sqrt(s_a^2/n_a + s_b^2/n_b); `beyond 2 SE` says whether the difference exceeds the seed spread.
+* PTQ arms of the same source and bits are compared head to head, paired by seed (they quantize the same
+  policy and are scored on the same problems with the same key): mean and SE of the per-seed differences.
 * Plots (matplotlib, Agg): reward curves of the train arms (mean over seeds of reward/mean, min-max band),
   accuracy vs bits per weight, accuracy vs model bytes with the Pareto frontier, and the QuantLRM channel
   importance histograms of the arms that wrote `quant/importance.npz`.
@@ -64,7 +66,28 @@ def aggregate(study: Study) -> dict:
         a["vs_baseline"] = _diff(a, b) if b else None
     return {"study": cfg.name, "written": wall_clock(), "metric": metric, "seeds": list(cfg.seeds),
             "eval": {"kind": cfg.eval.kind, "size": cfg.eval.size, "samples": cfg.eval.samples},
-            "arms": arms_out}
+            "arms": arms_out, "ptq_pairs": ptq_pairs(arms_out, metric)}
+
+
+def ptq_pairs(arms: list[dict], metric: str) -> list[dict]:
+    """Every two PTQ arms of the same source at the same bits, paired by seed (same policy, same evaluation
+    problems and sampling key): the mean of the per-seed differences and its SE std(d)/sqrt(n)."""
+    groups = defaultdict(list)
+    for a in arms:
+        if a["kind"] == "ptq":
+            groups[(a["source"], a["bits"])].append(a)
+    out = []
+    for (src, bits), items in groups.items():
+        for i, a in enumerate(items):
+            for b in items[i + 1:]:
+                seeds = [s for s in a["seeds"] if s in b["seeds"] and metric in a["seeds"][s] and metric in b["seeds"][s]]
+                if not seeds:
+                    continue
+                d = np.array([a["seeds"][s][metric] - b["seeds"][s][metric] for s in seeds], np.float64)
+                se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None
+                out.append({"source": src, "bits": bits, "a": a["name"], "b": b["name"], "diff": float(d.mean()),
+                            "se": se, "n": len(d), "beyond_2se": bool(abs(d.mean()) > 2 * se) if se else None})
+    return out
 
 
 def _diff(a: dict, b: dict) -> Optional[dict]:
@@ -119,6 +142,14 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
         cells = [a["name"], a["group"], f"{a['nominal_bits']:g}", _pm(a), str(a["n"]),
                  *[_pm(a["metrics"].get(k)) for k in other], delta, _mib(m.get("weight_bytes")), train]
         lines.append("| " + " | ".join(cells) + " |")
+    if res.get("ptq_pairs"):
+        lines += ["", f"PTQ methods head to head (same source and bits, {metric} differences paired by seed: "
+                      "mean ± SE of the per-seed differences; * = beyond 2 SE):", "",
+                  "| source | bits | arm A | arm B | A − B | seeds |", "|---|---|---|---|---|---|"]
+        for p in res["ptq_pairs"]:
+            d = f"{p['diff']:+.3f}" + (f" ± {p['se']:.3f}{' *' if p['beyond_2se'] else ''}" if p["se"] is not None
+                                      else " (1 seed)")
+            lines.append(f"| {p['source']} | {p['bits']} | {p['a']} | {p['b']} | {d} | {p['n']} |")
     if failed:
         lines += ["", "Jobs without a result:", ""]
         lines += [f"* {f['arm']} seed {f['seed']}: {f['status']}: {f['error']}" for f in failed]
