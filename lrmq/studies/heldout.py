@@ -23,7 +23,6 @@ adapters for QLoRA) and the AdamW state (`train_param_bytes`, `train_opt_bytes`)
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -156,5 +155,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.exit(main())
