@@ -48,7 +48,8 @@ def aggregate(study: Study) -> dict:
             if os.path.exists(path):
                 with open(path, encoding="utf-8") as f:
                     r = json.load(f)
-                per_seed[str(seed)] = {**r["metrics"], **{f"train/{k}": v for k, v in r.get("train_metrics", {}).items()}}
+                train = {f"train/{k}": v for k, v in r.get("train_metrics", {}).items()}
+                per_seed[str(seed)] = {**r["metrics"], **train}
                 mem = mem or r.get("memory", {})
         keys = sorted({k for m in per_seed.values() for k, v in m.items() if isinstance(v, (int, float))})
         means = {k: _stats([m[k] for m in per_seed.values() if isinstance(m.get(k), (int, float))]) for k in keys}
@@ -80,7 +81,8 @@ def ptq_pairs(arms: list[dict], metric: str) -> list[dict]:
     for (src, bits), items in groups.items():
         for i, a in enumerate(items):
             for b in items[i + 1:]:
-                seeds = [s for s in a["seeds"] if s in b["seeds"] and metric in a["seeds"][s] and metric in b["seeds"][s]]
+                seeds = [s for s in a["seeds"]
+                         if s in b["seeds"] and metric in a["seeds"][s] and metric in b["seeds"][s]]
                 if not seeds:
                     continue
                 d = np.array([a["seeds"][s][metric] - b["seeds"][s][metric] for s in seeds], np.float64)

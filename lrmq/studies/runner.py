@@ -172,10 +172,11 @@ class Study:
             pft = os.path.join(job.dir, "pft")
             traces = os.path.join(job.dir, "traces.jsonl")
             job.steps.append(Step("traces", _exists(traces), fn=lambda: write_traces(src, src_arm, traces)))
+            seq_len = min(512, self.train_cfg.rollout.max_prompt_len + self.train_cfg.rollout.max_new_tokens)
             job.steps.append(Step("pseudo_ft", _exists(pft, "after", "config.json"), _py(
                 "lrmq.ptq.pseudo_ft", "--checkpoint", src.model, "--traces", traces, "--out", pft,
                 "--steps", str(self.cfg.quantize.pseudo_ft_steps), "--seed", str(job.seed), "--overwrite",
-                "--seq-len", str(min(512, self.train_cfg.rollout.max_prompt_len + self.train_cfg.rollout.max_new_tokens)))))
+                "--seq-len", str(seq_len))))
             ov += [f"model={os.path.join(pft, 'after')}", f"quantlrm.base={os.path.join(pft, 'before')}",
                    "quantlrm.quantize=base"]
         else:
