@@ -22,8 +22,12 @@ demo: $(STAMP)
 
 # JAX_PLATFORMS=cpu: the test extra installs libtpu (for ahead-of-time TPU compiles), and without it jax
 # would probe for a TPU at every start; the tests target TPUs through topologies, never the default backend.
+# Two worker processes (TEST_WORKERS=0 runs in one): most of the suite is XLA compiles and Python, each
+# mostly single-threaded, so two processes use both cores of a 2-core machine. A file's tests stay in one
+# worker (--dist loadfile): module fixtures are built once.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q tests
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/generate.py --quick

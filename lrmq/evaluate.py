@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from lrmq import cli, configlib
+from lrmq import aot, cli, configlib
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
 from lrmq.checkpoint.peft import ADAPTER_CONFIG, load_lora
 from lrmq.config_help import to_plain
@@ -24,6 +24,9 @@ from lrmq.evals.runner import (COMPLETIONS, RESULTS, TABLE, EvalError, markdown_
                                run_suite, score_records, summarize_records)
 from lrmq.atomic import atomic_write_text
 from lrmq.generation.engine import Generator
+from lrmq.generation.sampling import SamplingConfig
+from lrmq.model.config import ModelConfig
+from lrmq.model.presets import preset_config
 from lrmq.quant.lora import DEFAULT_TARGETS, apply_lora
 from lrmq.sharding import make_mesh
 from lrmq.tokenizer import Tokenizer
@@ -150,11 +153,6 @@ def rescore(cfg: EvalConfig) -> dict:
 def compile_only(cfg: EvalConfig, args) -> int:
     """--compile-only: one generate call of the suite's protocol (batch_size rows, --prompt-len, the decode
     length: segment_tokens or max_new_tokens, capped by the model's positions) compiled for the target."""
-    from lrmq import aot
-    from lrmq.generation.sampling import SamplingConfig
-    from lrmq.model.config import ModelConfig
-    from lrmq.model.presets import preset_config
-
     if not (cfg.checkpoint or args.shapes):
         raise ConfigError("--compile-only needs --checkpoint or --shapes")
     mcfg = (preset_config(args.shapes, dtype=cfg.dtype) if args.shapes
