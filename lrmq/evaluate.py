@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from lrmq import aot, cli, configlib
+from lrmq import aot, cli, compile_cache, configlib
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
 from lrmq.checkpoint.peft import ADAPTER_CONFIG, load_lora
 from lrmq.config_help import to_plain
@@ -193,6 +193,7 @@ def compile_only(cfg: EvalConfig, args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compile_cache.enable()  # a rerun loads its compiled programs (lrmq.compile_cache)
     return cli.run_main("evaluate", lambda: _main(args))
 
 

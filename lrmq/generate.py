@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from lrmq import aot
+from lrmq import aot, compile_cache
 from lrmq.checkpoint.load import load_model
 from lrmq.cli import ArgumentParser, UsageError, number, run_main
 from lrmq.generation.engine import Generator
@@ -116,6 +116,7 @@ def compile_only(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compile_cache.enable()  # a rerun loads its compiled programs (lrmq.compile_cache)
     if args.compile_only:
         return run_main("generate", lambda: compile_only(args))
     return run_main("generate", lambda: generate(args))
