@@ -145,9 +145,31 @@ def _is_disk_full(e: BaseException) -> bool:
     return False
 
 
-def disk_full_error(path: str) -> DiskFullError:
-    return DiskFullError(errno.ENOSPC, f"no space left on device while writing {path}; nothing was written "
-                                       f"there (free space and rerun)", path)
+def _tree_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def disk_full_error(path: str, *, needed: int | None = None, written: int | None = None) -> DiskFullError:
+    """The one-line error of a full disk: the output, the bytes it needs (exactly, or at least what had been
+    written when the disk filled) and the bytes free there."""
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path)) or ".").free
+    except OSError:
+        free = None
+    size = (f"it needs {needed:,} bytes" if needed is not None else
+            f"it needs more than the {written:,} bytes written before the disk filled" if written else "")
+    room = f"{free:,} bytes are free there" if free is not None else ""
+    detail = "; ".join(x for x in (size, room) if x)
+    return DiskFullError(errno.ENOSPC, f"no space left on device while writing {path}"
+                                       + (f" ({detail})" if detail else "")
+                                       + "; nothing was written there (free space and rerun)", path)
 
 
 def atomic_dir(path: str, *, overwrite: bool = False):
@@ -187,9 +209,10 @@ def _local_atomic_dir(path: str, overwrite: bool):
         yield tmp
         apply_umask(tmp)
     except BaseException as e:
+        written = _tree_bytes(tmp) if _is_disk_full(e) else 0
         shutil.rmtree(tmp, ignore_errors=True)
         if _is_disk_full(e):
-            raise disk_full_error(path) from e
+            raise disk_full_error(path, written=written) from e
         raise
     if os.path.exists(path):
         old = tmp + ".old"
@@ -222,5 +245,5 @@ def atomic_write_text(path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         if _is_disk_full(e):
-            raise disk_full_error(os.path.abspath(path)) from e
+            raise disk_full_error(os.path.abspath(path), needed=len(text.encode("utf-8"))) from e
         raise

@@ -214,7 +214,9 @@ def test_disk_full_is_one_line_and_leaves_nothing(env, tmp_path, capsys, monkeyp
     """ENOSPC while an output is written: one line naming the output; no output, no temporary."""
     import lrmq.checkpoint.hf as hf
 
-    def full(*a, **k):
+    def full(tensors, filename, *a, **k):
+        with open(filename, "wb") as f:  # part of the shard made it before the disk filled
+            f.write(b"\0" * 4096)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(hf, "save_file", full)
@@ -223,6 +225,8 @@ def test_disk_full_is_one_line_and_leaves_nothing(env, tmp_path, capsys, monkeyp
     assert convert_cli.main(["--to", "hf", env["ckpt"], out]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lrmq.convert: error: no space left on device while writing ") and out in err, err
+    assert "it needs more than the " in err and " bytes written before the disk filled" in err, err
+    assert " bytes are free there" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert os.listdir(tmp_path) == [] and _tree_sums(env["ckpt"]) == before
 
@@ -290,3 +294,8 @@ def test_perplexity_default_window_is_the_model_limit(env, capsys):
     assert perplexity_cli.main(["--checkpoint", env["ckpt"], "--text-file", env["text"], "--max-windows", "1"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["window"] == 256 and res["windows"] == 1
+
+
+def test_disk_full_message_gives_the_bytes(tmp_path):
+    e = atomic.disk_full_error(str(tmp_path / "x.json"), needed=12345)
+    assert "(it needs 12,345 bytes; " in str(e) and "bytes are free there)" in str(e) and str(tmp_path) in str(e)
