@@ -172,3 +172,47 @@ def test_sigterm_during_start_up_exits_with_a_message(tmp_path):
     rc = p.wait(timeout=120)
     assert rc == 143, "".join(lines) + rest
     assert "lrmq.train: error: interrupted by SIGTERM during start-up" in rest and "Traceback" not in rest
+
+
+def test_kill_9_during_training_resumes_exactly(tmp_path):
+    """SIGKILL at a random moment after the first checkpoint (a save may be in flight; the lock is left
+    behind by the dead process), then the same command again: it takes over the stale lock, resumes, and ends
+    with the parameters and metrics of an uninterrupted run, each step logged once."""
+    import random
+
+    from test_train_loop import checkpoint_params
+
+    steps = 8
+    cmd = [sys.executable, "-m", "lrmq.train", "--config", os.path.join(REPO, "configs", "tiny_demo.yaml"),
+           f"run.steps={steps}", "run.save_every=1", "run.keep_checkpoints=10", "run.eval_size=4",
+           "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
+           "rollout.max_new_tokens=24", "data.synthetic_train_size=64", "data.synthetic_eval_size=4"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    ref, run = str(tmp_path / "ref"), str(tmp_path / "run")
+    r = subprocess.run(cmd + [f"run.out_dir={ref}"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    p = subprocess.Popen(cmd + [f"run.out_dir={run}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = os.path.join(run, "checkpoints")
+    deadline = time.monotonic() + 300
+    while not (os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))):
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended or stalled before its first save"
+        time.sleep(0.05)
+    time.sleep(random.Random(0).uniform(0.0, 0.3))
+    p.send_signal(signal.SIGKILL)
+    assert p.wait(timeout=60) == -signal.SIGKILL  # killed mid-run, not finished
+    assert os.path.exists(os.path.join(run, ".lock"))  # left by the killed process
+
+    r = subprocess.run(cmd + [f"run.out_dir={run}"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = checkpoint_params(ref, steps), checkpoint_params(run, steps)
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    ref_rows = [json.loads(x) for x in open(os.path.join(ref, "metrics.jsonl"))]
+    train_steps = [r_["step"] for r_ in rows if "reward/mean" in r_]
+    assert train_steps == list(range(1, steps + 1))  # each step once
+    for a, b in zip([r_ for r_ in rows if "reward/mean" in r_], [r_ for r_ in ref_rows if "reward/mean" in r_]):
+        assert a["reward/mean"] == b["reward/mean"] and a["train/loss"] == b["train/loss"]
+    assert not os.path.exists(os.path.join(run, ".lock"))  # released at the end
