@@ -239,11 +239,14 @@ class Study:
         for step in job.steps:
             if step.done():
                 continue
+            log_path = os.path.join(job.dir, "logs", f"{step.name}.log")
             if step.fn is not None:
                 step.fn()
             else:
-                self._call(f"{job.arm.name} seed {job.seed}: {step.name}", step.cmd,
-                           os.path.join(job.dir, "logs", f"{step.name}.log"))
+                self._call(f"{job.arm.name} seed {job.seed}: {step.name}", step.cmd, log_path)
+            if not step.done():  # e.g. lrmq.train stopped by a signal: it saved a checkpoint and exited 0
+                raise StudyError(f"{job.arm.name} seed {job.seed}: {step.name} ended without its output "
+                                 f"(interrupted?); rerun to resume; log {log_path}")
         atomic_write_text(job.result_path, json.dumps(self.collect(job), indent=2, sort_keys=True) + "\n")
 
     def collect(self, job: Job) -> dict:
