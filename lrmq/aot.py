@@ -143,6 +143,24 @@ def abstract_batch(cfg: TrainConfig, mesh) -> dict:
 
 
 # ----------------------------------------------------------------------------- compiles
+class PreflightError(ConfigError):
+    """The update or the rollout needs more memory per device than the device has (lrmq.train exits 3)."""
+
+
+def check_budget(mem: dict[str, int], device, hbm_limit_gib: float = 0.0, log=print) -> None:
+    """Raise PreflightError naming every program of `mem` (name -> bytes per device) over the allowed memory:
+    `hbm_limit_gib`, or the device's HBM minus HEADROOM (no limit when it is unknown)."""
+    limit = hbm_limit_gib * GIB if hbm_limit_gib else (hbm_bytes(device) or 0) * (1 - HEADROOM)
+    gib = lambda b: f"{b / GIB:.2f} GiB"
+    log("preflight: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()) + f" per device (limit {gib(limit)})")
+    over = {k: v for k, v in mem.items() if limit and v > limit}
+    if over:
+        raise PreflightError(
+            "preflight: " + ", ".join(f"{k} needs {gib(v)}" for k, v in over.items()) +
+            f" per device, more than the {gib(limit)} allowed; nothing was run. Find a micro-batch that fits "
+            f"with `python -m lrmq.train --config CONFIG --compile-only` (or lower rollout.prompts_per_step)")
+
+
 def memory_report(compiled) -> dict:
     """Per-device bytes of a compiled program (what XLA allocates for one chip's share)."""
     ma = compiled.memory_analysis()

@@ -16,7 +16,8 @@ from lrmq.atomic import atomic_write_text
 from lrmq.configlib import ConfigError, add_config_args, config_from_args, dump_config
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.run_lock import RunDirBusy
-from lrmq.rl.trainer import GRPOTrainer, PreflightError, TrainingStopped
+from lrmq.aot import PreflightError
+from lrmq.rl.trainer import GRPOTrainer, TrainingStopped
 
 
 def maybe_init_distributed() -> None:

@@ -252,7 +252,7 @@ def test_periodic_eval_can_run_a_benchmark_suite(scratch_ckpt, tmp_path):
     cfg.run.eval_suite, cfg.run.eval_suite_limit, cfg.run.eval_data_dir = "aime24,math500", 1, fixtures
     cfg.run.eval_size = 2
     trainer = make_trainer(cfg)
-    assert [it.benchmark for it in trainer.suite_items] == ["aime24", "math500"]
+    assert [it.benchmark for it in trainer.suite_eval.items] == ["aime24", "math500"]
     out = trainer.evaluate()
     assert {"eval/paper1/aime24/accuracy", "eval/paper1/math500/reward", "eval/paper1/pooled_reward"} <= set(out)
     assert "eval/accuracy" in out  # the held-out split still runs

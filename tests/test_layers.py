@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "lrmq.quant.training", "lrmq.generation", "lrmq.generation.")),
     ("io", ("lrmq.checkpoint", "lrmq.checkpoint.", "lrmq.data", "lrmq.data.")),
     ("algorithms", ("lrmq.rl", "lrmq.rl.", "lrmq.ptq", "lrmq.ptq.")),
-    ("drivers", ("lrmq.rl.trainer", "lrmq.aot", "lrmq.perplexity", "lrmq.evals", "lrmq.evals.", "lrmq.studies",
+    ("drivers", ("lrmq.rl.trainer", "lrmq.rl.evaluation", "lrmq.aot", "lrmq.perplexity", "lrmq.evals", "lrmq.evals.", "lrmq.studies",
                  "lrmq.studies.")),
     ("commands", ("lrmq.train", "lrmq.quantize", "lrmq.generate", "lrmq.convert", "lrmq.evaluate", "lrmq.study")),
 ]

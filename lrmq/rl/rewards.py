@@ -318,3 +318,18 @@ def score_completions(
         log.warning("reward %s failed on a batch (%s); scoring it 0", reward_name, e)
         return np.zeros(n, np.float32), {"correct": np.zeros(n, bool), "formatted": np.zeros(n, bool),
                                          "timeouts": n, "failed": True}
+
+
+def weighted_rewards(algo, texts: list[str], answers: list[str], lengths, max_len: int, *,
+                     score_fn=score_completions) -> tuple[np.ndarray, dict, dict]:
+    """The training reward of a batch: ``algo.reward_weight`` x ``algo.reward`` plus each of ``algo.extra_rewards``
+    times its weight. Returns (total float32 [N], {reward name: its unweighted values}, the main reward's info);
+    math-verify bounded by ``algo.reward_timeout_s`` per item and ``algo.reward_budget_s`` per batch."""
+    kw = dict(timeout_s=algo.reward_timeout_s, lengths=lengths, max_len=max_len, budget_s=algo.reward_budget_s or None)
+    main, info = score_fn(texts, answers, algo.reward, **kw)
+    parts = {algo.reward: main}
+    total = np.float32(algo.reward_weight) * main
+    for name, weight in algo.extra_rewards.items():
+        parts[name] = score_fn(texts, answers, name, **kw)[0]
+        total = total + np.float32(weight) * parts[name]
+    return total.astype(np.float32), parts, info

@@ -133,3 +133,40 @@ class RunLogs:
         except Exception as e:  # a failed log upload must not end a run (nor hang the other processes)
             log.warning("could not copy the logs in %s up to %s (%s: %s); the next sync retries",
                         self.local_dir, self._mirror.url, type(e).__name__, e)
+
+
+# ----------------------------------------------------------------------------- writers
+
+
+class NullWriter:
+    """The SummaryWriter calls the trainer makes, doing nothing (processes other than 0)."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def add_text(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def tb_writer(path: str):
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(path)
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="grpo", unit="step", dynamic_ncols=True)
+
+
+def completion_markdown(r: dict) -> str:
+    """One completion record as TensorBoard text (markdown): the prompt's tail, the completion, its scores."""
+    fence = lambda t: "```\n" + t.replace("```", "` ` `") + "\n```"
+    scores = ", ".join(f"{k} {v:.3g}" for k, v in r["rewards"].items())
+    return (f"**reward {r['reward']:.3g}** ({scores}), advantage {r['advantage']:.3g}, {r['tokens']} tokens"
+            f"{' (truncated)' if r['truncated'] else ''}, answer `{r['answer']}`\n\n"
+            f"{fence(r['prompt'][-500:])}\n\n{fence(r['completion'])}")

@@ -8,7 +8,6 @@ cheap next to generation) and then places its own shards of the train batch.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from typing import Any
@@ -20,24 +19,23 @@ from flax import nnx
 
 from lrmq import aot, compile_cache, paths
 from lrmq.checkpoint.hf import save_hf_model
-from lrmq.checkpoint.load import load_model, resolve_checkpoint
-from lrmq.configlib import ConfigError, check_data_parallel_batch, load_config, save_config, to_plain
+from lrmq.checkpoint.load import resolve_checkpoint
+from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
 from lrmq.data.pipeline import PromptPipeline
-from lrmq.data.prompts import format_prompt, load_prompt_dataset
-from lrmq.data.synthetic import make_splits
-from lrmq.evals.benchmarks import BENCHMARKS, default_data_dir, load_items, resolve_suite
-from lrmq.evals.config import GenerationSection
-from lrmq.evals.runner import run_suite
+from lrmq.data.prompts import format_prompt
 from lrmq.generation.engine import Generator, generation_chunk, left_pad
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
-from lrmq.quant.training import export_float_model, prepare_for_training, trainable_filter
+from lrmq.quant.training import export_float_model, trainable_filter
 from lrmq.rl.advantages import compute_advantages
 from lrmq.rl.batch import build_batch, bucketed_arrays, mask_rows, truncate_left, truncated_rows
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.rewards import score_completions
+from lrmq.rl.evaluation import SuiteEval
+from lrmq.rl.rewards import score_completions, weighted_rewards
 from lrmq.rl.run_lock import RunDirLock
-from lrmq.rl.run_state import RunCheckpointer, RunLogs
+from lrmq.rl.run_checks import config_diff, first_non_finite
+from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar, tb_writer
+from lrmq.rl.setup import build_model, load_datasets
 from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step,
                           uses_rollout_logprobs)
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, host_array, make_mesh
@@ -46,43 +44,9 @@ from lrmq.tokenizer import Tokenizer
 log = logging.getLogger("lrmq.train")
 
 
-class PreflightError(ConfigError):
-    """The update or the rollout needs more memory per device than the device has (exit status 3)."""
-
-
 class TrainingStopped(RuntimeError):
     """Training cannot go on (a non-finite metric, rewards that keep failing); the message says why and what
     was kept."""
-
-# ----------------------------------------------------------------------------- data
-
-
-def load_datasets(cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
-    d = cfg.data
-    if not d.train_files:
-        train, held = make_splits(d.synthetic_train_size, d.synthetic_eval_size, seed=d.synthetic_seed)
-        strip = lambda rows: [{"problem": r["problem"], "answer": str(r["answer"])} for r in rows]
-        return strip(train), strip(held)
-
-    kw = dict(problem_field=d.problem_field, answer_field=d.answer_field, solution_field=d.solution_field)
-    train = load_prompt_dataset(d.train_files, **kw)
-    if d.max_train_examples:
-        train = train.select(range(min(d.max_train_examples, len(train))))
-    train = [dict(r) for r in train]
-    held = [dict(r) for r in load_prompt_dataset(d.eval_files, **kw)] if d.eval_files else []
-    return train, held
-
-
-# ----------------------------------------------------------------------------- model
-
-
-def build_model(cfg: TrainConfig, mesh):
-    model = load_model(resolve_checkpoint(cfg.model.checkpoint), mesh=mesh, dtype=cfg.model.dtype,
-                       param_dtype=cfg.model.param_dtype)
-    if cfg.quant.mode != "none":
-        model = prepare_for_training(model, cfg.quant, seed=cfg.run.seed, mesh=mesh)
-    return model
-
 
 # ----------------------------------------------------------------------------- the trainer
 
@@ -130,15 +94,8 @@ class GRPOTrainer:
         self.generator = Generator(model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
                                    graphdef=self.graphdef)
 
-        self.suite, self.suite_items = None, []
-        if cfg.run.eval_suite:  # load the benchmark items now: missing data fails before any compute
-            try:
-                self.suite, names = resolve_suite(cfg.run.eval_suite)
-            except KeyError as e:
-                raise ConfigError(f"run.eval_suite: {e.args[0]}") from None
-            data_dir = os.path.expanduser(cfg.run.eval_data_dir) if cfg.run.eval_data_dir else default_data_dir()
-            for name in names:
-                self.suite_items += load_items(BENCHMARKS[name], data_dir, limit=cfg.run.eval_suite_limit)
+        # run.eval_suite's items are loaded now: missing benchmark data fails before any compute
+        self.suite_eval = SuiteEval(cfg.run) if cfg.run.eval_suite else None
         self.pipeline = PromptPipeline(self.train_rows, batch_size=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
                                        process_index=0, process_count=1)
         self.ckpt = RunCheckpointer(paths.join(self.run_dir, "checkpoints"), keep=cfg.run.keep_checkpoints)
@@ -148,7 +105,7 @@ class GRPOTrainer:
         # TensorBoard dir raced in tensorboardX's exists-then-makedirs and crashed one process at start-up.
         # For a URL run dir they are written locally and mirrored up (RunLogs).
         self.logs = RunLogs(self.run_dir, enabled=jax.process_index() == 0)
-        self.writer = (writer_factory or _tb_writer)(self.logs.tb_dir) if self.logs.enabled else NullWriter()
+        self.writer = (writer_factory or tb_writer)(self.logs.tb_dir) if self.logs.enabled else NullWriter()
         self.metrics_path = self.logs.metrics_path  # local; the run dir's own copy for a local run dir
 
     # ------------------------------------------------------------------ setup helpers
@@ -235,18 +192,9 @@ class GRPOTrainer:
         return rb, stats
 
     def score(self, texts: list[str], answers: list[str], lengths) -> tuple[np.ndarray, dict, dict]:
-        """(training reward [N], {reward name: its unweighted values}, the main reward's info): the main
-        reward times algo.reward_weight plus each of algo.extra_rewards times its weight."""
-        a = self.cfg.algo
-        kw = dict(timeout_s=a.reward_timeout_s, lengths=lengths, max_len=self.cfg.rollout.max_new_tokens,
-                  budget_s=a.reward_budget_s or None)
-        main, info = score_completions(texts, answers, a.reward, **kw)
-        parts = {a.reward: main}
-        total = np.float32(a.reward_weight) * main
-        for name, weight in a.extra_rewards.items():
-            parts[name] = score_completions(texts, answers, name, **kw)[0]
-            total = total + np.float32(weight) * parts[name]
-        return total.astype(np.float32), parts, info
+        """(training reward [N], {reward name: its unweighted values}, the main reward's info)."""
+        return weighted_rewards(self.cfg.algo, texts, answers, lengths, self.cfg.rollout.max_new_tokens,
+                                score_fn=score_completions)
 
     # ------------------------------------------------------------------ update
     def _step_fn(self, use_old: bool, arrays, ref_logp):
@@ -307,22 +255,9 @@ class GRPOTrainer:
             out[f"eval/{name}_reward"] = float(rewards.mean())
             out[f"eval/{name}_format_rate"] = float(np.mean(info["formatted"]))
         out["eval/accuracy"] = out["eval/sampled_accuracy"]
-        if self.suite is not None:
-            out.update(self.evaluate_suite())
-        return out
-
-    def evaluate_suite(self) -> dict[str, float]:
-        """run.eval_suite on the current policy, with the suite's decoding protocol (lrmq.evaluate's runner)."""
-        gen = GenerationSection(**self.suite.generation)
-        gen.batch_size = max(1, min(len(self.suite_items), 32))
-        res = run_suite(self.states(), self.tokenizer, self.suite_items, gen, suite=self.suite,
-                        generator=self.generator, max_positions=self.model_cfg.max_position_embeddings,
-                        timeout_s=self.cfg.algo.reward_timeout_s)
-        out = {f"eval/{self.suite.name}/{b}/{k}": float(v[k]) for b, v in res["benchmarks"].items()
-               for k in ("accuracy", "reward") if k in v}
-        h = res.get("headline")
-        if h:
-            out[f"eval/{self.suite.name}/{h['how']}_{h['metric']}"] = float(h["value"])
+        if self.suite_eval is not None:
+            out.update(self.suite_eval(self.states(), self.tokenizer, self.generator,
+                                       self.model_cfg.max_position_embeddings, self.cfg.algo.reward_timeout_s))
         return out
 
     # ------------------------------------------------------------------ pre-flight
@@ -348,16 +283,7 @@ class GRPOTrainer:
                                           sampling=SamplingConfig(temperature=cfg.rollout.temperature,
                                                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k))
         mem = {"train_step": aot.memory_report(step)["total"], "rollout": aot.memory_report(rollout)["total"]}
-        limit = (r.hbm_limit_gib * aot.GIB if r.hbm_limit_gib
-                 else (aot.hbm_bytes(self.mesh.devices.flat[0]) or 0) * (1 - aot.HEADROOM))
-        gib = lambda b: f"{b / aot.GIB:.2f} GiB"
-        log.info("preflight: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()) + f" per device (limit {gib(limit)})")
-        over = {k: v for k, v in mem.items() if limit and v > limit}
-        if over:
-            raise PreflightError(
-                "preflight: " + ", ".join(f"{k} needs {gib(v)}" for k, v in over.items()) +
-                f" per device, more than the {gib(limit)} allowed; nothing was run. Find a micro-batch that fits "
-                f"with `python -m lrmq.train --config CONFIG --compile-only` (or lower rollout.prompts_per_step)")
+        aot.check_budget(mem, self.mesh.devices.flat[0], r.hbm_limit_gib, log=log.info)
         # used for every full-width batch (always with rollout.update_padding=max): no second compile
         self._aot_steps[(use_old, tuple((k, v.shape) for k, v in sorted(batch.items())), ref is None)] = step
         return mem
@@ -403,7 +329,7 @@ class GRPOTrainer:
             self.logs.append_completions([{"step": step, **r} for r in records])
         shown = records[: self.cfg.run.log_completions]
         if shown:
-            self.writer.add_text("completions", "\n\n---\n\n".join(_markdown(r) for r in shown), step)
+            self.writer.add_text("completions", "\n\n---\n\n".join(completion_markdown(r) for r in shown), step)
 
     def log_metrics(self, step: int, metrics: dict[str, float]):
         if jax.process_index() != 0:  # every process holds the same (global) metrics
@@ -419,7 +345,7 @@ class GRPOTrainer:
             resumed = self.maybe_restore()
         except Exception as e:  # the checkpoints describe another model / optimizer: keep their config.yaml
             raise ConfigError(f"cannot resume from {self.ckpt.directory}: its checkpoints do not fit this config"
-                              f"{self._config_diff()} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              f"{config_diff(self.run_dir, self.cfg)} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                               "config.yaml was left as it was: rerun with that config, or use another "
                               "run.out_dir") from e
         if jax.process_index() == 0:  # one writer: object stores throttle concurrent writes to one object
@@ -433,7 +359,7 @@ class GRPOTrainer:
             if ev:
                 self.log_metrics(0, ev)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        bar = _progress(cfg.run.steps, self.step, enabled=cfg.run.progress)
+        bar = progress_bar(cfg.run.steps, self.step, enabled=cfg.run.progress)
         last: dict[str, float] = {}
         base_key = jax.random.key(cfg.run.seed)
         ran = 0
@@ -491,66 +417,10 @@ class GRPOTrainer:
 
     def _check_finite(self, step: int, metrics: dict[str, float], rb) -> None:
         """Stop before a non-finite update can be logged as fine or saved over a good checkpoint."""
-        bad = [k for k, v in metrics.items() if k.startswith("train/") and not np.isfinite(v)]
-        if not bad and not np.all(np.isfinite(rb.old_logp)):
-            bad = ["rollout log-probs"]
+        bad = first_non_finite(metrics, rb.old_logp)
         if bad:
             latest = self.ckpt.latest_step()
             raise TrainingStopped(
-                f"step {step}: non-finite {bad[0]} ({metrics.get(bad[0], 'nan')}); the update was not saved"
+                f"step {step}: non-finite {bad} ({metrics.get(bad, 'nan')}); the update was not saved"
                 + (f", the checkpoint of step {latest} is intact" if latest is not None else "")
                 + ". Lower optim.lr or check the model and data")
-
-    def _config_diff(self) -> str:
-        """': the saved config.yaml differs in a, b, c' (the keys whose values differ), or ''."""
-        saved_path = paths.join(self.run_dir, "config.yaml")
-        try:
-            saved = to_plain(load_config(TrainConfig, saved_path))
-        except Exception:
-            return ""
-        now = to_plain(self.cfg)
-
-        def flat(d, prefix=""):
-            for k, v in d.items():
-                if isinstance(v, dict) and v and all(isinstance(x, str) for x in v) and k != "extra_rewards":
-                    yield from flat(v, f"{prefix}{k}.")
-                else:
-                    yield f"{prefix}{k}", v
-
-        a, b = dict(flat(saved)), dict(flat(now))
-        keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith("run.")]
-        return f": the saved config.yaml differs in {', '.join(keys[:8])}" if keys else ""
-
-
-def _markdown(r: dict) -> str:
-    """One completion as TensorBoard text (markdown): the prompt's tail, the completion, its scores."""
-    fence = lambda t: "```\n" + t.replace("```", "` ` `") + "\n```"
-    scores = ", ".join(f"{k} {v:.3g}" for k, v in r["rewards"].items())
-    return (f"**reward {r['reward']:.3g}** ({scores}), advantage {r['advantage']:.3g}, {r['tokens']} tokens"
-            f"{' (truncated)' if r['truncated'] else ''}, answer `{r['answer']}`\n\n"
-            f"{fence(r['prompt'][-500:])}\n\n{fence(r['completion'])}")
-
-
-class NullWriter:
-    """The SummaryWriter calls the trainer makes, doing nothing (processes other than 0)."""
-
-    def add_scalar(self, *args, **kwargs) -> None:
-        pass
-
-    def add_text(self, *args, **kwargs) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-
-def _tb_writer(path: str):
-    from tensorboardX import SummaryWriter
-
-    return SummaryWriter(path)
-
-
-def _progress(total: int, initial: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="grpo", unit="step", dynamic_ncols=True)

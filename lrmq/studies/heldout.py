@@ -43,7 +43,7 @@ from lrmq.rl.batch import truncate_left
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.rewards import score_completions
 from lrmq.rl.step import make_optimizer
-from lrmq.rl.trainer import build_model, load_datasets
+from lrmq.rl.setup import build_model, load_datasets
 from lrmq.tokenizer import Tokenizer
 
 QAT_PACKING = {"paper_int8": "int8", "int8": "int8", "w8a8": "int8", "int4": "int4"}

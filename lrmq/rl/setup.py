@@ -1,0 +1,36 @@
+"""What a GRPO run starts from: its prompt datasets and its (possibly quantized) policy model."""
+
+from __future__ import annotations
+
+from lrmq.checkpoint.load import load_model, resolve_checkpoint
+from lrmq.data.prompts import load_prompt_dataset
+from lrmq.data.synthetic import make_splits
+from lrmq.quant.training import prepare_for_training
+from lrmq.rl.config import TrainConfig
+
+
+def load_datasets(cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows) of {"problem", "answer", ...}: the configured files, or synthetic
+    arithmetic with its own held-out split."""
+    d = cfg.data
+    if not d.train_files:
+        train, held = make_splits(d.synthetic_train_size, d.synthetic_eval_size, seed=d.synthetic_seed)
+        strip = lambda rows: [{"problem": r["problem"], "answer": str(r["answer"])} for r in rows]
+        return strip(train), strip(held)
+
+    kw = dict(problem_field=d.problem_field, answer_field=d.answer_field, solution_field=d.solution_field)
+    train = load_prompt_dataset(d.train_files, **kw)
+    if d.max_train_examples:
+        train = train.select(range(min(d.max_train_examples, len(train))))
+    train = [dict(r) for r in train]
+    held = [dict(r) for r in load_prompt_dataset(d.eval_files, **kw)] if d.eval_files else []
+    return train, held
+
+
+def build_model(cfg: TrainConfig, mesh):
+    """The policy on `mesh`, prepared for the configured quant.mode (QAT dot_generals or a QLoRA base)."""
+    model = load_model(resolve_checkpoint(cfg.model.checkpoint), mesh=mesh, dtype=cfg.model.dtype,
+                       param_dtype=cfg.model.param_dtype)
+    if cfg.quant.mode != "none":
+        model = prepare_for_training(model, cfg.quant, seed=cfg.run.seed, mesh=mesh)
+    return model
