@@ -156,6 +156,11 @@ def _tree_bytes(path: str) -> int:
     return total
 
 
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e`, or an exception it was raised from, is a full disk (ENOSPC, also wrapped by a library)."""
+    return _is_disk_full(e)
+
+
 def disk_full_error(path: str, *, needed: int | None = None, written: int | None = None) -> DiskFullError:
     """The one-line error of a full disk: the output, the bytes it needs (exactly, or at least what had been
     written when the disk filled) and the bytes free there."""

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from lrmq import aot, cli
-from lrmq.atomic import atomic_write_text
+from lrmq.atomic import atomic_write_text, disk_full_error, is_disk_full
 from lrmq.configlib import ConfigError, add_config_args, config_from_args, dump_config
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.run_lock import RunDirBusy
@@ -86,6 +86,11 @@ def main(argv=None) -> int:
         return 1
     except (RunDirBusy, *cli.USER_ERRORS) as e:
         cli.print_error("train", e)
+        return 2
+    except Exception as e:  # a full disk while saving a checkpoint or an export (orbax wraps the OSError)
+        if not is_disk_full(e):
+            raise
+        cli.print_error("train", disk_full_error(cfg.run.out_dir))
         return 2
     if trainer._stop_signal is not None:
         print(f"interrupted at step {trainer.step}; checkpoint saved in {trainer.ckpt.directory}; "

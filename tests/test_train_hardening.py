@@ -216,3 +216,24 @@ def test_kill_9_during_training_resumes_exactly(tmp_path):
     for a, b in zip([r_ for r_ in rows if "reward/mean" in r_], [r_ for r_ in ref_rows if "reward/mean" in r_]):
         assert a["reward/mean"] == b["reward/mean"] and a["train/loss"] == b["train/loss"]
     assert not os.path.exists(os.path.join(run, ".lock"))  # released at the end
+
+
+def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from lrmq import train
+    from lrmq.rl.run_state import RunCheckpointer
+
+    def full(self, *a, **k):
+        raise RuntimeError("checkpoint write failed") from OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunCheckpointer, "save", full)
+    run = str(tmp_path / "run")
+    rc = train.main(["--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), f"run.out_dir={run}", "run.steps=1",
+                     "run.eval_size=4", "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=2",
+                     "rollout.group_size=2", "rollout.max_new_tokens=8", "data.synthetic_train_size=16",
+                     "data.synthetic_eval_size=4"])
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("lrmq.train: error:")]
+    assert rc == 2 and len(line) == 1 and f"no space left on device while writing {run}" in line[0], err
+    assert "Traceback" not in err
