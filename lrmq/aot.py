@@ -265,6 +265,22 @@ class FitReport:
         return "\n".join(lines)
 
 
+def program_report(name: str, compiled, secs: float, device) -> FitReport:
+    """The FitReport of one compiled program against `device`'s HBM minus HEADROOM (fits when HBM is unknown)."""
+    hbm = hbm_bytes(device)
+    report = FitReport([{"name": name, "memory": memory_report(compiled), "flops": _flops(compiled),
+                         "seconds": secs}], hbm, True)
+    report.fits = not hbm or report.rows[0]["memory"]["total"] <= hbm * (1 - HEADROOM)
+    return report
+
+
+def fit_line(report: FitReport) -> str:
+    """'fits: X GiB per device of Y GiB usable' (or 'does not fit: ...') for a one-program report."""
+    total = report.rows[0]["memory"]["total"] / GIB
+    return (f"{'fits' if report.fits else 'does not fit'}: {total:.2f} GiB per device"
+            + (f" of {report.hbm * (1 - HEADROOM) / GIB:.1f} GiB usable" if report.hbm else ""))
+
+
 def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, log=print) -> FitReport:
     """Compile the train step and the rollout for `devices` (default: this process's view of all devices)
     and compare per-device memory with HBM minus HEADROOM; when the step does not fit, find the largest

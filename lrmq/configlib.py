@@ -224,28 +224,25 @@ class _Builder:
         except Exception as e:  # __post_init__ checks
             return self.err(path, f"{cls.__name__}: {e}")
 
-    def check_names(self, f: dataclasses.Field, value: Any, path: str) -> bool:
-        """A registry-backed field (`opt(names=...)`) holds registered names (each element of a list)."""
+    def _check_each(self, problem_of, f: dataclasses.Field, value: Any, path: str) -> bool:
+        """Report `problem_of(f, x)` for the value, or for each element of a list value."""
         items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
         good = True
         for i, x in items:
-            problem = name_problem(f, x)
+            problem = problem_of(f, x)
             if problem:
                 self.err(path if i is None else f"{path}[{i}]", problem)
                 good = False
         return good
 
+    def check_names(self, f: dataclasses.Field, value: Any, path: str) -> bool:
+        """A registry-backed field (`opt(names=...)`) holds registered names (each element of a list)."""
+        return self._check_each(name_problem, f, value, path)
+
     def check_bounds(self, f: dataclasses.Field, value: Any, path: str) -> bool:
         """A bounded field (`opt(ge=..., gt=..., le=..., lt=...)`) holds numbers inside its bounds (each
         element of a list)."""
-        items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
-        good = True
-        for i, x in items:
-            problem = bound_problem(f, x)
-            if problem:
-                self.err(path if i is None else f"{path}[{i}]", problem)
-                good = False
-        return good
+        return self._check_each(bound_problem, f, value, path)
 
     @staticmethod
     def _has_missing(x: Any) -> bool:

@@ -176,18 +176,12 @@ def compile_only(cfg: EvalConfig, args) -> int:
         print(f"does not fit: the compiler ran out of device memory ({str(e).splitlines()[0][:300]}); lower "
               "generation.batch_size or generation.segment_tokens")
         return 3
-    hbm = aot.hbm_bytes(mesh.devices.flat[0])
-    report = aot.FitReport([{"name": "generate", "memory": aot.memory_report(compiled), "flops": aot._flops(compiled),
-                             "seconds": secs}], hbm, True)
-    report.fits = not hbm or report.rows[0]["memory"]["total"] <= hbm * (1 - aot.HEADROOM)
+    report = aot.program_report("generate", compiled, secs, mesh.devices.flat[0])
     print(f"target: {args.topology or 'local devices'} ({mesh.devices.size} devices); suite {cfg.suite}: batch "
           f"{g.batch_size}, prompt {args.prompt_len} + {new} new tokens per generate call; weights "
           f"{args.pack or mcfg.param_dtype}")
     print(report.table())
-    total = report.rows[0]["memory"]["total"] / aot.GIB
-    print(f"{'fits' if report.fits else 'does not fit'}: {total:.2f} GiB per device"
-          + (f" of {hbm * (1 - aot.HEADROOM) / aot.GIB:.1f} GiB usable" if hbm else "")
-          + ("" if report.fits else "; lower generation.batch_size or generation.segment_tokens"))
+    print(aot.fit_line(report) + ("" if report.fits else "; lower generation.batch_size or generation.segment_tokens"))
     return 0 if report.fits else 3
 
 

@@ -99,18 +99,13 @@ def compile_only(args) -> int:
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     compiled, secs = aot.compile_generate(graphdef, state, mesh, batch=args.batch, prompt_len=args.prompt_len,
                                           max_new=args.max_new_tokens, sampling=sampling)
-    hbm = aot.hbm_bytes(mesh.devices.flat[0])
-    report = aot.FitReport([{"name": "generate", "memory": aot.memory_report(compiled), "flops": aot._flops(compiled),
-                             "seconds": secs}], hbm, True)
-    report.fits = not hbm or report.rows[0]["memory"]["total"] <= hbm * (1 - aot.HEADROOM)
+    report = aot.program_report("generate", compiled, secs, mesh.devices.flat[0])
     kernels = "Pallas TPU kernels" if "tpu_custom_call" in compiled.as_text() else "no custom kernels"
     print(f"target: {args.topology or 'local devices'} ({len(mesh.devices.flat)} devices); batch {args.batch}, "
           f"prompt {args.prompt_len} + {args.max_new_tokens} new tokens; weights {args.pack or mcfg.param_dtype} "
           f"({kernels})")
     print(report.table())
-    total = report.rows[0]["memory"]["total"] / aot.GIB
-    print(f"{'fits' if report.fits else 'does not fit'}: {total:.2f} GiB per device"
-          + (f" of {hbm * (1 - aot.HEADROOM) / aot.GIB:.1f} GiB usable" if hbm else ""))
+    print(aot.fit_line(report))
     return 0 if report.fits else 3
 
 
