@@ -126,7 +126,8 @@ class QuantizeConfig:
     model: Optional[str] = opt(None, 'checkpoint to quantize (HF or lrmq directory; "tiny" = the shipped tiny '
                                      "model); quantlrm: the fine-tuned one")
     method: str = opt("awq", "PTQ method", names=PTQ_METHODS)
-    bits: int = opt(4, "weight bits: 3, 4 or 8", ge=3, le=8)
+    bits: int = opt(4, "weight bits, 2..8 (method int8: 8; nf4: 4; outputs autoawq: 4; the others take any width)",
+                    ge=2, le=8)
     group_size: int = opt(128, "input rows per quantization group (-1 = per output channel; nf4: the block size)",
                           ge=1, also=(-1,))
     symmetric: bool = opt(False, "symmetric quantization (no zero point)")
@@ -145,8 +146,8 @@ class QuantizeConfig:
             re.compile(self.targets)
         except re.error as e:
             raise ValueError(f"targets {self.targets!r} is not a regular expression ({e})") from None
-        if self.bits not in (3, 4, 8):
-            raise ValueError(f"bits must be 3, 4 or 8, got {self.bits}")
+        if self.bits not in range(2, 9):  # what the quantizers, lrmq's packing and compressed_tensors support
+            raise ValueError(f"bits must be in 2..8, got {self.bits}")
         if self.group_size != -1 and self.group_size < 1:
             raise ValueError(f"group_size must be -1 or positive, got {self.group_size}")
         if self.method == "quantlrm" and not (self.quantlrm.run_dir or (self.model and self.quantlrm.base)):
