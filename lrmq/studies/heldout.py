@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from lrmq import compile_cache
 from lrmq.atomic import atomic_write_text
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
 from lrmq.cli import ArgumentParser, number, run_main
@@ -144,6 +145,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compile_cache.enable()  # every job of a study compiles the same generation programs: load them from disk
 
     def body() -> int:
         r = run(args)
