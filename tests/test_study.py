@@ -230,3 +230,27 @@ def test_ptq_pairs_are_paired_by_seed():
     assert (p["a"], p["b"], p["n"]) == ("q", "a", 3)
     assert p["diff"] == pytest.approx(d.mean()) and p["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(3))
     assert p["beyond_2se"] is True  # a consistent per-seed gain is real although the seed spread is large
+
+
+def test_equal_bits_pairs_compare_quantized_training_with_ptq():
+    from lrmq.studies.report import equal_bits_pairs, paired
+
+    def arm(name, kind, accs, bits=None, nominal=32.0, source="", baseline=""):
+        return {"name": name, "kind": kind, "source": source, "bits": bits, "nominal_bits": nominal,
+                "baseline": baseline, "seeds": {str(s): {"acc": v} for s, v in enumerate(accs)}}
+
+    arms = [arm("grpo", "train", [0.40, 0.42, 0.38], baseline="base"),
+            arm("grpo-qat-int4", "train", [0.30, 0.33, 0.28], nominal=4.0, baseline="grpo"),
+            arm("grpo-qat-paper_int8", "train", [0.39, 0.41], nominal=8.0, baseline="grpo"),
+            arm("grpo-ptq-rtn-w4", "ptq", [0.35, 0.36, 0.34], bits=4, nominal=4.0, source="grpo"),
+            arm("grpo-ptq-rtn-w3", "ptq", [0.30, 0.31, 0.29], bits=3, nominal=3.0, source="grpo"),
+            arm("grpo-ptq-int8-w8", "ptq", [0.40, 0.42, 0.38], bits=8, nominal=8.0, source="grpo")]
+    pairs = {(p["a"], p["b"]): p for p in equal_bits_pairs(arms, "acc")}
+    assert set(pairs) == {("grpo-qat-int4", "grpo-ptq-rtn-w4"), ("grpo-qat-paper_int8", "grpo-ptq-int8-w8")}
+    d = np.array([-0.05, -0.03, -0.06])
+    p = pairs[("grpo-qat-int4", "grpo-ptq-rtn-w4")]
+    assert p["diff"] == pytest.approx(d.mean()) and p["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(3))
+    assert p["beyond_2se"] is True and p["bits"] == 4 and p["source"] == "grpo"
+    assert pairs[("grpo-qat-paper_int8", "grpo-ptq-int8-w8")]["n"] == 2  # only the seeds both have
+    one = paired(arms[0], {"name": "b", "seeds": {"0": {"acc": 0.1}}}, "acc")
+    assert one["n"] == 1 and one["se"] is None and one["beyond_2se"] is None

@@ -7,6 +7,10 @@
   sqrt(s_a^2/n_a + s_b^2/n_b); `beyond 2 SE` says whether the difference exceeds the seed spread.
 * PTQ arms of the same source and bits are compared head to head, paired by seed (they quantize the same
   policy and are scored on the same problems with the same key): mean and SE of the per-seed differences.
+  Every Δ to a baseline is also given paired by seed (`vs_baseline_paired`): the arms of one seed share the
+  evaluation problems and sampling key, and train arms of one seed the prompt order.
+* Paper 1's question, quantized training vs quantizing after training at the same bits (`equal_bits_pairs`):
+  each QAT / QLoRA arm against every PTQ arm of its FP baseline's policy at its nominal bits, paired by seed.
 * Plots (matplotlib, Agg): reward curves of the train arms (mean over seeds of reward/mean, min-max band),
   accuracy vs bits per weight, accuracy vs model bytes with the Pareto frontier, and the QuantLRM channel
   importance histograms of the arms that wrote `quant/importance.npz`.
@@ -65,9 +69,41 @@ def aggregate(study: Study) -> dict:
     for a in arms_out:
         b = by.get(a["baseline"])
         a["vs_baseline"] = _diff(a, b) if b else None
+        a["vs_baseline_paired"] = paired(a, b, metric) if b else None
     return {"study": cfg.name, "written": wall_clock(), "metric": metric, "seeds": list(cfg.seeds),
             "eval": {"kind": cfg.eval.kind, "size": cfg.eval.size, "samples": cfg.eval.samples},
-            "arms": arms_out, "ptq_pairs": ptq_pairs(arms_out, metric)}
+            "arms": arms_out, "ptq_pairs": ptq_pairs(arms_out, metric),
+            "equal_bits_pairs": equal_bits_pairs(arms_out, metric)}
+
+
+def paired(a: dict, b: dict, metric: str) -> Optional[dict]:
+    """a − b paired by seed over the seeds both have: mean of the per-seed differences, SE std(d)/sqrt(n)
+    (None with one seed), and whether |mean| > 2 SE."""
+    seeds = [s for s in a["seeds"] if s in b["seeds"] and metric in a["seeds"][s] and metric in b["seeds"][s]]
+    if not seeds:
+        return None
+    d = np.array([a["seeds"][s][metric] - b["seeds"][s][metric] for s in seeds], np.float64)
+    se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None
+    return {"a": a["name"], "b": b["name"], "diff": float(d.mean()), "se": se, "n": len(d),
+            "beyond_2se": bool(abs(d.mean()) > 2 * se) if se else None}
+
+
+def equal_bits_pairs(arms: list[dict], metric: str) -> list[dict]:
+    """Each quantized-training arm (a train arm whose baseline is a train arm of more bits: QAT, QLoRA)
+    against every PTQ arm of that baseline's policy at the same nominal bits, paired by seed."""
+    by = {a["name"]: a for a in arms}
+    out = []
+    for a in arms:
+        base = by.get(a.get("baseline", ""))
+        if a["kind"] != "train" or not base or base["kind"] != "train" or \
+                not (a.get("nominal_bits") or 0) < (base.get("nominal_bits") or 0):
+            continue
+        for p in arms:
+            if p["kind"] == "ptq" and p["source"] == base["name"] and p["bits"] == a["nominal_bits"]:
+                r = paired(a, p, metric)
+                if r:
+                    out.append({"source": base["name"], "bits": p["bits"], **r})
+    return out
 
 
 def ptq_pairs(arms: list[dict], metric: str) -> list[dict]:
@@ -116,6 +152,14 @@ def _pm(s: Optional[dict], digits: int = 3) -> str:
     return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
 
 
+def _paired_cell(p: Optional[dict]) -> str:
+    if not p:
+        return "-"
+    if p["se"] is None:
+        return f"{p['diff']:+.3f} (1 seed)"
+    return f"{p['diff']:+.3f} ± {p['se']:.3f}{' *' if p['beyond_2se'] else ''}"
+
+
 def markdown(res: dict, failed: list[dict] = ()) -> str:
     metric = res["metric"]
     lines = [f"# Study `{res['study']}`", "",
@@ -124,11 +168,14 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
              "value alone). Weight MiB: the "
              "evaluated model's variables (packed codes + scales for quantized linears); train MiB: the recipe's "
              "training-time parameters + AdamW state. Δ: difference of means to the baseline arm, ± its SE "
-             "sqrt(s²/n + s²/n); * = |Δ| > 2 SE (beyond the seed spread).", "",
+             "sqrt(s²/n + s²/n); * = |Δ| > 2 SE (beyond the seed spread). Δ paired by seed: the mean of the per-seed "
+             "differences ± std/sqrt(n) (the arms of a seed are scored on the same problems with the same "
+             "sampling key).", "",
              f"Written {res['written']}.", ""]
     other = [k for k in ("greedy_accuracy", "sampled_accuracy", "sampled_reward") if k != metric and any(
         k in a["metrics"] for a in res["arms"])]
-    head = ["arm", "group", "bits", f"{metric}", "n", *other, "Δ vs baseline", "weight MiB", "train params + opt MiB"]
+    head = ["arm", "group", "bits", f"{metric}", "n", *other, "Δ vs baseline", "Δ paired by seed", "weight MiB",
+            "train params + opt MiB"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in res["arms"]:
         m = a["memory"]
@@ -142,7 +189,8 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
         else:
             delta = f"{v['diff']:+.3f} ± {v['se']:.3f}{' *' if v['beyond_2se'] else ''} ({v['baseline']})"
         cells = [a["name"], a["group"], f"{a['nominal_bits']:g}", _pm(a), str(a["n"]),
-                 *[_pm(a["metrics"].get(k)) for k in other], delta, _mib(m.get("weight_bytes")), train]
+                 *[_pm(a["metrics"].get(k)) for k in other], delta, _paired_cell(a.get("vs_baseline_paired")),
+                 _mib(m.get("weight_bytes")), train]
         lines.append("| " + " | ".join(cells) + " |")
     if res.get("ptq_pairs"):
         lines += ["", f"PTQ methods head to head (same source and bits, {metric} differences paired by seed: "
@@ -152,6 +200,13 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
             d = f"{p['diff']:+.3f}" + (f" ± {p['se']:.3f}{' *' if p['beyond_2se'] else ''}" if p["se"] is not None
                                       else " (1 seed)")
             lines.append(f"| {p['source']} | {p['bits']} | {p['a']} | {p['b']} | {d} | {p['n']} |")
+    if res.get("equal_bits_pairs"):
+        lines += ["", f"Quantized training (QAT / QLoRA) vs PTQ of the full-precision policy at the same bits "
+                      f"({metric} differences paired by seed: mean ± SE; * = beyond 2 SE; > 0: training under "
+                      "quantization is better):", "",
+                  "| FP policy | bits | trained quantized (A) | PTQ (B) | A − B | seeds |", "|---|---|---|---|---|---|"]
+        for p in res["equal_bits_pairs"]:
+            lines.append(f"| {p['source']} | {p['bits']} | {p['a']} | {p['b']} | {_paired_cell(p)} | {p['n']} |")
     if failed:
         lines += ["", "Jobs without a result:", ""]
         lines += [f"* {f['arm']} seed {f['seed']}: {f['status']}: {f['error']}" for f in failed]
