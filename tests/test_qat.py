@@ -44,7 +44,7 @@ def float_with_fake_quant(model, scheme, group_size=0, base=None):
     AQT's dot_general with lrmq's own symmetric fake-quant: already two implementations.
     """
     ref = tiny()
-    nnx.update(ref, nnx.state(model))
+    nnx.update(ref, nnx.state(model, nnx.Param))
     base_kernels = {p: lin.kernel.get_value() for p, lin in iter_linears(base if base is not None else ref)}
     for path, lin in iter_linears(ref):
         w = lin.kernel.get_value()
@@ -105,7 +105,7 @@ def test_paper_int8_scale_is_frozen_from_the_base_weights():
     base = tiny()
     apply_qat(m, "paper_int8")
     for path, lin in iter_linears(m):
-        assert is_qat(lin) and lin.dot_general.scale == float(paper_int8_scale(lin.kernel.get_value())), path
+        assert is_qat(lin) and float(lin.dot_general.scale[...]) == float(paper_int8_scale(lin.kernel.get_value())), path
     lin = m.layers[0].attn.q_proj
     w0 = lin.kernel.get_value()
     lin.kernel.set_value(w0 * 3.0)  # training moved the weights: the scale must not follow
@@ -124,7 +124,7 @@ def test_paper_int8_hand_computed():
     backward even where the value clipped."""
     w0 = jnp.asarray([[1.27, -0.5], [0.3, 0.004]], jnp.float32)
     dg = make_dot_general("paper_int8", w0)
-    assert dg.scale == pytest.approx(0.01, rel=1e-6)
+    assert float(dg.scale[...]) == pytest.approx(0.01, rel=1e-6)
     w = jnp.asarray([[2.0, -1.5], [0.304, 0.0049]], jnp.float32)  # 200 -> 127, -150 -> -128, 30.4 -> 30, 0.49 -> 0
     dims = (((1,), (0,)), ((), ()))
     np.testing.assert_allclose(dg(jnp.eye(2), w, dims), [[1.27, -1.28], [0.30, 0.0]], rtol=1e-6, atol=1e-7)

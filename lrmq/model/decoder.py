@@ -193,19 +193,27 @@ class Decoder(nnx.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, axes=("embed", "vocab"),
                                   dtype=dt, param_dtype=pdt, rngs=rngs)
 
-    def hidden(self, tokens, positions, cache: KVCache | None = None, index=None, *, remat: str = "none"):
+    def hidden(self, tokens, positions, cache: KVCache | None = None, index=None, *, remat: str = "none",
+               scan: bool = False):
         """Final-norm hidden states [B, T, D] (and the updated cache).
 
         remat: "none" | "full" | "dots" (REMAT_POLICIES): recompute each layer in the backward pass
-        instead of keeping its activations (training without a cache only)."""
+        instead of keeping its activations (training without a cache only).
+        scan: run runs of identical layers as one `lax.scan` over their stacked states (training without
+        a cache only): the program holds one layer body instead of num_layers copies, so deep models
+        compile in a fraction of the time, for one transient copy of the stacked weights."""
         dt = jnp.dtype(self.cfg.dtype)
         x = constrain_batch(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(dt))
         new_k, new_v, cache_pos = [], [], None
         if cache is not None:
             cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, index))
-        if remat != "none" and cache is not None:
-            raise ValueError("remat applies to training forwards, not to cached decoding")
-        run = _remat_layer(REMAT_POLICIES[remat]) if remat != "none" else None
+        if (remat != "none" or scan) and cache is not None:
+            raise ValueError("remat and scan apply to training forwards, not to cached decoding")
+        policy = REMAT_POLICIES[remat] if remat != "none" else None
+        if scan:
+            x = _scan_layers(list(self.layers), x, positions, policy)
+            return self.final_norm(x), None
+        run = _remat_layer(policy) if policy is not None else None
         for i, layer in enumerate(self.layers):
             if run is not None:
                 x = constrain_batch(run(layer, x, positions))
@@ -252,6 +260,33 @@ def _remat_layer(policy):
         return y
 
     return run
+
+
+def _scan_layers(layers, x, positions, policy):
+    """Apply `layers` in order, each maximal run of layers with equal graphdefs (same structure and
+    static attributes: Olmo-3's sliding/full pattern splits runs) as one `lax.scan` over the run's
+    stacked states; `policy` rematerialises each step like `_remat_layer`."""
+    splits = [nnx.split(layer) for layer in layers]
+    i = 0
+    while i < len(layers):
+        j = i + 1
+        while j < len(layers) and splits[j][0] == splits[i][0]:
+            j += 1
+        graphdef = splits[i][0]
+
+        def body(x, state, graphdef=graphdef):
+            inner = nnx.merge(graphdef, state)
+            y = constrain_batch(inner(x, positions)[0])
+            return y, nnx.state(inner, nnx.RngState)
+
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy)
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(state for _, state in splits[i:j]))
+        x, rng_states = jax.lax.scan(body, x, stacked)
+        for k, layer in enumerate(layers[i:j]):  # RNG counters advanced inside (e.g. dropout streams)
+            nnx.update(layer, jax.tree.map(lambda a, k=k: a[k], rng_states))
+        i = j
+    return x
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ replicated (lrmq.sharding.RULES).
   with no dropout, while the jitted GRPO update trains with dropout, from one graphdef and with no
   flag to flip (the trainer merges the same graph for both).
 * ``"off"``: never; ``"always"``: in every forward (tests).
-The mask's key is `fold_in(fold_in(key(seed), crc32(path)), hash(x))` (see `lrmq.quant.qat.data_hash`):
+The mask's key is `fold_in(fold_in(key(seed), crc32(path without its layer index)), hash(x))` (see `lrmq.quant.qat.data_hash`):
 no RNG state needs threading through the jitted step; it changes with every batch and micro-batch and
 is reproducible on resume. `model.set_attributes`-style toggling works too: `set_lora_dropout(model, m)`.
 Adapter files (peft names): `lrmq.checkpoint.peft`.

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 import zlib
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from lrmq.model.linear import Linear, default_dot_general
 from lrmq.quant.quantizers import fake_quant_per_tensor, per_tensor_scale
@@ -57,22 +59,32 @@ def data_key(seed: int, salt: int, x) -> jax.Array:
 
 
 def path_salt(path: str) -> int:
-    return zlib.crc32(path.encode()) & 0x7FFFFFFF
+    """A per-projection salt for data-derived keys, from the path without its layer index.
+
+    Projections that see the same input (q/k/v, gate/up) need different keys; one projection in two
+    layers sees different inputs already. Leaving the index out keeps every layer's graphdef equal, so
+    `Decoder.hidden(scan=True)` can scan over the layers of a model with adapters or stochastic QAT."""
+    return zlib.crc32(re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.", path).encode()) & 0x7FFFFFFF
 
 
 # ----------------------------------------------------------------------------- paper_int8 (own STE)
-@dataclasses.dataclass(frozen=True)
-class PerTensorSTEDotGeneral:
+class FrozenScale(nnx.Variable):
+    """A quantization scale fixed once (paper_int8's per-tensor weight scale): model state that no
+    optimizer filter (Param / LoRAParam) selects, saved and restored with the run like the rest."""
+
+
+class PerTensorSTEDotGeneral(nnx.Module):
     """dot_general with a frozen per-tensor int8 scale and an identity backward for the weight.
 
-    Frozen and hashable (the scale is a Python float), so it lives in the graphdef.
-    """
+    The scale is state (a `FrozenScale` variable), not a constant in the graphdef, so every layer's
+    graphdef stays equal and the update can scan over the layers (`model.scan_layers`)."""
 
-    scale: float
-    bits: int = 8
+    def __init__(self, scale, bits: int = 8):
+        self.scale = FrozenScale(jnp.asarray(scale, jnp.float32))
+        self.bits = bits
 
     def quantize(self, w):
-        wq = fake_quant_per_tensor(w, self.bits, scale=jnp.float32(self.scale))
+        wq = fake_quant_per_tensor(w, self.bits, scale=self.scale[...])
         return w + jax.lax.stop_gradient(wq - w)  # forward W_q, backward identity (STE)
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
@@ -175,10 +187,7 @@ def make_dot_general(scheme: str, w=None, *, group_size: int = 0, stochastic_rou
                              "RTN, as the paper); use int8/int4/w8a8")
         if group_size:
             raise ValueError("qat_scheme='paper_int8' is per-tensor; qat_group_size must be 0")
-        scale = per_tensor_scale(w, 8)
-        if isinstance(scale, jax.core.Tracer):  # abstract weights (lrmq.aot compiles without them): the frozen
-            return PerTensorSTEDotGeneral(scale=1.0)  # scale is a constant; its value changes no shape or byte
-        return PerTensorSTEDotGeneral(scale=float(jax.device_get(scale)))
+        return PerTensorSTEDotGeneral(jax.lax.stop_gradient(per_tensor_scale(w, 8)))
     if scheme not in SCHEMES:
         raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
     bits = 4 if scheme == "int4" else 8
@@ -201,8 +210,9 @@ def apply_qat(model, scheme: str = "paper_int8", *, pattern: str = DEFAULT_TARGE
             raise ValueError(f"apply_qat: {path} holds a packed weight; QAT needs float master weights")
         if group_size and w.shape[0] % group_size:
             raise ValueError(f"apply_qat: qat_group_size={group_size} does not divide {path}'s K={w.shape[0]}")
-        lin.dot_general = make_dot_general(scheme, w, group_size=group_size, stochastic_rounding=stochastic_rounding,
-                                           seed=seed, salt=path_salt(path))
+        dg = make_dot_general(scheme, w, group_size=group_size, stochastic_rounding=stochastic_rounding, seed=seed,
+                              salt=path_salt(path))
+        lin.dot_general = nnx.data(dg) if isinstance(dg, nnx.Module) else dg  # a module holds state (its scale)
         touched.append(path)
     return touched
 

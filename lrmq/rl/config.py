@@ -29,6 +29,9 @@ class ModelSection:
     remat: Literal["none", "full", "dots"] = opt("none", "rematerialisation of each decoder layer in the train "
                                                          "step: none, full (recompute the layer in the backward "
                                                          "pass), dots (keep matmul outputs, recompute the rest)")
+    scan_layers: bool = opt(False, "train step: run the decoder layers as one lax.scan over their stacked "
+                                   "weights (one layer body in the program: deep models compile many times "
+                                   "faster, for a transient copy of the layer weights); rollouts stay unrolled")
     logits_chunk: int = opt(256, "completion positions per chunk when projecting onto the vocabulary for "
                                  "log-probs (0 = all at once); bounds the live f32 [micro-batch, chunk, vocab] logits", ge=0)
 

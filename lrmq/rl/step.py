@@ -51,14 +51,14 @@ def init_opt_state(tx, params, mesh):
 
 
 def completion_logprobs(model, tokens, mask, completion, temperature: float, *, remat: str = "none",
-                        chunk: int = 0):
+                        chunk: int = 0, scan: bool = False):
     """Log-probs [S, N] of the completion tokens (and their entropies) under the policy at `temperature`.
 
     Only the N completion positions are projected onto the vocabulary, `chunk` positions at a time
     (0: all at once) with each chunk recomputed in the backward pass, so the f32 logits live at any
     moment are [S, chunk, V], never [S, P+N, V] (1.5k positions x 152k vocab per sequence)."""
     positions = positions_from_mask(mask)
-    h, _ = model.hidden(tokens, positions, remat=remat)  # padding keeps position -1: never attended to
+    h, _ = model.hidden(tokens, positions, remat=remat, scan=scan)  # padding keeps position -1: never attended to
     n = completion.shape[1]
     h = h[:, -n - 1:-1]  # position t predicts token t+1
 
@@ -93,7 +93,8 @@ def _loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg: TrainCon
     model = nnx.merge(graphdef, trainable, rest)
     a = cfg.algo
     logp, ent = completion_logprobs(model, mb["tokens"], mb["mask"], mb["completion"], cfg.rollout.temperature,
-                                    remat=cfg.model.remat, chunk=cfg.model.logits_chunk)
+                                    remat=cfg.model.remat, chunk=cfg.model.logits_chunk,
+                                    scan=cfg.model.scan_layers)
     loss_sum, _, metrics = grpo_loss(logp, mb["old_logp"] if use_old else None, mb["advantages"],
                                      mb["completion_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
                                      aggregation=a.loss_aggregation, beta=a.beta, ref_logp=ref_logp,
@@ -175,6 +176,6 @@ def make_ref_logprobs(graphdef, cfg: TrainConfig):
     def fn(ref_trainable, rest, tokens, mask, completion):
         model = nnx.merge(graphdef, ref_trainable, rest)
         return completion_logprobs(model, tokens, mask, completion, cfg.rollout.temperature,
-                                   chunk=cfg.model.logits_chunk)[0]
+                                   chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)[0]
 
     return jax.jit(fn)
