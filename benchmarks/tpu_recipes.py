@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+import yaml
+
 from common import REPO, machine_info, md_table, write_json
 
 # Train modes as config overrides: the paper's three (bf16 full fine-tuning, QAT with its int8 STE, QLoRA
@@ -37,19 +39,25 @@ def recipes(only: list[str]) -> list[str]:
     return [n for n in names if not only or n in only]
 
 
+def layers_of(name: str) -> str:
+    """"scan" when the recipe's update scans over the layers (model.scan_layers), else "loop"."""
+    with open(os.path.join(REPO, "configs", "paper1", name + ".yaml")) as f:
+        return "scan" if (yaml.safe_load(f).get("model") or {}).get("scan_layers") else "loop"
+
+
 def run_one(name: str, mode: str, timeout: float) -> dict:
     cfg = os.path.join(REPO, "configs", "paper1", name + ".yaml")
     with tempfile.TemporaryDirectory() as tmp:
         rep = os.path.join(tmp, "r.json")
         cmd = [sys.executable, "-m", "lrmq.train", "--config", cfg, "--compile-only", "--report", rep, *MODES[mode]]
-        t0 = time.perf_counter()
+        t0, load = time.perf_counter(), os.getloadavg()[0]
         r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                            text=True, timeout=timeout)
         wall = time.perf_counter() - t0
         if not os.path.exists(rep):
-            return {"recipe": name, "mode": mode, "error": r.stderr.strip().splitlines()[-1:], "rc": r.returncode}
+            return {"recipe": name, "mode": mode, "layers": layers_of(name), "error": r.stderr.strip().splitlines()[-1:], "rc": r.returncode}
         out = json.load(open(rep))
-    out.update(recipe=name, mode=mode, rc=r.returncode, wall_s=wall,
+    out.update(recipe=name, mode=mode, rc=r.returncode, wall_s=wall, layers=layers_of(name), load_avg=load,
                command="python -m lrmq.train --config " + os.path.relpath(cfg, REPO) + " --compile-only "
                + " ".join(MODES[mode]))
     return out
@@ -60,15 +68,15 @@ def table(results: list[dict]) -> str:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["recipe"], r["mode"], "-", "-", "-", "-", "-", "error: " + " ".join(r["error"])[:80]])
+            rows.append([r["recipe"], r["mode"], r.get("layers", "-"), "-", "-", "-", "-", "-", "error: " + " ".join(r["error"])[:80]])
             continue
         step, roll = r["programs"][0], r["programs"][1]
-        rows.append([r["recipe"], r["mode"], r["target"], gib(r["hbm_bytes"]),
+        rows.append([r["recipe"], r["mode"], r.get("layers", "loop"), r["target"], gib(r["hbm_bytes"]),
                      f"{gib(step['memory']['total'])} ({gib(step['memory']['temporaries'])})",
                      f"{gib(roll['memory']['total'])}",
                      f"{step['seconds']:.0f} / {roll['seconds']:.0f}",
                      "yes" if r["fits"] else f"no (micro-batch {r['largest_fitting_micro_batch']} fits)"])
-    return md_table(["recipe", "mode", "topology", "HBM GiB", "step GiB (temporaries)", "rollout GiB",
+    return md_table(["recipe", "mode", "layers", "topology", "HBM GiB", "step GiB (temporaries)", "rollout GiB",
                      "compile s (step / rollout)", "fits with 10% headroom"], rows)
 
 
@@ -84,13 +92,15 @@ def main() -> int:
     if a.table:
         print(table(payload["results"]))
         return 0
-    done = {(r["recipe"], r["mode"]) for r in payload["results"] if "error" not in r}
+    done = {(r["recipe"], r["mode"], r.get("layers", "loop")) for r in payload["results"] if "error" not in r}
     for name in recipes(a.only):
         for mode in a.modes:
-            if (name, mode) in done:
+            if (name, mode, layers_of(name)) in done:
                 continue
             res = run_one(name, mode, a.timeout)
-            payload["results"] = [r for r in payload["results"] if (r["recipe"], r["mode"]) != (name, mode)]
+            payload["results"] = [r for r in payload["results"]
+                                  if (r["recipe"], r["mode"], r.get("layers", "loop")) != (name, mode, res["layers"])
+                                  and not (r["recipe"] == name and r["mode"] == mode and "error" in r)]
             payload["results"].append(res)
             payload["date"] = time.strftime("%Y-%m-%d")
             write_json(a.out, payload)

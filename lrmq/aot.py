@@ -254,7 +254,7 @@ class FitReport:
 
     def table(self) -> str:
         gib = lambda b: f"{b / GIB:.2f}"
-        head = "| program | arguments | temporaries | outputs | aliased | total (GiB) | of HBM | TFLOP | compile s |"
+        head = "| program | arguments | temporaries | outputs | aliased | total (GiB) | of HBM | XLA TFLOP* | compile s |"
         lines = [head, "|" + "---|" * 9]
         for r in self.rows:
             m = r["memory"]
@@ -262,6 +262,8 @@ class FitReport:
             lines.append(f"| {r['name']} | {gib(m['arguments'])} | {gib(m['temporaries'])} | {gib(m['outputs'])} | "
                          f"{gib(m['aliased'])} | {gib(m['total'])} | {share} | {r['flops'] / 1e12:.2f} | "
                          f"{r['seconds']:.1f} |")
+        lines.append("* XLA's cost analysis counts each loop body once (one micro-batch, one scanned layer, one "
+                     "decode step), so it is a per-iteration figure, not the program's total")
         return "\n".join(lines)
 
 
