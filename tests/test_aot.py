@@ -61,7 +61,7 @@ def test_paper_recipe_0_6b_fits_v5e_8(tmp_path):
     rep = json.loads(report.read_text())
     assert rep["target"] == "v5e:2x4" and rep["fits"]
     step = rep["programs"][0]["memory"]
-    assert step["total"] < 0.9 * 16 * 2 ** 30
+    assert step["total"] < 4 * 2 ** 30  # the recipe scans its layers: 2.7 GiB; the layer loop needed 5.3 (docs/tpu.md)
 
 
 def test_does_not_fit_names_the_largest_micro_batch(tmp_path, monkeypatch):
