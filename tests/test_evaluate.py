@@ -372,3 +372,9 @@ def test_agreement_with_independent_paper_grader():
     theirs = [_paper_grader(c, g) for c, g in SAVED]
     diff = [(c, g, s.reward, t) for (c, g), s, t in zip(SAVED, ours, theirs) if abs(s.reward - t) > 1e-6]
     assert not diff, diff
+
+
+def test_a_bad_local_jsonl_row_names_file_and_line(tmp_path):
+    (tmp_path / "amc.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n{"problem": oops\n')
+    with pytest.raises(bm.EvalDataError, match=r"amc\.jsonl:2: invalid JSON"):
+        bm.load_rows(bm.BENCHMARKS["amc"], str(tmp_path))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from lrmq.data.prompts import arith_template, qwen_math_template
+from lrmq.data.synthetic import read_jsonl
 from lrmq.registry import Registry
 
 DATA_DIR_ENV = "LRMQ_EVAL_DATA"
@@ -208,15 +209,10 @@ def local_candidates(data_dir: str, name: str) -> list[str]:
 
 def _read_local(path: str) -> list[dict]:
     if path.endswith(".jsonl"):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise EvalDataError(f"{path} line {i + 1}: not JSON ({e})") from None
-        return rows
+        try:
+            return read_jsonl(path)
+        except ValueError as e:  # names the file and line
+            raise EvalDataError(str(e)) from None
     if path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
