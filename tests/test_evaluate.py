@@ -368,7 +368,8 @@ def _paper_grader(completion: str, gold: str) -> float:
 
 
 def test_agreement_with_independent_paper_grader():
-    ours = score("paper_reward", [c for c, _ in SAVED], [g for _, g in SAVED], extractor="last_boxed")
+    # a generous per-item bound: this compares grading, and a loaded machine can take >1 s on a sympy expand
+    ours = score("paper_reward", [c for c, _ in SAVED], [g for _, g in SAVED], extractor="last_boxed", timeout_s=30.0)
     theirs = [_paper_grader(c, g) for c, g in SAVED]
     diff = [(c, g, s.reward, t) for (c, g), s, t in zip(SAVED, ours, theirs) if abs(s.reward - t) > 1e-6]
     assert not diff, diff
