@@ -18,7 +18,7 @@ from lrmq.quant.training import pack_base, trainable_filter
 from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
 from lrmq.rl.step import completion_logprobs
 
-CFG = dict(model_type="qwen3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+CFG = dict(model_type="qwen3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
            tie_word_embeddings=True)
 
@@ -60,14 +60,13 @@ def _assert_same(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(y).max())), err_msg=str(path))
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+@pytest.mark.parametrize("remat", ["none", "dots"])
 def test_scan_matches_the_unrolled_loop(remat):
     model = _model()
     _assert_same(_grads(model, nnx.Param, scan=True, remat=remat), _grads(model, nnx.Param, scan=False, remat=remat))
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_lora_dropout_rule_holds_under_scan(remat):
+def test_lora_dropout_rule_holds_under_scan(remat="full"):
     """LoRA's dropout exists only in differentiated forwards (a custom_vjp whose primal has none). Under a
     layer scan the update must still be exactly dropout-in-the-forward differentiated by autodiff.
     (Scan and loop cannot be compared with dropout on: masks are keyed on each layer input's bits, which
@@ -84,18 +83,16 @@ def test_lora_dropout_rule_holds_under_scan(remat):
     assert not np.allclose(np.asarray(implicit[1]), np.asarray(_grads(no_dropout, qlora, scan=True)[1]))
     # q/k/v read the same input, so their salts must differ; one projection shares its salt across layers
     assert len({path_salt(f"layers.0.attn.{n}_proj") for n in "qkv"}) == 3
-    assert path_salt("layers.0.attn.q_proj") == path_salt("layers.2.attn.q_proj")
+    assert path_salt("layers.0.attn.q_proj") == path_salt("layers.1.attn.q_proj")
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_scan_with_aqt_qat_matches(scheme):
+def test_scan_with_aqt_qat_matches(scheme="int4"):
     model = _model()
     apply_qat(model, scheme)
     _assert_same(_grads(model, nnx.Param, scan=True), _grads(model, nnx.Param, scan=False))
 
 
-@pytest.mark.parametrize("base", ["nf4", "int4"])
-def test_scan_with_a_packed_base_matches(base):
+def test_scan_with_a_packed_base_matches(base="nf4"):
     model = _model()
     pack_base(model, DEFAULT_TARGETS, base, 16)
     apply_lora(model, rank=4, alpha=8.0, seed=1)
@@ -113,8 +110,8 @@ def test_paper_int8_layers_scan_as_one_run():
 
 def test_unequal_layers_are_split_into_runs():
     """Olmo-3's sliding/full attention pattern: layers with different windows form separate runs."""
-    types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-    model = _model(model_type="olmo3", num_hidden_layers=4, sliding_window=4, layer_types=types)
+    types = ["sliding_attention", "sliding_attention", "full_attention"]
+    model = _model(model_type="olmo3", num_hidden_layers=3, sliding_window=4, layer_types=types)
     assert len({nnx.split(layer)[0] for layer in model.layers}) == 2
     _assert_same(_grads(model, nnx.Param, scan=True, remat="full"), _grads(model, nnx.Param, scan=False, remat="full"))
 
