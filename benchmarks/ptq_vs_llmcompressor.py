@@ -337,7 +337,7 @@ def finish(args, runs, arms, methods, work, threads, env, info, la0, rec):
                      "rounds_planned": getattr(args, "rounds_of", args.rounds),
                      "rounds_done": {m: len({r["round"] for r in runs if r["method"] == m}) for m in methods}, "calibration_blocks": [args.n_blocks, args.block], "threads": threads,
                      "lrmq_command": "python -m lrmq.quantize --config /dev/null " + " ".join(
-                         lrmq_overrides("METHOD", 0, args.group, args.n_blocks, args.block, "WORK")),
+                         lrmq_overrides("awq|gptq", args.bits_list[0], args.group, args.n_blocks, args.block, "WORK")),
                      "llmcompressor_recipe": {"awq": "AWQModifier() + QuantizationModifier(scheme=W4A16_ASYM, "
                                                      "targets=[Linear], ignore=[lm_head])",
                                               "gptq": "GPTQModifier(scheme=W4A16_ASYM, targets=[Linear], "
