@@ -166,3 +166,27 @@ def test_qat_bad_input():
         apply_qat(m, "int8", pattern=r"nothing")
     with pytest.raises(ValueError, match="stochastic"):
         apply_qat(m, "paper_int8", stochastic_rounding=True)
+
+
+@pytest.mark.parametrize("scheme", ["paper_int8", "int4"])
+def test_a_qat_model_exports_its_float_weights(tmp_path, scheme):
+    """The trainer's HF export of a QAT run: plain dot_generals back, no QAT state left in the model (paper_int8's
+    frozen scales are state), and the written tensors are the float master weights."""
+    from lrmq.checkpoint.hf import save_hf_model
+    from lrmq.checkpoint.load import load_model
+    from lrmq.quant.qat import remove_qat
+    from lrmq.quant.training import export_float_model
+
+    m = tiny()
+    apply_qat(m, scheme)
+    want = {p: np.asarray(lin.kernel.get_value()) for p, lin in iter_linears(m)}
+    export_float_model(m)
+    assert not any(is_qat(lin) for _, lin in iter_linears(m))
+    assert {type(v) for _, v in nnx.to_flat_state(nnx.state(m, nnx.Not(nnx.RngState)))} == {nnx.Param}
+    save_hf_model(m, str(tmp_path / "hf"))
+    back = load_model(str(tmp_path / "hf"), dtype="float32")
+    for p, lin in iter_linears(back):
+        np.testing.assert_array_equal(np.asarray(lin.kernel.get_value()), want[p], err_msg=p)
+    apply_qat(m, scheme)  # and removing QAT leaves no state behind either
+    remove_qat(m)
+    assert {type(v) for _, v in nnx.to_flat_state(nnx.state(m, nnx.Not(nnx.RngState)))} == {nnx.Param}

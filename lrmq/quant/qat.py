@@ -212,15 +212,21 @@ def apply_qat(model, scheme: str = "paper_int8", *, pattern: str = DEFAULT_TARGE
             raise ValueError(f"apply_qat: qat_group_size={group_size} does not divide {path}'s K={w.shape[0]}")
         dg = make_dot_general(scheme, w, group_size=group_size, stochastic_rounding=stochastic_rounding, seed=seed,
                               salt=path_salt(path))
-        lin.dot_general = nnx.data(dg) if isinstance(dg, nnx.Module) else dg  # a module holds state (its scale)
+        set_dot_general(lin, dg)
         touched.append(path)
     return touched
+
+
+def set_dot_general(lin: Linear, dg) -> None:
+    """Set a Linear's dot_general: a module (paper_int8's, which holds its frozen scale) as data, anything
+    else (functions, frozen dataclasses) as static, so a module's state leaves the model with it."""
+    lin.dot_general = nnx.data(dg) if isinstance(dg, nnx.Module) else nnx.static(dg)
 
 
 def remove_qat(model) -> None:
     """Restore the plain dot_general on every Linear."""
     for _, lin in iter_linears(model, None):
-        lin.dot_general = default_dot_general
+        set_dot_general(lin, default_dot_general)
 
 
 def is_qat(lin: Linear) -> bool:

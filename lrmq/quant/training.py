@@ -25,7 +25,7 @@ from flax import nnx
 from lrmq.model.linear import Linear, default_dot_general
 from lrmq.quant.formats import PACKINGS, quantize_weight
 from lrmq.quant.lora import apply_lora, merge_lora
-from lrmq.quant.qat import apply_qat
+from lrmq.quant.qat import apply_qat, set_dot_general
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.quant.transforms import (
     DEFAULT_TARGETS,
@@ -119,7 +119,7 @@ def export_float_model(model):
     for _, lin in iter_linears(model, None):
         if is_packed(lin):
             restore_float_kernel(model, lin, lin.float_weight())
-        lin.dot_general = default_dot_general
+        set_dot_general(lin, default_dot_general)
     return model
 
 
