@@ -33,7 +33,7 @@ class ArmSpec:
     train: list[str] = opt(help="train: dotted overrides on top of the study's train config", factory=list)
     source: str = opt("", "ptq: the arm whose model (same seed) is quantized")
     method: str = opt("", "ptq: the PTQ method", names=PTQ_METHODS, empty_ok=True)
-    bits: int = opt(4, "ptq: weight bits (3, 4 or 8)", ge=2, le=8)
+    bits: int = opt(4, "ptq: weight bits, 2-8 (docs/ptq.md lists the widths each method and format takes)", ge=2, le=8)
     group_size: int = opt(128, "ptq: input rows per group (-1 = per output channel; nf4: the block size)",
                           ge=1, also=(-1,))
     quantize: list[str] = opt(help="ptq: further dotted overrides of the QuantizeConfig (e.g. "
