@@ -51,8 +51,12 @@ def run_one(name: str, mode: str, timeout: float) -> dict:
         rep = os.path.join(tmp, "r.json")
         cmd = [sys.executable, "-m", "lrmq.train", "--config", cfg, "--compile-only", "--report", rep, *MODES[mode]]
         t0, load = time.perf_counter(), os.getloadavg()[0]
-        r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-                           text=True, timeout=timeout)
+        try:
+            r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                               text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"recipe": name, "mode": mode, "layers": layers_of(name), "rc": None, "load_avg": load,
+                    "error": [f"compile did not finish in {timeout:.0f} s (load average {load:.1f} at start)"]}
         wall = time.perf_counter() - t0
         if not os.path.exists(rep):
             return {"recipe": name, "mode": mode, "layers": layers_of(name), "error": r.stderr.strip().splitlines()[-1:], "rc": r.returncode}
