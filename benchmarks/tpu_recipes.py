@@ -70,7 +70,7 @@ def run_one(name: str, mode: str, timeout: float) -> dict:
 def table(results: list[dict]) -> str:
     gib = lambda b: f"{b / 2 ** 30:.1f}"
     rows = []
-    for r in results:
+    for r in sorted(results, key=lambda r: (r["recipe"], ["bf16", "qat", "qlora"].index(r["mode"]), r.get("layers", "loop"))):
         if "error" in r:
             rows.append([r["recipe"], r["mode"], r.get("layers", "-"), "-", "-", "-", "-", "-", "error: " + " ".join(r["error"])[:80]])
             continue
