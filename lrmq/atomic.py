@@ -133,7 +133,8 @@ def clean_stale_temporaries(parent: str) -> list[str]:
     return removed
 
 
-def _is_disk_full(e: BaseException) -> bool:
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e`, or an exception it was raised from, is a full disk (ENOSPC, also wrapped by a library)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -154,11 +155,6 @@ def _tree_bytes(path: str) -> int:
             with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(root, f))
     return total
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """Whether `e`, or an exception it was raised from, is a full disk (ENOSPC, also wrapped by a library)."""
-    return _is_disk_full(e)
 
 
 def disk_full_error(path: str, *, needed: int | None = None, written: int | None = None) -> DiskFullError:
@@ -214,9 +210,9 @@ def _local_atomic_dir(path: str, overwrite: bool):
         yield tmp
         apply_umask(tmp)
     except BaseException as e:
-        written = _tree_bytes(tmp) if _is_disk_full(e) else 0
+        written = _tree_bytes(tmp) if is_disk_full(e) else 0
         shutil.rmtree(tmp, ignore_errors=True)
-        if _is_disk_full(e):
+        if is_disk_full(e):
             raise disk_full_error(path, written=written) from e
         raise
     if os.path.exists(path):
@@ -249,6 +245,6 @@ def atomic_write_text(path, text: str) -> None:
     except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if _is_disk_full(e):
+        if is_disk_full(e):
             raise disk_full_error(os.path.abspath(path), needed=len(text.encode("utf-8"))) from e
         raise

@@ -19,7 +19,7 @@ import sys
 from typing import Callable, Mapping, Sequence
 
 from lrmq import paths
-from lrmq.atomic import DiskFullError
+from lrmq.atomic import DiskFullError, is_disk_full
 
 
 class UsageError(ValueError):
@@ -65,10 +65,6 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"lrmq.{self.lrmq_name}: error: {message}\n")
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    return isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno == errno.ENOSPC)
-
-
 def run_main(name: str, body: Callable[[], int], errors: tuple = USER_ERRORS) -> int:
     """Run a command's body; a bad input (`errors`) or a full disk becomes one error line and exit 2."""
     try:
@@ -77,7 +73,7 @@ def run_main(name: str, body: Callable[[], int], errors: tuple = USER_ERRORS) ->
         print_error(name, e)
         return 2
     except OSError as e:
-        if _is_disk_full(e):
+        if isinstance(e, DiskFullError) or is_disk_full(e):
             print_error(name, e)
             return 2
         raise
