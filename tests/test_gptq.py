@@ -150,3 +150,28 @@ def test_errors():
         gptq_quantize(np.zeros((10, 4)), np.eye(10), bits=4, group_size=4)
     with pytest.raises(ValueError, match="H has shape"):
         gptq_quantize(np.zeros((8, 4)), np.eye(7), bits=4, group_size=4)
+
+
+def test_inverse_cholesky_upper_matches_reference_chain():
+    """``U`` with ``U^T U = H^-1`` from one reversed Cholesky + triangular inverse equals the reference's
+    ``chol_upper(cholesky_inverse(chol(H)))`` (float64 round-off only), including a rank-deficient
+    (fewer tokens than inputs) damped Hessian as GPTQ's down_proj sees."""
+    from lrmq.ptq.gptq import _inverse_cholesky_upper
+
+    for K, T in ((48, 400), (96, 40)):
+        x, _ = _layer(6, K=K, N=4, T=T)
+        H, _ = hessian_accumulate(None, 0, x)
+        H = H.astype(np.float64)
+        H[np.diag_indices(K)] += 0.01 * np.mean(np.diag(H))
+        L = np.linalg.cholesky(H)
+        Linv = np.linalg.inv(L)
+        ref = np.linalg.cholesky(Linv.T @ Linv).T
+        U = _inverse_cholesky_upper(H)
+        assert U.dtype == np.float64 and U.shape == (K, K)
+        assert np.all(np.tril(U, -1) == 0) and np.all(np.diag(U) > 0)
+        np.testing.assert_allclose(U, ref, rtol=0, atol=1e-9 * np.abs(ref).max())
+        np.testing.assert_allclose(U.T @ U @ H, np.eye(K), atol=1e-8)
+    with pytest.raises(ValueError, match="not positive definite"):
+        _inverse_cholesky_upper(-np.eye(4))
+    with pytest.raises(ValueError, match="not positive definite"):
+        gptq_quantize(np.ones((8, 4), np.float32), -np.eye(8), bits=4, group_size=4, percdamp=0.0)

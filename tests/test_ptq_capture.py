@@ -103,3 +103,24 @@ def test_layer_forward_ignores_the_model_compute_dtype(hf_checkpoint):
     ref = layer_forward(p, layer_spec(model.cfg, 0), x, pos)
     assert out.dtype == jnp.float32 and all(c.dtype == jnp.float32 for c in caps.values())
     np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "olmo3"])
+def test_inputs_only_equal_full_captures(hf_checkpoint, variant):
+    """``LayerContext.inputs_only`` (a program returning just some captures, the rest of the layer
+    dead code for XLA: GPTQ's true-sequential stages) gives the full capture forward's inputs bit for bit."""
+    from lrmq.checkpoint.hf import load_hf_model
+
+    model = load_hf_model(hf_checkpoint(variant)[0])
+    tokens = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (3, 24))
+
+    def check(ctx):
+        full = ctx.inputs()
+        for names in (("attn_in",), ("o_in",), ("mlp_in",), ("down_in",), ("attn_in", "mlp_in"), tuple(full)):
+            got = ctx.inputs_only(names)
+            assert sorted(got) == sorted(names)
+            for key in names:
+                np.testing.assert_array_equal(got[key], np.asarray(full[key]), err_msg=f"{variant} {ctx.index} {key}")
+        return ctx.params
+
+    lw.run_layerwise(model, tokens, check, batch_size=2, progress=False)  # chunks of 2 + 1

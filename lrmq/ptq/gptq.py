@@ -7,8 +7,9 @@ columns" becomes "quantize row i and push its error onto the later rows".  ``H``
 Numerics (why numpy): the column loop is inherently sequential and small (one ``[N]`` row and a
 ``[block, N]`` rank-1 update per step), so plain numpy float32 is as fast as a jitted
 ``fori_loop`` on CPU and is easy to check line by line against the reference; the per-step arithmetic
-is float32 as the reference's.  The Cholesky chain ``Hinv = chol_upper(inv(H + damp I))`` is done in
-float64 (more robust for near-singular H) and cast to float32.
+is float32 as the reference's.  ``Hinv = chol_upper(inv(H + damp I))`` is done in float64 (more robust
+for near-singular H) as one reversed-order Cholesky and one triangular inverse (no explicit inverse, see
+:func:`_inverse_cholesky_upper`) and cast to float32.
 
 Reference behaviours kept on purpose:
 * dead inputs (``diag(H) == 0``): ``H_ii = 1`` and the weight row is zeroed;
@@ -33,6 +34,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from scipy.linalg import lapack
 
 
 class GPTQResult(NamedTuple):
@@ -90,14 +92,20 @@ def fake_quant(w, scale, zero, bits: int) -> np.ndarray:
 
 
 def _inverse_cholesky_upper(H: np.ndarray) -> np.ndarray:
-    try:
-        L = np.linalg.cholesky(H)
-        Linv = np.linalg.inv(L)
-        U = np.linalg.cholesky(Linv.T @ Linv).T
-    except np.linalg.LinAlgError as e:
+    """Upper Cholesky factor ``U`` of ``H^-1`` (``U^T U = H^-1``), the reference's
+    ``chol_upper(cholesky_inverse(chol(H)))``, without forming ``H^-1``.
+
+    With ``J`` the order reversal, ``J H J = L L^T`` (lower ``L``) gives ``H = V V^T`` with ``V = J L J``
+    upper, so ``H^-1 = V^-T V^-1`` and, the Cholesky factor being unique, ``U = V^-1 = J L^-1 J``:
+    one Cholesky and one triangular inverse (``2/3 K^3`` flops instead of ``~5 K^3``), float64.
+    """
+    L, info = lapack.dpotrf(np.ascontiguousarray(H[::-1, ::-1], np.float64), lower=1, clean=1)
+    if info == 0:
+        Linv, info = lapack.dtrtri(L, lower=1)
+    if info != 0:
         raise ValueError("GPTQ: the damped Hessian is not positive definite; raise percdamp or "
-                         "use more calibration tokens") from e
-    return U
+                         "use more calibration tokens")
+    return Linv[::-1, ::-1]
 
 
 def gptq_quantize(
@@ -152,6 +160,8 @@ def gptq_quantize(
     Hinv = _inverse_cholesky_upper(H).astype(np.float32)
 
     Q = np.zeros_like(W)
+    maxq = np.float32(2**bits - 1)
+    buf = np.empty((block_size, N), np.float32)
     g_of_pos = np.zeros(K, np.int64)  # group of permuted position j
     cur = (scales[0], zeros[0])
     for i1 in range(0, K, block_size):
@@ -175,12 +185,22 @@ def gptq_quantize(
             else:
                 g = 0
             g_of_pos[j] = g
-            row = W1[i]
-            q = fake_quant(row, cur[0], cur[1], bits)
-            Q[j] = q
-            err = (row - q) / Hinv1[i, i]
-            W1[i:] -= np.outer(Hinv1[i, i:], err)
-            Err1[i] = err
+            # fake_quant(row) and the error, in place (the same float32 operations in the same order)
+            row, q, err = W1[i], Q[j], Err1[i]
+            scale, zero = cur
+            np.divide(row, scale, out=q)
+            np.round(q, out=q)
+            q += zero
+            np.clip(q, 0, maxq, out=q)
+            q -= zero
+            q *= scale
+            np.subtract(row, q, out=err)
+            err /= Hinv1[i, i]
+            # W1[i:] -= outer(Hinv1[i, i:], err); row i itself is not read again
+            rest = W1[i + 1 :]
+            upd = buf[: len(rest)]
+            np.multiply(Hinv1[i, i + 1 :, None], err, out=upd)
+            rest -= upd
         W[i2:] -= Hinv[i1:i2, i2:].T @ Err1
 
     g_idx = np.empty(K, np.int32)

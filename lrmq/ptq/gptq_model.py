@@ -6,7 +6,9 @@ Hessians see the already-quantized earlier stages::
 
     [k_proj, v_proj, q_proj] -> [o_proj] -> [up_proj, gate_proj] -> [down_proj]
 
-without it, all seven Hessians come from one forward of the FP layer. For each Linear
+without it, all seven Hessians come from one forward of the FP layer. Each stage's forward computes
+only what its inputs need (XLA drops the rest: the ``o_proj`` stage runs the attention, not the MLP),
+and Linears that read one input share its Hessian. For each Linear
 ``H = 2/n_seq * sum_tokens x x^T`` (the reference's running average ends at exactly this; its scale
 does not change the result) and :func:`lrmq.ptq.gptq.gptq_quantize` quantizes the ``[K, N]`` weight
 (blocksize 128, percdamp 0.01, group 128, optional act-order / static groups).
@@ -81,9 +83,12 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> di
     stages = TRUE_SEQUENTIAL if opts.true_sequential else (tuple(n for s in TRUE_SEQUENTIAL for n in s),)
     info = {}
     for stage in stages:
-        caps = ctx.inputs(p if stage is not stages[0] else None)
-        hs = {name: hessian(caps[INPUT_OF[name]]) for name in stage}
-        del caps
+        # only the inputs this stage reads (the layer past them is not computed); one Hessian per input
+        # (q/k/v share attn_in, gate/up share mlp_in)
+        caps = ctx.inputs_only({INPUT_OF[name] for name in stage}, p)
+        h_of = {inp: hessian(x) for inp, x in caps.items()}
+        hs = {name: h_of[INPUT_OF[name]] for name in stage}
+        del caps, h_of
         for name in stage:
             res = gptq_quantize(np.asarray(p[name]), hs[name], bits=opts.bits,
                                 group_size=None if opts.group_size == -1 else opts.group_size,

@@ -185,4 +185,13 @@ def part_forward(p, spec: LayerSpec, part: str, x, positions):
     return linears_of(layer)[part](x)
 
 
+def layer_inputs(p, spec: LayerSpec, x, positions, names: tuple):
+    """Only the captured inputs ``names`` (e.g. ``("o_in",)``), not the layer output: what the layer
+    computes after them is dead code that XLA drops (GPTQ's true-sequential stages re-run the layer
+    for one input each, so ``o_in`` costs the attention only)."""
+    _, seen = layer_forward(p, spec, x, positions, capture=True)
+    return {name: seen[name] for name in names}
+
+
 layer_forward_jit = jax.jit(layer_forward, static_argnames=("spec", "capture"))
+layer_inputs_jit = jax.jit(layer_inputs, static_argnames=("spec", "names"))

@@ -35,8 +35,8 @@ import jax
 import numpy as np
 
 from lrmq.model.config import ModelConfig
-from lrmq.ptq.layer_fn import (MODULE_OF, LayerSpec, get_layer_params, layer_forward_jit, layer_spec,
-                               set_layer_params)
+from lrmq.ptq.layer_fn import (MODULE_OF, LayerSpec, get_layer_params, layer_forward_jit, layer_inputs_jit,
+                               layer_spec, set_layer_params)
 
 
 def chunked(fn: Callable, *arrays, batch_size: int):
@@ -79,6 +79,13 @@ class LayerContext:
                 _, self._captures = self.forward(capture=True)
             return self._captures
         return self.forward(params, capture=True)[1]
+
+    def inputs_only(self, names, params=None) -> dict[str, np.ndarray]:
+        """The captured inputs ``names`` (``attn_in`` ...) only; the layer past them is not computed."""
+        p = self.params if params is None else params
+        names = tuple(sorted(set(names)))
+        return chunked(lambda x, pos: layer_inputs_jit(p, self.spec, x, pos, names=names), self.x, self.positions,
+                       batch_size=self.batch_size)
 
     @property
     def prefix(self) -> str:
