@@ -47,9 +47,10 @@ def test_bucket_sizes():
 
 def test_bucketed_update_equals_full_width(scratch_ckpt, tmp_path):
     cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"))
+    cfg.rollout.update_padding = "max"  # prompts padded to max_prompt_len (the rollout buckets them otherwise)
     trainer = make_trainer(cfg)
     rb = _rollout(trainer)
-    full, narrow = rb.arrays(), bucketed_arrays(rb, cfg.rollout.max_prompt_len)
+    full, narrow = rb.arrays(), bucketed_arrays(rb)
     assert narrow["tokens"].shape[1] < full["tokens"].shape[1]  # prompts of ~20 tokens in a 64 budget
     # the dropped columns are padding only
     assert narrow["mask"].sum() == full["mask"].sum() and narrow["completion_mask"].sum() == full["completion_mask"].sum()
@@ -75,7 +76,7 @@ def test_on_policy_first_update_replaces_the_old_logprob_forward(scratch_ckpt, t
     trainer = make_trainer(cfg)
     assert not hasattr(trainer, "logprob_fn")  # beta = 0: no reference and no old-log-prob program at all
     rb = _rollout(trainer)
-    arrays = {k: jnp.asarray(v) for k, v in bucketed_arrays(rb, cfg.rollout.max_prompt_len).items()}
+    arrays = {k: jnp.asarray(v) for k, v in bucketed_arrays(rb).items()}
 
     from flax import nnx
 

@@ -89,7 +89,7 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(v) for v in inv)  # static python data, not a parameter
         self.rope_scale = scale
 
-    def __call__(self, x, positions, cache_kv=None, cache_pos=None, index=None):
+    def __call__(self, x, positions, cache_kv=None, cache_pos=None, index=None, segments=None):
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -111,16 +111,18 @@ class Attention(nnx.Module):
             out = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, cache_pos, self.window,
                          kv_heads_first=True)
             return self.o_proj(out.reshape(b, t, -1)), (ck, cv)
-        out = attend(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, self.window)
+        out = attend(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, self.window,
+                     segments=segments)
         return self.o_proj(out.reshape(b, t, -1)), new_kv
 
 
-def attend(q, k, v, q_pos, k_pos, window, *, kv_heads_first: bool = False):
+def attend(q, k, v, q_pos, k_pos, window, *, kv_heads_first: bool = False, segments=None):
     """Grouped-query attention with masks from positions (-1 = padding/empty slot).
 
     q [B, T, H, D], k/v [B, S, KVH, D] ([B, KVH, S, D] with kv_heads_first, the KV-cache layout),
     q_pos [B, T], k_pos [B, S]. Causality and sliding windows are decided by positions, so left-padded
-    prompts, caches and training batches share one code path.
+    prompts, caches and training batches share one code path. `segments` [B, T] (self-attention only):
+    several sequences packed in one row, each with its own positions; a token sees its own segment only.
     """
     b, t, h, d = q.shape
     kvh = k.shape[1] if kv_heads_first else k.shape[2]
@@ -130,6 +132,8 @@ def attend(q, k, v, q_pos, k_pos, window, *, kv_heads_first: bool = False):
     scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
     qp, kp = q_pos[:, :, None], k_pos[:, None, :]
     allowed = (kp >= 0) & (kp <= qp)
+    if segments is not None:
+        allowed &= segments[:, :, None] == segments[:, None, :]
     if window is not None:
         allowed &= (qp - kp) < window
     scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
@@ -163,12 +167,12 @@ class DecoderLayer(nnx.Module):
             self.attn_norm = _norm(cfg, cfg.hidden_size)
             self.mlp_norm = _norm(cfg, cfg.hidden_size)
 
-    def __call__(self, x, positions, cache_kv=None, cache_pos=None, index=None):
+    def __call__(self, x, positions, cache_kv=None, cache_pos=None, index=None, segments=None):
         if self.post_norm:
-            a, new_kv = self.attn(x, positions, cache_kv, cache_pos, index)
+            a, new_kv = self.attn(x, positions, cache_kv, cache_pos, index, segments)
             x = x + self.attn_out_norm(a)
             return x + self.mlp_out_norm(self.mlp(x)), new_kv
-        a, new_kv = self.attn(self.attn_norm(x), positions, cache_kv, cache_pos, index)
+        a, new_kv = self.attn(self.attn_norm(x), positions, cache_kv, cache_pos, index, segments)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), new_kv
 
@@ -194,32 +198,33 @@ class Decoder(nnx.Module):
                                   dtype=dt, param_dtype=pdt, rngs=rngs)
 
     def hidden(self, tokens, positions, cache: KVCache | None = None, index=None, *, remat: str = "none",
-               scan: bool = False):
+               scan: bool = False, segments=None):
         """Final-norm hidden states [B, T, D] (and the updated cache).
 
         remat: "none" | "full" | "dots" (REMAT_POLICIES): recompute each layer in the backward pass
         instead of keeping its activations (training without a cache only).
         scan: run runs of identical layers as one `lax.scan` over their stacked states (training without
         a cache only): the program holds one layer body instead of num_layers copies, so deep models
-        compile in a fraction of the time, for one transient copy of the stacked weights."""
+        compile in a fraction of the time, for one transient copy of the stacked weights.
+        segments: [B, T] ids of sequences packed into one row (training without a cache only; see `attend`)."""
         dt = jnp.dtype(self.cfg.dtype)
         x = constrain_batch(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(dt))
         new_k, new_v, cache_pos = [], [], None
         if cache is not None:
             cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, index))
-        if (remat != "none" or scan) and cache is not None:
-            raise ValueError("remat and scan apply to training forwards, not to cached decoding")
+        if (remat != "none" or scan or segments is not None) and cache is not None:
+            raise ValueError("remat, scan and segments apply to training forwards, not to cached decoding")
         policy = REMAT_POLICIES[remat] if remat != "none" else None
         if scan:
-            x = _scan_layers(list(self.layers), x, positions, policy)
+            x = _scan_layers(list(self.layers), x, positions, policy, segments)
             return self.final_norm(x), None
         run = _remat_layer(policy) if policy is not None else None
         for i, layer in enumerate(self.layers):
             if run is not None:
-                x = constrain_batch(run(layer, x, positions))
+                x = constrain_batch(run(layer, x, positions, segments))
                 continue
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, new_kv = layer(x, positions, kv, cache_pos, index)
+            x, new_kv = layer(x, positions, kv, cache_pos, index, segments)
             x = constrain_batch(x)
             if cache is not None:
                 new_k.append(new_kv[0])
@@ -247,22 +252,22 @@ def _remat_layer(policy):
     lives in an outer trace (the train step's grad), and the RNG counters its LoRA dropout advances
     must come back out, or every step would reuse one dropout mask."""
 
-    def run(layer, x, positions):
+    def run(layer, x, positions, segments=None):
         graphdef, state = nnx.split(layer)
 
         @functools.partial(jax.checkpoint, policy=policy)
-        def pure(state, x, positions):
+        def pure(state, x, positions, segments):
             inner = nnx.merge(graphdef, state)
-            return inner(x, positions)[0], nnx.state(inner, nnx.RngState)
+            return inner(x, positions, segments=segments)[0], nnx.state(inner, nnx.RngState)
 
-        y, rng_state = pure(state, x, positions)
+        y, rng_state = pure(state, x, positions, segments)
         nnx.update(layer, rng_state)
         return y
 
     return run
 
 
-def _scan_layers(layers, x, positions, policy):
+def _scan_layers(layers, x, positions, policy, segments=None):
     """Apply `layers` in order, each maximal run of layers with equal graphdefs (same structure and
     static attributes: Olmo-3's sliding/full pattern splits runs) as one `lax.scan` over the run's
     stacked states; `policy` rematerialises each step like `_remat_layer`."""
@@ -276,7 +281,7 @@ def _scan_layers(layers, x, positions, policy):
 
         def body(x, state, graphdef=graphdef):
             inner = nnx.merge(graphdef, state)
-            y = constrain_batch(inner(x, positions)[0])
+            y = constrain_batch(inner(x, positions, segments=segments)[0])
             return y, nnx.state(inner, nnx.RngState)
 
         if policy is not None:

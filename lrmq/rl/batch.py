@@ -24,6 +24,11 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def prompt_len(self) -> int:
+        """P: the prompt columns (the rollout pads prompts to a bucket of its longest, not max_prompt_len)."""
+        return self.tokens.shape[1] - self.completion.shape[1]
+
     def arrays(self) -> dict[str, np.ndarray]:
         return {"tokens": self.tokens, "mask": self.mask, "completion": self.completion,
                 "completion_mask": self.completion_mask, "old_logp": self.old_logp, "advantages": self.advantages}
@@ -67,7 +72,7 @@ def bucket(n: int, limit: int, minimum: int = 16) -> int:
     return min(b, limit)
 
 
-def bucketed_arrays(rb: RolloutBatch, prompt_len: int) -> dict[str, np.ndarray]:
+def bucketed_arrays(rb: RolloutBatch) -> dict[str, np.ndarray]:
     """`rb.arrays()` narrowed to the next power of two of the batch's longest prompt and completion.
 
     Prompts are left-padded and positions come from the mask, so dropping all-padding columns on the
@@ -75,7 +80,7 @@ def bucketed_arrays(rb: RolloutBatch, prompt_len: int) -> dict[str, np.ndarray]:
     computes on the batch's real width instead of max_prompt_len + max_new_tokens, with one compile
     per bucket pair."""
     arrays = rb.arrays()
-    n = rb.completion.shape[1]
+    n, prompt_len = rb.completion.shape[1], rb.prompt_len
     real = rb.mask.astype(bool)
     longest_prompt = int(real[:, :prompt_len].sum(axis=1).max(initial=0))
     longest_completion = int(real[:, prompt_len:].sum(axis=1).max(initial=0))
@@ -87,3 +92,108 @@ def bucketed_arrays(rb: RolloutBatch, prompt_len: int) -> dict[str, np.ndarray]:
     out.update({k: arrays[k][:, :cb] for k in ("completion", "completion_mask", "old_logp")})
     out["advantages"] = arrays["advantages"]
     return out
+
+
+def row_bucket(n: int, per_octave: int = 4) -> int:
+    """n rounded up to `per_octave` steps per doubling (exact up to 2 * per_octave): with 4, the next of 1..8,
+    10, 12, 14, 16, 20, 24, 28, 32, 40, ... (at most 25% padding); with 2, of 1..4, 6, 8, 12, 16, 24, 32, ..."""
+    n = max(n, 1)
+    if n <= 2 * per_octave:
+        return n
+    step = (1 << (n.bit_length() - 1)) // per_octave
+    return -(-n // step) * step
+
+
+def packed_buckets(rows: int, slots: int) -> tuple[int, int]:
+    """Default packed shape: rows in quarter-octave steps, completion slots (which vary more from step to
+    step, and only feed the vocabulary projection) in half-octave steps."""
+    return row_bucket(rows), row_bucket(slots, per_octave=2)
+
+
+def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
+                  choose_shape=None) -> dict[str, np.ndarray]:
+    """The update batch with no padding computed: each sequence's real tokens packed into rows of width
+    the batch's width (prompt bucket + max_new_tokens), several sequences per row (first-fit decreasing), each with its own
+    positions and a segment id that confines its attention to itself (`Decoder.hidden(segments=)`).
+
+    Only the tokens a loss term needs go in: the prompt and the completion up to its last token with a
+    nonzero completion_mask, minus that last token (nothing is predicted from it). A sequence with no
+    such token (e.g. a masked truncated completion) costs nothing.
+
+    Layout, so that `step.micro_batches` and the batch sharding over `groups` (= data x fsdp devices)
+    keep every sequence with its own rows: sequence s belongs to micro-batch i = s % n_micro and, within
+    it, to device block d of the K = S / n_micro rows (K / groups each, as the strided micro-batch split
+    and a leading-dim sharding place it). Each (i, d) group gets R packed rows (row (d * R + q) *
+    n_micro + i) and Tg completion-token slots (row d * n_micro + i of `src`/`target`/`dest`):
+
+      tokens / positions / segments [n_micro * groups * R, W]: packed inputs (pad: token 0, position -1,
+        segment 0);
+      src [groups * n_micro, Tg]: flat index q * W + column of the hidden state predicting each needed
+        completion token within its group's rows; target: that token; dest: local sequence * N + j, its
+        place in the group's [K / groups, N] log-prob grid (padding slots: K / groups * N, dropped);
+      completion_mask / old_logp [S, N], advantages [S]: as `rb.arrays()`.
+
+    R and Tg: the largest over groups, rounded up by `choose_shape(rows, slots)` -> (R, Tg) (default
+    `packed_buckets`; the trainer also reuses an already compiled shape that is not much larger)."""
+    s, n = rb.completion.shape
+    if s % n_micro or (s // n_micro) % groups:
+        raise ValueError(f"{s} sequences do not split into {n_micro} micro-batches x {groups} device groups")
+    width, prompt_len = rb.tokens.shape[1], rb.prompt_len
+    if np.any((rb.mask[:, :prompt_len].sum(axis=1) == 0) & (rb.completion_mask > 0).any(axis=1)):
+        raise ValueError("a sequence with an empty prompt: nothing predicts its first completion token")
+    k_loc = s // n_micro // groups
+    real = rb.mask.astype(bool)
+    cmask = rb.completion_mask > 0
+    needed = np.where(cmask.any(axis=1), n - np.argmax(cmask[:, ::-1], axis=1), 0)  # completion tokens used
+    n_prompt = real[:, :prompt_len].sum(axis=1)
+
+    # place every sequence: group -> rows of (sequence, length)
+    rows_of: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+    for g_i in range(n_micro):
+        for g_d in range(groups):
+            members = [k * n_micro + g_i for k in range(g_d * k_loc, (g_d + 1) * k_loc)]
+            items = sorted(((int(n_prompt[x] + needed[x] - 1), x) for x in members if needed[x]), reverse=True)
+            rows: list[list[tuple[int, int]]] = []
+            free: list[int] = []
+            for length, x in items:
+                for q, f in enumerate(free):
+                    if f >= length:
+                        rows[q].append((x, length))
+                        free[q] -= length
+                        break
+                else:
+                    rows.append([(x, length)])
+                    free.append(width - length)
+            rows_of[(g_i, g_d)] = rows
+    rows_needed = max(len(v) for v in rows_of.values())
+    slots_needed = max(int(needed[[k * n_micro + gi for k in range(gd * k_loc, (gd + 1) * k_loc)]].sum())
+                       for gi, gd in rows_of)
+    r_rows, t_slots = (choose_shape or packed_buckets)(rows_needed, slots_needed)
+    if r_rows < rows_needed or t_slots < slots_needed:
+        raise ValueError(f"packed shape ({r_rows} rows, {t_slots} slots) below the needed ({rows_needed}, {slots_needed})")
+
+    tokens = np.zeros((n_micro * groups * r_rows, width), np.int32)
+    positions = np.full_like(tokens, -1)
+    segments = np.zeros_like(tokens)
+    src = np.zeros((groups * n_micro, t_slots), np.int32)
+    target = np.zeros_like(src)
+    dest = np.full_like(src, k_loc * n)
+    for (g_i, g_d), rows in rows_of.items():
+        slot, grow = 0, g_d * n_micro + g_i
+        for q, row in enumerate(rows):
+            r, col = (g_d * r_rows + q) * n_micro + g_i, 0
+            for seg, (x, length) in enumerate(row, start=1):
+                seq = rb.tokens[x][real[x]][:length]  # prompt then completion, padding dropped
+                tokens[r, col:col + length] = seq
+                positions[r, col:col + length] = np.arange(length)
+                segments[r, col:col + length] = seg
+                m = int(needed[x])
+                first = int(n_prompt[x]) - 1  # the prompt's last token predicts completion token 0
+                src[grow, slot:slot + m] = q * width + col + first + np.arange(m)
+                target[grow, slot:slot + m] = rb.completion[x, :m]
+                dest[grow, slot:slot + m] = ((x // n_micro) % k_loc) * n + np.arange(m)
+                slot += m
+                col += length
+    return {"tokens": tokens, "positions": positions, "segments": segments, "src": src, "target": target,
+            "dest": dest, "completion_mask": rb.completion_mask, "old_logp": rb.old_logp,
+            "advantages": rb.advantages}

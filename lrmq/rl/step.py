@@ -60,19 +60,51 @@ def completion_logprobs(model, tokens, mask, completion, temperature: float, *, 
     positions = positions_from_mask(mask)
     h, _ = model.hidden(tokens, positions, remat=remat, scan=scan)  # padding keeps position -1: never attended to
     n = completion.shape[1]
-    h = h[:, -n - 1:-1]  # position t predicts token t+1
+    return _project(model, h[:, -n - 1:-1], completion, temperature, chunk)  # position t predicts token t+1
+
+
+def packed_logprobs(model, mb, temperature: float, *, remat: str = "none", chunk: int = 0, scan: bool = False):
+    """`completion_logprobs` for a packed batch (`batch.packed_arrays`): [K, N] log-probs and entropies,
+    zero where no completion token was packed. Only the packed tokens go through the decoder, and only
+    the needed completion positions (gathered per device group) are projected onto the vocabulary."""
+    h, _ = model.hidden(mb["tokens"], mb["positions"], remat=remat, scan=scan, segments=mb["segments"])
+    groups = mb["src"].shape[0]
+    k, n = mb["completion_mask"].shape
+    h = h.reshape(groups, -1, h.shape[-1])  # [groups, rows * W, D]: each group's rows are contiguous
+    hg = jax.vmap(lambda hh, ii: jnp.take(hh, ii, axis=0))(h, mb["src"])  # [groups, slots, D]
+    logp, ent = _project(model, hg, mb["target"], temperature, chunk)
+    slots = k // groups * n
+
+    def grid(v):  # [groups, slots] -> [K, N]; padding slots land on the dropped last cell
+        g = jax.vmap(lambda d, x: jnp.zeros((slots + 1,), v.dtype).at[d].set(x))(mb["dest"], v)
+        return g[:, :-1].reshape(k, n)
+
+    return grid(logp), grid(ent)
+
+
+def batch_logprobs(model, mb, temperature: float, **kw):
+    """Log-probs and entropies [K, N] of a micro-batch in either layout (padded or packed)."""
+    if "segments" in mb:
+        return packed_logprobs(model, mb, temperature, **kw)
+    return completion_logprobs(model, mb["tokens"], mb["mask"], mb["completion"], temperature, **kw)
+
+
+def _project(model, h, targets, temperature: float, chunk: int):
+    """h [B, n, D] -> (log-probs of `targets` [B, n], entropies [B, n]) at `temperature`, `chunk`
+    positions at a time, each chunk recomputed in the backward pass."""
 
     def head(hc, tc):
         logits = model.logits(hc).astype(jnp.float32) / temperature
         return token_logprobs(logits, tc), token_entropy(logits)
 
+    n = targets.shape[1]
     if not chunk or chunk >= n:
-        return head(h, completion)
+        return head(h, targets)
     pad = (-n) % chunk
     hp = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    tp = jnp.pad(completion, ((0, 0), (0, pad)))
+    tp = jnp.pad(targets, ((0, 0), (0, pad)))
     s = h.shape[0]
-    hc = hp.reshape(s, -1, chunk, h.shape[-1]).swapaxes(0, 1)  # [chunks, S, chunk, D]
+    hc = hp.reshape(s, -1, chunk, h.shape[-1]).swapaxes(0, 1)  # [chunks, B, chunk, D]
     tc = tp.reshape(s, -1, chunk).swapaxes(0, 1)
     logp, ent = jax.lax.map(lambda a: jax.checkpoint(head)(*a), (hc, tc))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(s, -1)[:, :n]
@@ -92,9 +124,8 @@ def micro_batches(x, n_micro: int):
 def _loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg: TrainConfig, use_old: bool):
     model = nnx.merge(graphdef, trainable, rest)
     a = cfg.algo
-    logp, ent = completion_logprobs(model, mb["tokens"], mb["mask"], mb["completion"], cfg.rollout.temperature,
-                                    remat=cfg.model.remat, chunk=cfg.model.logits_chunk,
-                                    scan=cfg.model.scan_layers)
+    logp, ent = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
+                               chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
     loss_sum, _, metrics = grpo_loss(logp, mb["old_logp"] if use_old else None, mb["advantages"],
                                      mb["completion_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
                                      aggregation=a.loss_aggregation, beta=a.beta, ref_logp=ref_logp,
@@ -113,7 +144,7 @@ def train_step(graphdef, cfg: TrainConfig, tx, use_old, trainable, rest, opt_sta
     (stop-gradient) log-probs of this very forward pass, so no separate old-log-prob forward is needed;
     the step also returns those log-probs ``[S, N]`` (the pre-update policy's), which later inner
     iterations (mu > 1) use as old log-probs."""
-    s = batch["tokens"].shape[0]
+    s = batch["completion_mask"].shape[0]  # sequences (a packed batch has fewer token rows)
     mbs = cfg.optim.micro_batch_size or s
     n_micro = s // mbs
     # The aggregation's denominator over the whole batch, so sum of micro-batch (sum / total) is exact.
@@ -171,11 +202,20 @@ def make_train_step(graphdef, cfg: TrainConfig, tx, shardings=None, *, use_old: 
 
 
 def make_ref_logprobs(graphdef, cfg: TrainConfig):
-    """Reference-policy log-probs (beta > 0): same graph, frozen reference parameters."""
+    """Reference-policy log-probs [S, N] of an update batch (beta > 0): same graph, frozen reference
+    parameters, the whole batch in one forward."""
 
-    def fn(ref_trainable, rest, tokens, mask, completion):
+    def fn(ref_trainable, rest, batch):
         model = nnx.merge(graphdef, ref_trainable, rest)
-        return completion_logprobs(model, tokens, mask, completion, cfg.rollout.temperature,
-                                   chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)[0]
+        kw = dict(chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
+        if "segments" not in batch:
+            return completion_logprobs(model, batch["tokens"], batch["mask"], batch["completion"],
+                                       cfg.rollout.temperature, **kw)[0]
+        # a packed batch is laid out per micro-batch: split as the step does, then run all groups at once
+        s = batch["completion_mask"].shape[0]
+        n_micro = s // (cfg.optim.micro_batch_size or s)
+        flat = jax.tree.map(lambda x: micro_batches(x, n_micro).reshape((-1,) + x.shape[1:]), batch)
+        logp = packed_logprobs(model, flat, cfg.rollout.temperature, **kw)[0]
+        return logp.reshape(n_micro, s // n_micro, -1).swapaxes(0, 1).reshape(s, -1)
 
     return jax.jit(fn)

@@ -23,12 +23,13 @@ from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
 from lrmq.data.pipeline import PromptPipeline
 from lrmq.data.prompts import format_prompt
-from lrmq.generation.engine import Generator, generation_chunk, left_pad
+from lrmq.generation.engine import Generator, bucket_length, generation_chunk, left_pad
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.quant.training import export_float_model, trainable_filter
 from lrmq.rl.advantages import compute_advantages
-from lrmq.rl.batch import build_batch, bucketed_arrays, mask_rows, truncate_left, truncated_rows
+from lrmq.rl.batch import (build_batch, bucketed_arrays, mask_rows, packed_arrays, packed_buckets, truncate_left,
+                           truncated_rows)
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.evaluation import SuiteEval
 from lrmq.rl.rewards import score_completions, weighted_rewards
@@ -84,6 +85,7 @@ class GRPOTrainer:
         self.train_steps = {use_old: make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh), use_old=use_old)
                             for use_old in (True, False)}
         self._aot_steps: dict = {}  # (use_old, batch shapes) -> the preflight's compiled update
+        self._packed_shapes: set[tuple[int, int]] = set()  # (rows, slots) of the packed updates compiled so far
         self.ref_trainable = None
         if cfg.algo.beta != 0.0:
             self.logprob_fn = make_ref_logprobs(self.graphdef, cfg)
@@ -130,7 +132,12 @@ class GRPOTrainer:
             t = self.tokenizer.encode(format_prompt(self.cfg.data.template, p, self.tokenizer))
             truncated += len(t) > self.cfg.rollout.max_prompt_len
             ids.append(truncate_left(t, self.cfg.rollout.max_prompt_len))
-        tokens, mask = left_pad(ids, self.cfg.rollout.max_prompt_len, self.tokenizer.pad_id)
+        # Prompt columns: a power-of-two bucket of the longest prompt (as TRL pads to the batch's longest), so
+        # prefill and cache skip the budget nobody uses; update_padding=max keeps max_prompt_len (one shape).
+        width = self.cfg.rollout.max_prompt_len
+        if self.cfg.rollout.update_padding != "max":
+            width = min(bucket_length(max(map(len, ids))), width)
+        tokens, mask = left_pad(ids, width, self.tokenizer.pad_id)
         return tokens, mask, truncated
 
     def _generate(self, tokens, mask, key, sampling: SamplingConfig, max_new: int):
@@ -202,15 +209,34 @@ class GRPOTrainer:
         key = (use_old, tuple((k, v.shape) for k, v in sorted(arrays.items())), ref_logp is None)
         return self._aot_steps.get(key, self.train_steps[use_old])
 
-    def update(self, rb) -> dict[str, float]:
+    def update_arrays(self, rb) -> dict[str, np.ndarray]:
+        """The host arrays of the update batch in the layout rollout.update_padding asks for."""
         r = self.cfg.rollout
-        host = bucketed_arrays(rb, r.max_prompt_len) if r.update_padding == "bucket" else rb.arrays()
+        if r.update_padding == "pack":
+            s = rb.num_sequences
+            return packed_arrays(rb, n_micro=s // (self.cfg.optim.micro_batch_size or s),
+                                 groups=batch_divisor(self.mesh), choose_shape=self._packed_shape)
+        return bucketed_arrays(rb) if r.update_padding == "bucket" else rb.arrays()
+
+    def _packed_shape(self, rows: int, slots: int) -> tuple[int, int]:
+        """(rows, slots) of a packed update: an already compiled shape when one holds the batch for at most
+        25% more rows and 50% more completion slots than its own buckets (compiles cost seconds; a few
+        padded rows cost milliseconds), else the buckets, remembered for later steps. The set is saved with
+        each checkpoint: the shape changes the float summation order, and a resumed run must match."""
+        want = packed_buckets(rows, slots)
+        fits = [(r, t) for r, t in self._packed_shapes
+                if rows <= r <= 1.25 * want[0] and slots <= t <= 1.5 * want[1]]
+        shape = min(fits) if fits else want
+        self._packed_shapes.add(shape)
+        return shape
+
+    def update(self, rb) -> dict[str, float]:
+        host = self.update_arrays(rb)
         with jax.set_mesh(self.mesh):
             arrays = {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in host.items()}
             ref_logp = None
             if self.cfg.algo.beta != 0.0:
-                ref_logp = self.logprob_fn(self.ref_trainable, self.rest, arrays["tokens"], arrays["mask"],
-                                           arrays["completion"])
+                ref_logp = self.logprob_fn(self.ref_trainable, self.rest, arrays)
                 ref_logp = jax.device_put(ref_logp, batch_sharding(self.mesh, 2))
             t0 = time.perf_counter()
             metrics = {}
@@ -225,10 +251,11 @@ class GRPOTrainer:
                     use_old = True
             metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
         dt = time.perf_counter() - t0
-        n_tok = float(host["mask"].sum()) * self.cfg.algo.num_iterations
-        metrics["perf/train_tokens_per_s"] = n_tok / max(dt, 1e-9)
+        n_tok = float((host["positions"] >= 0).sum() if "positions" in host else host["mask"].sum())
+        metrics["perf/train_tokens_per_s"] = n_tok * self.cfg.algo.num_iterations / max(dt, 1e-9)
         metrics["perf/update_s"] = dt
         metrics["perf/update_width"] = float(host["tokens"].shape[1])
+        metrics["perf/update_rows"] = float(host["tokens"].shape[0])  # packed: rows of several sequences
         return metrics
 
     # ------------------------------------------------------------------ evaluation
@@ -291,7 +318,9 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self):
         self.ckpt.save(self.step, {"trainable": self.trainable, "rest": self.rest, "opt": self.opt_state},
-                       {"step": self.step, "data": self.pipeline.get_state()})
+                       {"step": self.step, "data": self.pipeline.get_state(),
+                        # which packed shapes later steps reuse decides their float summation order
+                        "packed_shapes": sorted(self._packed_shapes)})
         self.logs.sync(force=True)  # URL run dir: the logs there are never behind the newest checkpoint
 
     def maybe_restore(self) -> bool:
@@ -303,6 +332,7 @@ class GRPOTrainer:
                                                     "opt": self.opt_state})
         self.trainable, self.rest, self.opt_state = tree["trainable"], tree["rest"], tree["opt"]
         self.pipeline.set_state(meta["data"])
+        self._packed_shapes = {tuple(x) for x in meta.get("packed_shapes", [])}
         self.step = int(meta["step"])
         self.logs.truncate_after(self.step)
         log.info("resumed from step %d (%s)", self.step, self.ckpt.directory)
