@@ -124,3 +124,30 @@ def test_inputs_only_equal_full_captures(hf_checkpoint, variant):
         return ctx.params
 
     lw.run_layerwise(model, tokens, check, batch_size=2, progress=False)  # chunks of 2 + 1
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2", "llama_linear", "olmo3"])
+def test_given_inputs_change_nothing(hf_checkpoint, variant):
+    """``layer_fn.layer_run`` with exact inputs handed back (``given``: the attention, or the MLP's first
+    half, becomes dead code) returns the layer's output and captures bit for bit (GPTQ's true-sequential
+    stages and its propagated output rely on it); biases (qwen2, llama_linear) and post-norm (olmo3)."""
+    from lrmq.checkpoint.hf import load_hf_model
+
+    model = load_hf_model(hf_checkpoint(variant)[0])
+    tokens = np.random.default_rng(2).integers(0, model.cfg.vocab_size, (3, 24))
+
+    def check(ctx):
+        full = ctx.inputs()
+        out = np.asarray(ctx.forward())
+        np.testing.assert_array_equal(ctx.forward_given(None, {}), out)
+        for given in ({"o_in": full["o_in"]}, {"o_in": full["o_in"], "down_in": full["down_in"]},
+                      {"o_in": full["o_in"], "mlp_in": full["mlp_in"], "down_in": full["down_in"]},
+                      {k: full[k] for k in ("attn_in", "o_in", "mlp_in", "down_in")}):
+            np.testing.assert_array_equal(ctx.forward_given(None, given), out, err_msg=f"{variant} {sorted(given)}")
+        np.testing.assert_array_equal(ctx.inputs_only(("mlp_in",), given={"o_in": full["o_in"]})["mlp_in"],
+                                      np.asarray(full["mlp_in"]))
+        np.testing.assert_array_equal(ctx.inputs_only(("down_in",), given={"mlp_in": full["mlp_in"]})["down_in"],
+                                      np.asarray(full["down_in"]))
+        return ctx.params
+
+    lw.run_layerwise(model, tokens, check, batch_size=3, progress=False)

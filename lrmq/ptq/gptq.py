@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numba as nb
 import numpy as np
 from scipy.linalg import lapack
 
@@ -99,13 +100,65 @@ def _inverse_cholesky_upper(H: np.ndarray) -> np.ndarray:
     upper, so ``H^-1 = V^-T V^-1`` and, the Cholesky factor being unique, ``U = V^-1 = J L^-1 J``:
     one Cholesky and one triangular inverse (``2/3 K^3`` flops instead of ``~5 K^3``), float64.
     """
-    L, info = lapack.dpotrf(np.ascontiguousarray(H[::-1, ::-1], np.float64), lower=1, clean=1)
+    A = np.asfortranarray(H[::-1, ::-1], np.float64)  # the one working copy: LAPACK overwrites it in place
+    L, info = lapack.dpotrf(A, lower=1, clean=1, overwrite_a=1)
     if info == 0:
-        Linv, info = lapack.dtrtri(L, lower=1)
+        Linv, info = lapack.dtrtri(L, lower=1, overwrite_c=1)
     if info != 0:
         raise ValueError("GPTQ: the damped Hessian is not positive definite; raise percdamp or "
                          "use more calibration tokens")
     return Linv[::-1, ::-1]
+
+
+def _quantize_block_numpy(W1, Hinv1, scales, zeros, g_rows, maxq, Q1, Err1) -> None:
+    """One block's column loop in numpy (the reference's expressions, row by row): quantize row i of
+    ``W1`` with the params of group ``g_rows[i]`` into ``Q1[i]``, ``Err1[i] = (w - q) / Hinv1[i, i]``,
+    then ``W1[i+1:] -= outer(Hinv1[i, i+1:], Err1[i])`` (row i is not read again). Kept as the
+    specification :func:`_quantize_block` is tested against bit for bit."""
+    buf = np.empty_like(W1)
+    for i in range(W1.shape[0]):
+        row, q, err = W1[i], Q1[i], Err1[i]
+        scale, zero = scales[g_rows[i]], zeros[g_rows[i]]
+        np.divide(row, scale, out=q)
+        np.round(q, out=q)
+        q += zero
+        np.clip(q, 0, maxq, out=q)
+        q -= zero
+        q *= scale
+        np.subtract(row, q, out=err)
+        err /= Hinv1[i, i]
+        rest = W1[i + 1 :]
+        upd = buf[: len(rest)]
+        np.multiply(Hinv1[i, i + 1 :, None], err, out=upd)
+        rest -= upd
+
+
+@nb.njit(nogil=True, cache=True)
+def _quantize_block(W1, Hinv1, scales, zeros, g_rows, maxq, Q1, Err1):
+    """:func:`_quantize_block_numpy` compiled: every float32 operation the same, in the same order
+    (no fast-math, so no fused multiply-add; clip as numpy's: ``x > 0 ? x : 0``, then ``x < maxq ? x :
+    maxq``, NaN kept), so results are bit-identical; one pass over the block per row instead of
+    numpy's temporaries, and no per-row interpreter overhead."""
+    B, N = W1.shape
+    lo = np.float32(0.0)
+    for i in range(B):
+        g = g_rows[i]
+        d = Hinv1[i, i]
+        for n in range(N):
+            w = W1[i, n]
+            s = scales[g, n]
+            z = zeros[g, n]
+            c = np.rint(w / s) + z
+            if not np.isnan(c):
+                c = c if c > lo else lo
+                c = c if c < maxq else maxq
+            q = (c - z) * s
+            Q1[i, n] = q
+            Err1[i, n] = (w - q) / d
+        for k in range(i + 1, B):
+            h = Hinv1[i, k]
+            for n in range(N):
+                W1[k, n] -= h * Err1[i, n]
 
 
 def gptq_quantize(
@@ -161,46 +214,24 @@ def gptq_quantize(
 
     Q = np.zeros_like(W)
     maxq = np.float32(2**bits - 1)
-    buf = np.empty((block_size, N), np.float32)
     g_of_pos = np.zeros(K, np.int64)  # group of permuted position j
-    cur = (scales[0], zeros[0])
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
+        if per_channel:
+            g_rows = np.zeros(i2 - i1, np.int64)
+        elif static_groups:
+            g_rows = (perm[i1:i2] // group_size).astype(np.int64)
+        else:
+            g_rows = np.arange(i1, i2, dtype=np.int64) // group_size
+            # groups starting in this block: params from the error-updated weights of the full matrix W,
+            # which changes only between blocks (stale within the block, as the reference), so finding
+            # them here at the block start gives what the reference finds at each group's first row
+            for j in range(-(-i1 // group_size) * group_size, i2, group_size):
+                scales[j // group_size], zeros[j // group_size] = find_params(W[j : j + group_size], bits, symmetric)
+        g_of_pos[i1:i2] = g_rows
         W1 = W[i1:i2].copy()
         Err1 = np.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = i1 + i
-            if not per_channel:
-                if static_groups:
-                    g = perm[j] // group_size
-                    cur = (scales[g], zeros[g])
-                elif j % group_size == 0:
-                    g = j // group_size
-                    # error-updated weights from the full matrix (stale within the block, as reference)
-                    scales[g], zeros[g] = find_params(W[j : j + group_size], bits, symmetric)
-                    cur = (scales[g], zeros[g])
-                else:
-                    g = j // group_size
-            else:
-                g = 0
-            g_of_pos[j] = g
-            # fake_quant(row) and the error, in place (the same float32 operations in the same order)
-            row, q, err = W1[i], Q[j], Err1[i]
-            scale, zero = cur
-            np.divide(row, scale, out=q)
-            np.round(q, out=q)
-            q += zero
-            np.clip(q, 0, maxq, out=q)
-            q -= zero
-            q *= scale
-            np.subtract(row, q, out=err)
-            err /= Hinv1[i, i]
-            # W1[i:] -= outer(Hinv1[i, i:], err); row i itself is not read again
-            rest = W1[i + 1 :]
-            upd = buf[: len(rest)]
-            np.multiply(Hinv1[i, i + 1 :, None], err, out=upd)
-            rest -= upd
+        _quantize_block(W1, np.ascontiguousarray(Hinv[i1:i2, i1:i2]), scales, zeros, g_rows, maxq, Q[i1:i2], Err1)
         W[i2:] -= Hinv[i1:i2, i2:].T @ Err1
 
     g_idx = np.empty(K, np.int32)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lrmq.ptq import layerwise as lw
-from lrmq.ptq.layer_fn import INPUT_OF
+from lrmq.ptq.layer_fn import INPUT_OF, UPSTREAM
 from lrmq.ptq.result import PTQResult
 from lrmq.ptq.gptq import gptq_codes, gptq_quantize
 from lrmq.quant import packing
@@ -82,12 +82,18 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> di
     p = dict(ctx.params)
     stages = TRUE_SEQUENTIAL if opts.true_sequential else (tuple(n for s in TRUE_SEQUENTIAL for n in s),)
     info = {}
+    # captured inputs still exact for the current weights (none of their UPSTREAM Linears changed since),
+    # handed back to later forwards so they skip the work before them (attn_in is left out: a norm)
+    exact: dict[str, np.ndarray] = {}
     for stage in stages:
         # only the inputs this stage reads (the layer past them is not computed); one Hessian per input
         # (q/k/v share attn_in, gate/up share mlp_in)
-        caps = ctx.inputs_only({INPUT_OF[name] for name in stage}, p)
+        need = {INPUT_OF[name] for name in stage}
+        caps = ctx.inputs_only(need, p, given={k: v for k, v in exact.items() if k not in need})
         h_of = {inp: hessian(x) for inp, x in caps.items()}
         hs = {name: h_of[INPUT_OF[name]] for name in stage}
+        exact.update((k, v) for k, v in caps.items() if k != "attn_in")
+        exact = {k: v for k, v in exact.items() if not set(stage) & set(UPSTREAM[k])}
         del caps, h_of
         for name in stage:
             res = gptq_quantize(np.asarray(p[name]), hs[name], bits=opts.bits,
@@ -104,6 +110,8 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> di
                 result.g_idx[path] = res.g_idx
             info[name] = "packed" if qw is not None else "act-order g_idx (fake-quant only)"
     result.info.setdefault("layers", {})[ctx.index] = info
+    if opts.propagate == "quantized":  # the next layer's input, from the exact inputs kept
+        ctx.output = ctx.forward_given(p, exact)
     return p
 
 

@@ -37,6 +37,11 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # which captured input feeds which Linear
 INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
             "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+# the Linears each captured input depends on (every decoder lrmq has runs the attention, then the MLP):
+# a capture stays exact while none of these changes
+UPSTREAM = {"attn_in": (), "o_in": ("q_proj", "k_proj", "v_proj"),
+            "mlp_in": ("q_proj", "k_proj", "v_proj", "o_proj"),
+            "down_in": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")}
 MODULE_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -151,6 +156,31 @@ def recording_inputs(linears: dict[str, Linear]):
             lin.dot_general = saved[name]
 
 
+def _replayer(given, dot_general):
+    def replay(lhs, rhs, *args, **kwargs):
+        if given.shape != lhs.shape:
+            raise ValueError(f"given input has shape {given.shape}, the Linear receives {lhs.shape}")
+        return dot_general(given.astype(lhs.dtype), rhs, *args, **kwargs)
+
+    return replay
+
+
+@contextlib.contextmanager
+def replaying_inputs(linears: dict[str, Linear], given: dict):
+    """Within the block, each Linear whose captured input (``INPUT_OF``) is in ``given`` computes on that
+    array instead of what it receives (the same shape). When the arrays are the very inputs those Linears
+    would receive, the layer's results are unchanged and whatever only fed them is dead code that XLA
+    drops (GPTQ re-runs a layer whose attention it already ran: see ``layer_run``)."""
+    saved = {name: lin.dot_general for name, lin in linears.items() if INPUT_OF.get(name) in given}
+    try:
+        for name in saved:
+            linears[name].dot_general = _replayer(given[INPUT_OF[name]], saved[name])
+        yield
+    finally:
+        for name, dot_general in saved.items():
+            linears[name].dot_general = dot_general
+
+
 def shared_inputs(seen: dict) -> dict:
     """Per-Linear inputs -> per-input captures (``attn_in`` ...): q/k/v read one tensor, gate/up another."""
     caps: dict = {}
@@ -185,13 +215,23 @@ def part_forward(p, spec: LayerSpec, part: str, x, positions):
     return linears_of(layer)[part](x)
 
 
-def layer_inputs(p, spec: LayerSpec, x, positions, names: tuple):
-    """Only the captured inputs ``names`` (e.g. ``("o_in",)``), not the layer output: what the layer
-    computes after them is dead code that XLA drops (GPTQ's true-sequential stages re-run the layer
-    for one input each, so ``o_in`` costs the attention only)."""
-    _, seen = layer_forward(p, spec, x, positions, capture=True)
-    return {name: seen[name] for name in names}
+def layer_run(p, spec: LayerSpec, x, positions, names: tuple | None = None, given: dict | None = None):
+    """The layer on x [B, T, D] in float32: its output (``names=None``) or only the captured inputs
+    ``names`` (e.g. ``("o_in",)``); what the layer computes past them is dead code that XLA drops (GPTQ's
+    true-sequential o_proj stage runs the attention, not the MLP). ``given`` (``{"o_in": array, ...}``):
+    the Linears reading those inputs compute on these arrays (``replaying_inputs``); they must be the
+    exact inputs for these weights (captured earlier with the same upstream weights), so that only the
+    work the layer did before them is skipped."""
+    layer = layer_module(spec, p)
+    x, positions = jnp.asarray(x, jnp.float32), jnp.asarray(positions)
+    linears = linears_of(layer)
+    with recording_inputs(linears) as seen, replaying_inputs(linears, given or {}):
+        out, _ = layer(x, positions)
+    if names is None:
+        return out
+    caps = shared_inputs(seen)
+    return {name: caps[name] for name in names}
 
 
 layer_forward_jit = jax.jit(layer_forward, static_argnames=("spec", "capture"))
-layer_inputs_jit = jax.jit(layer_inputs, static_argnames=("spec", "names"))
+layer_run_jit = jax.jit(layer_run, static_argnames=("spec", "names"))

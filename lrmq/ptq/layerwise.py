@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from lrmq.model.config import ModelConfig
-from lrmq.ptq.layer_fn import (MODULE_OF, LayerSpec, get_layer_params, layer_forward_jit, layer_inputs_jit,
+from lrmq.ptq.layer_fn import (MODULE_OF, LayerSpec, get_layer_params, layer_forward_jit, layer_run_jit,
                                layer_spec, set_layer_params)
 
 
@@ -66,6 +66,9 @@ class LayerContext:
     batch_size: int
     cfg: ModelConfig
     _captures: dict | None = None
+    # the layer's output with the params the method returns, when the method computed it (GPTQ, from
+    # inputs it captured on the way): run_layerwise's propagate="quantized" then uses it
+    output: np.ndarray | None = None
 
     def forward(self, params=None, capture: bool = False):
         p = self.params if params is None else params
@@ -80,12 +83,20 @@ class LayerContext:
             return self._captures
         return self.forward(params, capture=True)[1]
 
-    def inputs_only(self, names, params=None) -> dict[str, np.ndarray]:
-        """The captured inputs ``names`` (``attn_in`` ...) only; the layer past them is not computed."""
+    def inputs_only(self, names, params=None, given=None) -> dict[str, np.ndarray]:
+        """The captured inputs ``names`` (``attn_in`` ...) only; the layer past them is not computed.
+        ``given``: exact inputs already captured for these weights (``layer_fn.layer_run``)."""
+        return self._run(params, tuple(sorted(set(names))), given)
+
+    def forward_given(self, params, given) -> np.ndarray:
+        """The layer's output, its Linears reading the exact inputs ``given`` (``layer_fn.layer_run``)."""
+        return self._run(params, None, given)
+
+    def _run(self, params, names, given):
         p = self.params if params is None else params
-        names = tuple(sorted(set(names)))
-        return chunked(lambda x, pos: layer_inputs_jit(p, self.spec, x, pos, names=names), self.x, self.positions,
-                       batch_size=self.batch_size)
+        keys = tuple(sorted(given or {}))
+        return chunked(lambda x, pos, *g: layer_run_jit(p, self.spec, x, pos, names=names, given=dict(zip(keys, g))),
+                       self.x, self.positions, *[given[k] for k in keys], batch_size=self.batch_size)
 
     @property
     def prefix(self) -> str:
@@ -133,7 +144,7 @@ def run_layerwise(model, tokens, process_layer: Callable[[LayerContext], dict[st
         if propagate == "fp":
             x = x_fp
         else:
-            x = ctx.forward(new_p)
+            x = ctx.output if ctx.output is not None else ctx.forward(new_p)
         del ctx
         if timings is not None:
             timings.append(time.perf_counter() - t0)
