@@ -161,6 +161,35 @@ def _quantize_block(W1, Hinv1, scales, zeros, g_rows, maxq, Q1, Err1):
                 W1[k, n] -= h * Err1[i, n]
 
 
+class PreparedHessian(NamedTuple):
+    """What GPTQ derives from ``H`` alone (:func:`prepare_hessian`), shared by the Linears that read one
+    input (q/k/v, gate/up): one ``Hinv`` instead of one per Linear."""
+
+    dead: np.ndarray  # bool [K]: diag(H) == 0 (those weight rows are zeroed)
+    perm: np.ndarray  # int [K]: act-order permutation (identity without act_order)
+    hinv: np.ndarray  # float32 [K, K]: chol_upper(inv(H_perm + damp I)), upper
+    percdamp: float
+    act_order: bool
+
+
+def prepare_hessian(H, *, percdamp: float = 0.01, act_order: bool = False) -> PreparedHessian:
+    """Dead inputs (``H_ii = 1``), act-order permutation, damping ``percdamp * mean(diag H)`` and
+    ``Hinv`` (see the module docstring), from ``H`` ``[K, K]`` alone."""
+    H = np.array(H, dtype=np.float64)
+    if H.ndim != 2 or H.shape[0] != H.shape[1]:
+        raise ValueError(f"H has shape {H.shape}, expected a square [K, K]")
+    K = H.shape[0]
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    perm = np.arange(K)
+    if act_order:
+        perm = np.argsort(-np.diag(H), kind="stable")
+        H = H[perm][:, perm]
+    H[np.diag_indices(K)] += percdamp * np.mean(np.diag(H))
+    hinv = _inverse_cholesky_upper(H).astype(np.float32)
+    return PreparedHessian(dead=dead, perm=perm, hinv=hinv, percdamp=percdamp, act_order=act_order)
+
+
 def gptq_quantize(
     w,
     H,
@@ -175,13 +204,20 @@ def gptq_quantize(
 ) -> GPTQResult:
     """GPTQ-quantize ``w`` ``[K, N]`` given the input Hessian ``H`` ``[K, K]``; see module docstring.
 
-    ``group_size=None`` (or -1) means per output channel (one group of K rows).
+    ``H`` may also be :func:`prepare_hessian`'s result for it (with the same ``percdamp`` and
+    ``act_order``). ``group_size=None`` (or -1) means per output channel (one group of K rows).
     """
     W = np.array(w, dtype=np.float32)  # copy
     K, N = W.shape
-    H = np.array(H, dtype=np.float64)
-    if H.shape != (K, K):
-        raise ValueError(f"H has shape {H.shape}, expected {(K, K)} for a weight of shape {W.shape}")
+    if not isinstance(H, PreparedHessian):
+        H = prepare_hessian(H, percdamp=percdamp, act_order=act_order) if np.shape(H) == (K, K) else np.asarray(H)
+    elif (H.percdamp, H.act_order) != (percdamp, act_order):
+        raise ValueError(f"H was prepared with percdamp={H.percdamp}, act_order={H.act_order}; "
+                         f"this call has percdamp={percdamp}, act_order={act_order}")
+    if not isinstance(H, PreparedHessian) or H.hinv.shape != (K, K):
+        shape = H.hinv.shape if isinstance(H, PreparedHessian) else H.shape
+        raise ValueError(f"H has shape {shape}, expected {(K, K)} for a weight of shape {W.shape}")
+    dead, perm, Hinv = H.dead, H.perm, H.hinv
     if group_size in (None, -1):
         group_size, per_channel = K, True
     else:
@@ -195,22 +231,14 @@ def gptq_quantize(
     if per_channel:
         scales[0], zeros[0] = find_params(W, bits, symmetric)  # before the dead zeroing, as the reference
 
-    dead = np.diag(H) == 0
-    H[dead, dead] = 1
     W[dead] = 0
 
     if static_groups and not per_channel:
         for g in range(n_groups):
             scales[g], zeros[g] = find_params(W[g * group_size : (g + 1) * group_size], bits, symmetric)
 
-    perm = np.arange(K)
     if act_order:
-        perm = np.argsort(-np.diag(H), kind="stable")
         W = W[perm]
-        H = H[perm][:, perm]
-
-    H[np.diag_indices(K)] += percdamp * np.mean(np.diag(H))
-    Hinv = _inverse_cholesky_upper(H).astype(np.float32)
 
     Q = np.zeros_like(W)
     maxq = np.float32(2**bits - 1)

@@ -34,7 +34,7 @@ import numpy as np
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.layer_fn import INPUT_OF, UPSTREAM
 from lrmq.ptq.result import PTQResult
-from lrmq.ptq.gptq import gptq_codes, gptq_quantize
+from lrmq.ptq.gptq import gptq_codes, gptq_quantize, prepare_hessian
 from lrmq.quant import packing
 from lrmq.quant.qweight import QuantizedWeight
 
@@ -86,11 +86,12 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> di
     # handed back to later forwards so they skip the work before them (attn_in is left out: a norm)
     exact: dict[str, np.ndarray] = {}
     for stage in stages:
-        # only the inputs this stage reads (the layer past them is not computed); one Hessian per input
-        # (q/k/v share attn_in, gate/up share mlp_in)
+        # only the inputs this stage reads (the layer past them is not computed); one Hessian and one
+        # Hinv per input (q/k/v share attn_in, gate/up share mlp_in)
         need = {INPUT_OF[name] for name in stage}
         caps = ctx.inputs_only(need, p, given={k: v for k, v in exact.items() if k not in need})
-        h_of = {inp: hessian(x) for inp, x in caps.items()}
+        h_of = {inp: prepare_hessian(hessian(x), percdamp=opts.percdamp, act_order=opts.act_order)
+                for inp, x in caps.items()}
         hs = {name: h_of[INPUT_OF[name]] for name in stage}
         exact.update((k, v) for k, v in caps.items() if k != "attn_in")
         exact = {k: v for k, v in exact.items() if not set(stage) & set(UPSTREAM[k])}
