@@ -11,7 +11,9 @@ and given to both), G completions per prompt, temperature 1, top-p 1, top-k 0, `
 float32, mu = 1, beta = 0, the same exact-match boxed reward (lrmq's ``boxed_exact``), AdamW lr 1e-6.
 Reported per step (median over all timed steps of all rounds): wall time, its rollout / update split
 (TRL: ``_generate_and_score_completions`` vs the rest of the training step), generated tokens per
-second, and CPU-seconds (user + system of the process).
+second, and CPU-seconds (user + system of the process). lrmq compiles once per new batch shape (prompt
+bucket, packed rows); the seconds XLA spent compiling inside each timed step are recorded (JAX's
+monitoring events), and ``step_s_no_compile`` is the median over the timed steps that compiled nothing.
 
     .venv/bin/python benchmarks/vs_trl.py --quick                               # tiny, 1 thread, 1 round
     .venv/bin/python benchmarks/vs_trl.py --out docs/figures/vs_trl.json        # tiny + 100m, 1 and 2 threads
@@ -36,6 +38,7 @@ import common  # noqa: E402
 TINY_DIR = os.path.join(common.REPO, "lrmq", "assets", "tiny")
 # (prompts_per_step, group_size, max_new_tokens)
 SHAPES = {"tiny": (8, 8, 64), "100m": (4, 4, 64)}
+STEPS = {"tiny": 6, "100m": 3}  # timed steps per process (tiny: more, since a step is short next to a compile)
 QUICK_SHAPES = {"tiny": (4, 4, 32), "100m": (2, 2, 16)}
 MAX_PROMPT_LEN = 64
 
@@ -70,8 +73,17 @@ def worker_lrmq(a) -> list[dict]:
     tr = GRPOTrainer(cfg, writer_factory=lambda path: NullWriter())
     key = jax.random.key(a.seed)
     out = []
+    compiles = {"s": 0.0, "n": 0}
+
+    def on_event(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles["s"] += duration
+            compiles["n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
         for i in range(a.steps + 1):
+            compiles["s"], compiles["n"] = 0.0, 0
             c0, t0 = _cpu(), time.perf_counter()
             rb, stats = tr.rollout(next(tr.pipeline), jax.random.fold_in(key, i))
             t1 = time.perf_counter()
@@ -79,7 +91,7 @@ def worker_lrmq(a) -> list[dict]:
             t2 = time.perf_counter()
             out.append({"step_s": t2 - t0, "rollout_s": t1 - t0, "update_s": t2 - t1, "cpu_s": _cpu() - c0,
                         "gen_tokens": float(stats["completion/length_mean"]) * rb.num_sequences,
-                        "width": int(rb.tokens.shape[1])})
+                        "width": int(rb.tokens.shape[1]), "compile_s": compiles["s"], "compiles": compiles["n"]})
             tr.step += 1
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -185,6 +197,11 @@ def summarize(steps: list[list[dict]]) -> dict:
            "cpu_s_per_step": med("cpu_s"), "gen_tokens_per_s": sum(x["gen_tokens"] for x in timed) /
            sum(x["step_s"] for x in timed), "first_step_cold_s": steps[0][0]["step_s"],
            "step_s_all": [x["step_s"] for x in timed]}
+    if "compiles" in timed[0]:
+        quiet = [x for x in timed if not x["compiles"]]
+        out["step_s_no_compile"] = med("step_s", quiet) if quiet else None
+        out["timed_steps_compiling"] = sum(1 for x in timed if x["compiles"])
+        out["compile_s_in_timed_steps"] = sum(x["compile_s"] for x in timed)
     if len(steps) > 1:
         out["first_step_warm_s"] = statistics.median(s[0]["step_s"] for s in steps[1:])
     return out
@@ -196,7 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="comma list of tiny,100m (default both; --quick: tiny)")
     ap.add_argument("--threads", default=None, help="comma list of thread counts (default 1,2; --quick: 1)")
     ap.add_argument("--rounds", type=int, default=None, help="alternations per model and thread count (default 2)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per process after the first (default 3)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per process after the first (default: tiny 6, 100m 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the figures as JSON here")
     # worker mode (internal)
@@ -221,7 +239,7 @@ def main(argv=None) -> int:
 
     models = (a.models or ("tiny" if a.quick else "tiny,100m")).split(",")
     threads = [int(t) for t in (a.threads or ("1" if a.quick else "1,2")).split(",")]
-    rounds, steps = a.rounds or (1 if a.quick else 2), a.steps or (1 if a.quick else 3)
+    rounds = a.rounds or (1 if a.quick else 2)
     shapes = QUICK_SHAPES if a.quick else SHAPES
     info = common.machine_info(max(threads))
     print(common.machine_str(info), flush=True)
@@ -238,6 +256,7 @@ def main(argv=None) -> int:
                 n = grpo_step.write_random_checkpoint(ckpt, grpo_step.ARCH_100M, a.seed)
             else:
                 raise SystemExit(f"unknown model {name!r}; known: tiny, 100m")
+            steps = a.steps or (1 if a.quick else STEPS[name])
             for t in threads:
                 runs: dict[str, list] = {"lrmq": [], "trl": []}
                 cache = os.path.join(scratch, f"jax-cache-{name}-{t}")  # empty at round 0: a cold first step
@@ -258,12 +277,17 @@ def main(argv=None) -> int:
                 print(f"{name} {t} thread(s): lrmq step {L['step_s']:.2f}s (rollout {L['rollout_s']:.2f} / update "
                       f"{L['update_s']:.2f}), TRL {T['step_s']:.2f}s ({T['rollout_s']:.2f} / {T['update_s']:.2f}); "
                       f"ratio {row['step_ratio_lrmq_over_trl']:.2f}; first step cold {L['first_step_cold_s']:.1f}s"
-                      f" (warm {L.get('first_step_warm_s', float('nan')):.1f}s) vs {T['first_step_cold_s']:.1f}s; cpu-s/step {L['cpu_s_per_step']:.2f} vs {T['cpu_s_per_step']:.2f}",
+                      f" (warm {L.get('first_step_warm_s', float('nan')):.1f}s) vs {T['first_step_cold_s']:.1f}s; cpu-s/step {L['cpu_s_per_step']:.2f} vs {T['cpu_s_per_step']:.2f}"
+                      f"; lrmq timed steps compiling {L['timed_steps_compiling']}, step without compiles {L['step_s_no_compile']}",
                       flush=True)
+                if a.out:  # after every (model, threads): a run cut short keeps what it measured
+                    common.write_json(a.out, {"benchmark": "vs_trl", "machine": info, "results": results,
+                                              "loadavg_now": list(os.getloadavg()), "partial": True})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     headers = ["model", "threads", "lrmq step s (rollout/update)", "TRL step s (rollout/update)", "lrmq/TRL",
-               "gen tok/s lrmq / TRL", "CPU-s/step lrmq / TRL", "first step s lrmq cold / warm / TRL"]
+               "gen tok/s lrmq / TRL", "CPU-s/step lrmq / TRL", "first step s lrmq cold / warm / TRL",
+               "lrmq timed steps compiling; step s without"]
     table = [[r["model"], r["threads"],
               f"{r['lrmq']['step_s']:.2f} ({r['lrmq']['rollout_s']:.2f}/{r['lrmq']['update_s']:.2f})",
               f"{r['trl']['step_s']:.2f} ({r['trl']['rollout_s']:.2f}/{r['trl']['update_s']:.2f})",
@@ -271,9 +295,12 @@ def main(argv=None) -> int:
               f"{r['lrmq']['gen_tokens_per_s']:.0f} / {r['trl']['gen_tokens_per_s']:.0f}",
               f"{r['lrmq']['cpu_s_per_step']:.2f} / {r['trl']['cpu_s_per_step']:.2f}",
               f"{r['lrmq']['first_step_cold_s']:.1f} / {r['lrmq'].get('first_step_warm_s', float('nan')):.1f} / "
-              f"{r['trl']['first_step_cold_s']:.1f}"] for r in results]
+              f"{r['trl']['first_step_cold_s']:.1f}",
+              f"{r['lrmq']['timed_steps_compiling']} of {len(r['lrmq']['step_s_all'])}; "
+              f"{r['lrmq']['step_s_no_compile'] or float('nan'):.2f}"] for r in results]
     print(common.md_table(headers, table))
     common.write_json(a.out, {"benchmark": "vs_trl", "machine": info, "results": results,
+                              "loadavg_at_end": list(os.getloadavg()),
                               "note": "first step (compile / warm-up) excluded from step_s; first_step_cold_s: round 0 "
                                       "(lrmq's compile cache empty), first_step_warm_s: later rounds (cache filled)"})
     return 0

@@ -132,11 +132,21 @@ def _sds(shape, dtype, sharding):
 
 
 def abstract_batch(cfg: TrainConfig, mesh) -> dict:
-    """The train step's batch: S = prompts x group sequences of max_prompt_len + max_new_tokens."""
+    """The train step's batch at its largest: S = prompts x group sequences of max_prompt_len +
+    max_new_tokens; for rollout.update_padding=pack the packed layout's worst case (every sequence at full
+    length, one per row, every completion position a slot: the same work as the padded batch)."""
     r = cfg.rollout
     s, n = r.prompts_per_step * r.group_size, r.max_new_tokens
     length = r.max_prompt_len + n
     sh = lambda nd: batch_sharding(mesh, nd)
+    if r.update_padding == "pack":
+        n_micro = s // (cfg.optim.micro_batch_size or s)
+        groups = batch_divisor(mesh)
+        slots = s // n_micro // groups * n
+        rows = {k: _sds((s, length), jnp.int32, sh(2)) for k in ("tokens", "positions", "segments")}
+        idx = {k: _sds((groups * n_micro, slots), jnp.int32, sh(2)) for k in ("src", "target", "dest")}
+        return {**rows, **idx, "completion_mask": _sds((s, n), jnp.float32, sh(2)),
+                "old_logp": _sds((s, n), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}
     return {"tokens": _sds((s, length), jnp.int32, sh(2)), "mask": _sds((s, length), jnp.int32, sh(2)),
             "completion": _sds((s, n), jnp.int32, sh(2)), "completion_mask": _sds((s, n), jnp.float32, sh(2)),
             "old_logp": _sds((s, n), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}

@@ -139,6 +139,21 @@ def test_train_modes_compile_for_a_multichip_slice(tmp_path, quant):
     assert kernels == ([True, True] if quant["mode"] == "qlora" else [False, False])
 
 
+@pytest.mark.parametrize("layout", ["pack", "max"])
+def test_update_layouts_compile_for_a_multichip_slice(tmp_path, layout):
+    """The packed update (gathers and scatters per device group, segment masks) and the padded one compile
+    for 8 v5e chips with two micro-batches; their worst cases do the same work, so memory is close."""
+    from lrmq import aot
+
+    cfg = tiny_train_config(str(tmp_path), mesh={"fsdp": 8}, rollout={"update_padding": layout},
+                            optim={"micro_batch_size": 8})
+    run = aot.abstract_run(cfg, aot.make_mesh(aot.MeshConfig(1, 8, 1), devices=list(aot.topology_devices("v5e:2x4"))))
+    batch = aot.abstract_batch(cfg, run.mesh)
+    assert ("segments" in batch) == (layout == "pack")
+    step, _ = aot.compile_train_step(run)
+    assert aot.memory_report(step)["total"] > 0
+
+
 def test_evaluate_compile_only_for_a_tpu_topology(capsys):
     """`lrmq.evaluate --compile-only`: the suite's generate call compiled for a TPU slice without weights;
     too large a batch for the chip's HBM exits 3 naming the knob to lower."""
