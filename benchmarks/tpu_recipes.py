@@ -40,9 +40,16 @@ def recipes(only: list[str]) -> list[str]:
 
 
 def layers_of(name: str) -> str:
-    """"scan" when the recipe's update scans over the layers (model.scan_layers), else "loop"."""
+    """"scan" when the recipe's update scans over the layers (model.scan_layers), else "loop"; "+pack" when
+    its update uses the packed layout (rollout.update_padding, default pack: compiled at its worst case).
+    Entries without "+pack" were compiled with the padded layout (before packing became the default)."""
+    from lrmq.rl.config import TrainConfig
+
     with open(os.path.join(REPO, "configs", "paper1", name + ".yaml")) as f:
-        return "scan" if (yaml.safe_load(f).get("model") or {}).get("scan_layers") else "loop"
+        y = yaml.safe_load(f)
+    layers = "scan" if (y.get("model") or {}).get("scan_layers") else "loop"
+    layout = (y.get("rollout") or {}).get("update_padding", TrainConfig().rollout.update_padding)
+    return layers + ("+pack" if layout == "pack" else "")
 
 
 def run_one(name: str, mode: str, timeout: float) -> dict:
