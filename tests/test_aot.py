@@ -139,10 +139,10 @@ def test_train_modes_compile_for_a_multichip_slice(tmp_path, quant):
     assert kernels == ([True, True] if quant["mode"] == "qlora" else [False, False])
 
 
-@pytest.mark.parametrize("layout", ["pack", "max"])
+@pytest.mark.parametrize("layout", ["max"])  # pack (the default): every other compile test here
 def test_update_layouts_compile_for_a_multichip_slice(tmp_path, layout):
-    """The packed update (gathers and scatters per device group, segment masks) and the padded one compile
-    for 8 v5e chips with two micro-batches; their worst cases do the same work, so memory is close."""
+    """The padded update compiles for 8 v5e chips with two micro-batches, as the packed one (gathers and
+    scatters per device group, segment masks) does in the tests above."""
     from lrmq import aot
 
     cfg = tiny_train_config(str(tmp_path), mesh={"fsdp": 8}, rollout={"update_padding": layout},

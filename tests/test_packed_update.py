@@ -10,13 +10,21 @@ import pytest
 from test_train_modes import grpo_config, make_trainer, scratch_ckpt  # noqa: F401 (fixture)
 
 from lrmq.model.decoder import positions_from_mask
-from lrmq.rl.batch import RolloutBatch, bucketed_arrays, mask_rows, packed_arrays, row_bucket
+from lrmq.rl.batch import RolloutBatch, mask_rows, packed_arrays, reuse_or_bucket, row_bucket
 
 
 def test_row_bucket_quarter_octaves():
     assert [row_bucket(n) for n in (0, 1, 7, 8, 9, 10, 11, 16, 17, 21, 33, 100)] == \
         [1, 1, 7, 8, 10, 10, 12, 16, 20, 24, 40, 112]
     assert all(row_bucket(n) >= n and row_bucket(n) <= 1.25 * n + 1 for n in range(1, 2000))
+
+
+def test_compiled_shapes_are_reused_only_when_not_much_larger():
+    assert reuse_or_bucket(20, 1500, set()) == (20, 1536)
+    assert reuse_or_bucket(20, 1500, {(24, 2048)}) == (24, 2048)  # 24 <= 1.25 * 20, 2048 <= 1.5 * 1536
+    assert reuse_or_bucket(20, 1500, {(24, 2048), (20, 1536)}) == (20, 1536)  # the smallest that holds it
+    assert reuse_or_bucket(10, 1500, {(24, 2048)}) == (10, 1536)  # too many idle rows: compile its own
+    assert reuse_or_bucket(20, 2100, {(24, 2048)}) == (20, 3072)  # does not hold the slots
 
 
 def _random_batch(rng, s=12, p=10, n=9):
@@ -80,10 +88,11 @@ def _flat(tree):
     return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(tree)])
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_packed_update_equals_padded(scratch_ckpt, tmp_path, scan):
-    """One update (2 micro-batches, KL to a reference, so the reference log-probs take the packed path too)
-    from the packed layout equals the bucketed one: parameters, loss, KL and the returned log-probs."""
+def test_packed_update_equals_padded(scratch_ckpt, tmp_path, scan=True):
+    """One update (2 micro-batches, KL to a reference, so the reference log-probs take the packed path too,
+    layers scanned as in the paper recipes) from the packed layout equals the bucketed one: parameters,
+    loss, KL and the returned log-probs. The unrolled loop with segments: the last test here, and every
+    trainer test (pack is the default)."""
     import lrmq.rl.trainer as trainer_mod
     from test_train_modes import digit_reward
 

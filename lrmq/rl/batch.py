@@ -110,6 +110,15 @@ def packed_buckets(rows: int, slots: int) -> tuple[int, int]:
     return row_bucket(rows), row_bucket(slots, per_octave=2)
 
 
+def reuse_or_bucket(rows: int, slots: int, compiled) -> tuple[int, int]:
+    """The packed shape for a batch needing (rows, slots): the smallest of the `compiled` shapes that holds it
+    with at most 25% more rows and 50% more slots than `packed_buckets` would give (compiles cost seconds; a
+    few padded rows cost milliseconds), else those buckets."""
+    want = packed_buckets(rows, slots)
+    fits = [(r, t) for r, t in compiled if rows <= r <= 1.25 * want[0] and slots <= t <= 1.5 * want[1]]
+    return min(fits) if fits else want
+
+
 def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
                   choose_shape=None) -> dict[str, np.ndarray]:
     """The update batch with no padding computed: each sequence's real tokens packed into rows of width

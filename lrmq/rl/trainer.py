@@ -28,7 +28,7 @@ from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.quant.training import export_float_model, trainable_filter
 from lrmq.rl.advantages import compute_advantages
-from lrmq.rl.batch import (build_batch, bucketed_arrays, mask_rows, packed_arrays, packed_buckets, truncate_left,
+from lrmq.rl.batch import (build_batch, bucketed_arrays, mask_rows, packed_arrays, reuse_or_bucket, truncate_left,
                            truncated_rows)
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.evaluation import SuiteEval
@@ -219,14 +219,10 @@ class GRPOTrainer:
         return bucketed_arrays(rb) if r.update_padding == "bucket" else rb.arrays()
 
     def _packed_shape(self, rows: int, slots: int) -> tuple[int, int]:
-        """(rows, slots) of a packed update: an already compiled shape when one holds the batch for at most
-        25% more rows and 50% more completion slots than its own buckets (compiles cost seconds; a few
-        padded rows cost milliseconds), else the buckets, remembered for later steps. The set is saved with
-        each checkpoint: the shape changes the float summation order, and a resumed run must match."""
-        want = packed_buckets(rows, slots)
-        fits = [(r, t) for r, t in self._packed_shapes
-                if rows <= r <= 1.25 * want[0] and slots <= t <= 1.5 * want[1]]
-        shape = min(fits) if fits else want
+        """(rows, slots) of a packed update (`reuse_or_bucket` over the shapes used so far), remembered for
+        later steps. The set is saved with each checkpoint: the shape changes the float summation order, and
+        a resumed run must match the uninterrupted one."""
+        shape = reuse_or_bucket(rows, slots, self._packed_shapes)
         self._packed_shapes.add(shape)
         return shape
 
