@@ -4,12 +4,14 @@ Orientation: lrmq weights are ``[K, N] = [in, out]``; the reference's column i o
 ``[out, in]`` weight is our row i, so "quantize column i and push its error onto the later
 columns" becomes "quantize row i and push its error onto the later rows".  ``H`` is ``[K, K]``.
 
-Numerics (why numpy): the column loop is inherently sequential and small (one ``[N]`` row and a
-``[block, N]`` rank-1 update per step), so plain numpy float32 is as fast as a jitted
-``fori_loop`` on CPU and is easy to check line by line against the reference; the per-step arithmetic
-is float32 as the reference's.  ``Hinv = chol_upper(inv(H + damp I))`` is done in float64 (more robust
-for near-singular H) as one reversed-order Cholesky and one triangular inverse (no explicit inverse, see
-:func:`_inverse_cholesky_upper`) and cast to float32.
+Numerics: the column loop is sequential (one ``[N]`` row and a ``[block, N]`` rank-1 update per step);
+:func:`_quantize_block_numpy` writes it in numpy, line by line as the reference, in float32 as the
+reference, and :func:`_quantize_block` is the same loop compiled with numba (the same float32 operations
+in the same order, no fast-math: bit-identical, tested), without numpy's temporaries and per-row
+interpreter overhead.  ``Hinv = chol_upper(inv(H + damp I))`` is done in float64 (more robust for
+near-singular H) as one reversed-order Cholesky and one triangular inverse (no explicit inverse, see
+:func:`_inverse_cholesky_upper`) and cast to float32; :func:`prepare_hessian` computes it once per
+Hessian (shared by the Linears that read one input).
 
 Reference behaviours kept on purpose:
 * dead inputs (``diag(H) == 0``): ``H_ii = 1`` and the weight row is zeroed;

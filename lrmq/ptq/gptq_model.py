@@ -7,8 +7,11 @@ Hessians see the already-quantized earlier stages::
     [k_proj, v_proj, q_proj] -> [o_proj] -> [up_proj, gate_proj] -> [down_proj]
 
 without it, all seven Hessians come from one forward of the FP layer. Each stage's forward computes
-only what its inputs need (XLA drops the rest: the ``o_proj`` stage runs the attention, not the MLP),
-and Linears that read one input share its Hessian. For each Linear
+only what its inputs need (XLA drops the rest: the ``o_proj`` stage runs the attention, not the MLP)
+and gets back the captures of earlier stages that are still exact (``layer_fn.UPSTREAM`` unchanged), so
+the gate/up stage starts from ``o_in``, the down stage from ``mlp_in``, and the propagated output is
+computed from ``o_in`` and ``down_in`` (bit-identical to full forwards); Linears that read one input
+share its Hessian and ``Hinv``. For each Linear
 ``H = 2/n_seq * sum_tokens x x^T`` (the reference's running average ends at exactly this; its scale
 does not change the result) and :func:`lrmq.ptq.gptq.gptq_quantize` quantizes the ``[K, N]`` weight
 (blocksize 128, percdamp 0.01, group 128, optional act-order / static groups).
