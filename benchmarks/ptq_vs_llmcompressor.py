@@ -136,6 +136,14 @@ def build(work: str, arch: dict, train_steps: int, seq: int, batch: int, seed: i
     return rec
 
 
+# --matched: both sides on the same algorithm choices where their defaults differ. GPTQ: no activation
+# ordering (lrmq's default; llmcompressor's default is actorder="static"). AWQ: llm-awq's activation-only
+# scale search (lrmq's default; llmcompressor's default duo_scaling also uses the weights) and no clip
+# search (llmcompressor has none; lrmq's default runs llm-awq's auto-clip).
+MATCHED_LRMQ = {"awq": ["awq.clip=false"], "gptq": []}
+MATCHED_LLMC = {"awq": "AWQModifier(duo_scaling=False)", "gptq": "GPTQModifier(actorder=None)"}
+
+
 def lrmq_overrides(method: str, bits: int, group: int, n_blocks: int, block: int, work: str) -> list[str]:
     return [f"model={os.path.join(work, 'model')}", f"method={method}", f"bits={bits}", f"group_size={group}",
             "symmetric=false", f"calibration.path={os.path.join(work, 'calib.jsonl')}", "calibration.source=text",
@@ -194,11 +202,11 @@ def worker_llmc(a) -> int:
         from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform.awq import AWQModifier
 
-        recipe = [AWQModifier(), QuantizationModifier(**kw)]
+        recipe = [AWQModifier(**({"duo_scaling": False} if a.matched else {})), QuantizationModifier(**kw)]
     else:
         from llmcompressor.modifiers.gptq import GPTQModifier
 
-        recipe = [GPTQModifier(block_size=128, dampening_frac=0.01, **kw)]
+        recipe = [GPTQModifier(block_size=128, dampening_frac=0.01, **({"actorder": None} if a.matched else {}), **kw)]
     t0 = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(toks), max_seq_length=toks.shape[1],
             shuffle_calibration_samples=False, pipeline="sequential")
@@ -342,6 +350,9 @@ def finish(args, runs, arms, methods, work, threads, env, info, la0, rec):
                                                      "targets=[Linear], ignore=[lm_head])",
                                               "gptq": "GPTQModifier(scheme=W4A16_ASYM, targets=[Linear], "
                                                       "ignore=[lm_head], block_size=128, dampening_frac=0.01)"},
+                     "matched": bool(args.matched),
+                     **({"matched_settings": {"lrmq": MATCHED_LRMQ, "llmcompressor": MATCHED_LLMC}}
+                        if args.matched else {}),
                      "evaluator": "transformers (lrmq venv), float32, CompressedTensorsConfig(dequantize=True) "
                                   f"for compressed outputs; {fp['tokens']} predicted tokens"},
         "float_ppl": fp["ppl"], "summary": summary, "runs": runs})
@@ -370,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="2-layer model, 20 train steps, 1 round, GPTQ only")
+    ap.add_argument("--matched", action="store_true",
+                    help="same algorithm choices on both sides where the defaults differ (MATCHED_LRMQ / MATCHED_LLMC)")
     args = ap.parse_args(argv)
     args.threads = args.threads or common.cpu_count()
     if args.worker == "llmc":
@@ -419,11 +432,12 @@ def main(argv=None) -> int:
             if who == "lrmq":
                 cmd = [sys.executable, "-m", "lrmq.quantize", "--config", "/dev/null",
                        *lrmq_overrides(method, bits, args.group, args.n_blocks, args.block, work),
-                       f"outputs.dir={out}"]
+                       *(MATCHED_LRMQ[method] if args.matched else []), f"outputs.dir={out}"]
             else:
                 cmd = [args.llmc_python, os.path.abspath(__file__), "--worker", "llmc", "--model",
                        os.path.join(work, "model"), "--calib", calib, "--method", method, "--bits-one", str(bits),
-                       "--group", str(args.group), "--threads", str(threads), "--out", out]
+                       "--group", str(args.group), "--threads", str(threads), "--out", out,
+                       *(["--matched"] if args.matched else [])]
             la = os.getloadavg()
             r = run_timed(cmd, env, out + ".log")
             r.update(contender=who, method=method, bits=bits, round=rnd, out=out, loadavg_before=la)
