@@ -29,9 +29,10 @@ its complete pairs. "pass" = lrmq's per-layer loop (report.json ``seconds_per_la
 
 One evaluator for every output: transformers (this venv) loads each output in float32 and computes the
 perplexity of held-out arithmetic text (non-overlapping windows, ``window - 1`` predictions each).
-llmcompressor's output is its compressed-tensors checkpoint (decompressed on load); lrmq's are its
-``fake_quant`` export in float32 (its dequantized weights as computed) and its ``compressed_tensors``
-export (bf16 scales, decompressed on load).
+llmcompressor's output is its compressed-tensors checkpoint (decompressed on load); lrmq writes the same
+kind of output, its ``compressed_tensors`` export (bf16 scales, decompressed on load), and the perplexity
+difference compares the two. ``--lrmq-formats fake_quant,compressed_tensors`` also has lrmq write its
+float32 ``fake_quant`` export (its dequantized weights as computed; 416 MB more to write, inside the time).
 
     .venv/bin/python benchmarks/ptq_vs_llmcompressor.py --quick      # 2-layer model, 1 round (minutes)
     .venv/bin/python benchmarks/ptq_vs_llmcompressor.py --out docs/figures/ptq_vs_llmcompressor.json
@@ -144,12 +145,13 @@ MATCHED_LRMQ = {"awq": ["awq.clip=false"], "gptq": []}
 MATCHED_LLMC = {"awq": "AWQModifier(duo_scaling=False)", "gptq": "GPTQModifier(actorder=None)"}
 
 
-def lrmq_overrides(method: str, bits: int, group: int, n_blocks: int, block: int, work: str) -> list[str]:
+def lrmq_overrides(method: str, bits: int, group: int, n_blocks: int, block: int, work: str,
+                   formats: str = "compressed_tensors") -> list[str]:
     return [f"model={os.path.join(work, 'model')}", f"method={method}", f"bits={bits}", f"group_size={group}",
             "symmetric=false", f"calibration.path={os.path.join(work, 'calib.jsonl')}", "calibration.source=text",
             f"calibration.block_size={block}", "calibration.n_samples=4000", "calibration.max_doc_tokens=512",
             f"calibration.max_blocks={n_blocks}", "progress=false", "outputs.dtype=float32",
-            "outputs.formats=[fake_quant,compressed_tensors]"]
+            f"outputs.formats=[{formats}]"]
 
 
 def calibration_npy(args, work: str) -> str:
@@ -322,17 +324,17 @@ def finish(args, runs, arms, methods, work, threads, env, info, la0, rec):
         lq, lc = row["lrmq"], row["llmcompressor"]
         row["speedup_wall"] = lc["wall_s_median"] / lq["wall_s_median"]
         row["speedup_pass"] = lc["pass_s_median"] / lq["pass_s_median"]
-        row["ppl_rel_diff"] = lq["ppl"]["fake_quant"] / lc["ppl"]["compressed_tensors"] - 1
+        row["ppl_rel_diff"] = lq["ppl"]["compressed_tensors"] / lc["ppl"]["compressed_tensors"] - 1
         row["goal_met"] = row["speedup_wall"] >= 2 and abs(row["ppl_rel_diff"]) <= 0.005
         summary.append(row)
 
     print(f"\nfloat model perplexity {fp['ppl']:.4f} over {fp['tokens']} predicted tokens")
     headers = ["method", "lrmq wall s", "llmc wall s", "wall ratio", "lrmq pass s", "llmc pass s", "pass ratio",
-               "lrmq ppl (fake_quant / ct)", "llmc ppl", "ppl diff", "peak RSS MiB lrmq / llmc"]
+               "lrmq ppl (formats written)", "llmc ppl", "ppl diff", "peak RSS MiB lrmq / llmc"]
     rows = [[f"{s['method']} W{s['bits']}", s["lrmq"]["wall_s_median"], s["llmcompressor"]["wall_s_median"],
              f"{s['speedup_wall']:.2f}x", s["lrmq"]["pass_s_median"], s["llmcompressor"]["pass_s_median"],
              f"{s['speedup_pass']:.2f}x",
-             f"{s['lrmq']['ppl']['fake_quant']:.4f} / {s['lrmq']['ppl']['compressed_tensors']:.4f}",
+             " / ".join(f"{v:.4f}" for v in s['lrmq']['ppl'].values()),
              f"{s['llmcompressor']['ppl']['compressed_tensors']:.4f}", f"{100 * s['ppl_rel_diff']:+.2f}%",
              f"{s['lrmq']['peak_rss_mib_max']:.0f} / {s['llmcompressor']['peak_rss_mib_max']:.0f}"]
             for s in summary]
@@ -345,7 +347,8 @@ def finish(args, runs, arms, methods, work, threads, env, info, la0, rec):
                      "rounds_planned": getattr(args, "rounds_of", args.rounds),
                      "rounds_done": {m: len({r["round"] for r in runs if r["method"] == m}) for m in methods}, "calibration_blocks": [args.n_blocks, args.block], "threads": threads,
                      "lrmq_command": "python -m lrmq.quantize --config /dev/null " + " ".join(
-                         lrmq_overrides("awq|gptq", args.bits_list[0], args.group, args.n_blocks, args.block, "WORK")),
+                         lrmq_overrides("awq|gptq", args.bits_list[0], args.group, args.n_blocks, args.block, "WORK",
+                                        args.lrmq_formats)),
                      "llmcompressor_recipe": {"awq": "AWQModifier() + QuantizationModifier(scheme=W4A16_ASYM, "
                                                      "targets=[Linear], ignore=[lm_head])",
                                               "gptq": "GPTQModifier(scheme=W4A16_ASYM, targets=[Linear], "
@@ -381,6 +384,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="2-layer model, 20 train steps, 1 round, GPTQ only")
+    ap.add_argument("--lrmq-formats", default="compressed_tensors",
+                    help="lrmq's exports, comma-separated (compressed_tensors: the same output llmcompressor writes)")
     ap.add_argument("--matched", action="store_true",
                     help="same algorithm choices on both sides where the defaults differ (MATCHED_LRMQ / MATCHED_LLMC)")
     args = ap.parse_args(argv)
@@ -431,7 +436,8 @@ def main(argv=None) -> int:
             shutil.rmtree(out, ignore_errors=True)
             if who == "lrmq":
                 cmd = [sys.executable, "-m", "lrmq.quantize", "--config", "/dev/null",
-                       *lrmq_overrides(method, bits, args.group, args.n_blocks, args.block, work),
+                       *lrmq_overrides(method, bits, args.group, args.n_blocks, args.block, work,
+                                       args.lrmq_formats),
                        *(MATCHED_LRMQ[method] if args.matched else []), f"outputs.dir={out}"]
             else:
                 cmd = [args.llmc_python, os.path.abspath(__file__), "--worker", "llmc", "--model",
@@ -446,8 +452,7 @@ def main(argv=None) -> int:
                     rep = json.load(f)
                 r["pass_s"] = sum(rep["info"]["seconds_per_layer"])
                 r["calibration_blocks"] = rep["calibration_blocks"]
-                r["eval_dirs"] = {"fake_quant": os.path.join(out, "fake_quant"),
-                                  "compressed_tensors": os.path.join(out, "compressed_tensors")}
+                r["eval_dirs"] = {f: os.path.join(out, f) for f in args.lrmq_formats.split(",")}
             else:
                 with open(os.path.join(out, "bench_timing.json")) as f:
                     t = json.load(f)

@@ -16,10 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import gpu as _gpu
 from . import reference as _ref
 from . import tpu as _tpu
 from .target import current_target
+
+def _gpu():
+    """The GPU (Triton) kernels, imported on first use: ~0.3 s of every start on machines without a GPU."""
+    from . import gpu
+
+    return gpu
+
 
 _IMPLS = ("auto", "tpu", "gpu", "xla")
 
@@ -72,19 +78,19 @@ def _float_or_int_zero(a):
 _FORMATS = {
     "int4": (
         lambda x, q, c, **kw: _tpu.int4_matmul_tpu(x, *q, c.group_size, **kw),
-        lambda x, q, c, **kw: _gpu.int4_matmul_gpu(x, *q, c.group_size, **kw),
+        lambda x, q, c, **kw: _gpu().int4_matmul_gpu(x, *q, c.group_size, **kw),
         lambda x, q, c, **kw: _ref.int4_matmul_reference(x, *q, c.group_size, **kw),
         lambda q, c: _ref.dequantize_int4(*q, c.group_size),
     ),
     "int8": (
         lambda x, q, c, **kw: _tpu.int8_matmul_tpu(x, *q, **kw),
-        lambda x, q, c, **kw: _gpu.int8_matmul_gpu(x, *q, **kw),
+        lambda x, q, c, **kw: _gpu().int8_matmul_gpu(x, *q, **kw),
         lambda x, q, c, **kw: _ref.int8_matmul_reference(x, *q, **kw),
         lambda q, c: _ref.dequantize_int8(*q),
     ),
     "nf4": (
         lambda x, q, c, **kw: _tpu.nf4_matmul_tpu(x, *q, c.group_size, **kw),
-        lambda x, q, c, **kw: _gpu.nf4_matmul_gpu(x, *q, c.group_size, **kw),
+        lambda x, q, c, **kw: _gpu().nf4_matmul_gpu(x, *q, c.group_size, **kw),
         lambda x, q, c, **kw: _ref.nf4_matmul_reference(x, *q, c.group_size, **kw),
         lambda q, c: _ref.dequantize_nf4(*q, c.group_size).T,  # stored [N, K]
     ),
