@@ -32,7 +32,8 @@ from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.training import pack_linears, prepare_for_training, trainable_filter
 from lrmq.quant.transforms import qweight_shardings
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings, uses_rollout_logprobs
+from lrmq.rl.step import (make_optimizer, make_train_step, micro_batch_count, opt_state_shardings,
+                          uses_rollout_logprobs)
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, logical_to_spec, make_mesh
 
 GIB = 1024 ** 3
@@ -140,7 +141,7 @@ def abstract_batch(cfg: TrainConfig, mesh) -> dict:
     length = r.max_prompt_len + n
     sh = lambda nd: batch_sharding(mesh, nd)
     if r.update_padding == "pack":
-        n_micro = s // (cfg.optim.micro_batch_size or s)
+        n_micro = micro_batch_count(cfg, s)
         groups = batch_divisor(mesh)
         slots = s // n_micro // groups * n
         rows = {k: _sds((s, length), jnp.int32, sh(2)) for k in ("tokens", "positions", "segments")}

@@ -73,7 +73,7 @@ def run_main(name: str, body: Callable[[], int], errors: tuple = USER_ERRORS) ->
         print_error(name, e)
         return 2
     except OSError as e:
-        if isinstance(e, DiskFullError) or is_disk_full(e):
+        if is_disk_full(e):  # an ENOSPC not raised as DiskFullError (a USER_ERROR, handled above)
             print_error(name, e)
             return 2
         raise

@@ -121,9 +121,9 @@ def reuse_or_bucket(rows: int, slots: int, compiled) -> tuple[int, int]:
 
 def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
                   choose_shape=None) -> dict[str, np.ndarray]:
-    """The update batch with no padding computed: each sequence's real tokens packed into rows of width
-    the batch's width (prompt bucket + max_new_tokens), several sequences per row (first-fit decreasing), each with its own
-    positions and a segment id that confines its attention to itself (`Decoder.hidden(segments=)`).
+    """The update batch with no padding computed: each sequence's real tokens packed into rows of the
+    batch's width (prompt bucket + max_new_tokens), several sequences per row (first-fit decreasing), each
+    with its own positions and a segment id that confines its attention to itself (`Decoder.hidden(segments=)`).
 
     Only the tokens a loss term needs go in: the prompt and the completion up to its last token with a
     nonzero completion_mask, minus that last token (nothing is predicted from it). A sequence with no
@@ -156,11 +156,13 @@ def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
     needed = np.where(cmask.any(axis=1), n - np.argmax(cmask[:, ::-1], axis=1), 0)  # completion tokens used
     n_prompt = real[:, :prompt_len].sum(axis=1)
 
-    # place every sequence: group -> rows of (sequence, length)
+    # place every sequence: group -> rows of (sequence, length); and each group's completion slots
     rows_of: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+    slots_needed = 0
     for g_i in range(n_micro):
         for g_d in range(groups):
             members = [k * n_micro + g_i for k in range(g_d * k_loc, (g_d + 1) * k_loc)]
+            slots_needed = max(slots_needed, int(needed[members].sum()))
             items = sorted(((int(n_prompt[x] + needed[x] - 1), x) for x in members if needed[x]), reverse=True)
             rows: list[list[tuple[int, int]]] = []
             free: list[int] = []
@@ -175,8 +177,6 @@ def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
                     free.append(width - length)
             rows_of[(g_i, g_d)] = rows
     rows_needed = max(len(v) for v in rows_of.values())
-    slots_needed = max(int(needed[[k * n_micro + gi for k in range(gd * k_loc, (gd + 1) * k_loc)]].sum())
-                       for gi, gd in rows_of)
     r_rows, t_slots = (choose_shape or packed_buckets)(rows_needed, slots_needed)
     if r_rows < rows_needed or t_slots < slots_needed:
         raise ValueError(f"packed shape ({r_rows} rows, {t_slots} slots) below the needed ({rows_needed}, {slots_needed})")

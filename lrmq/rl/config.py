@@ -71,8 +71,8 @@ class RolloutSection:
     top_k: int = opt(0, "sample among the k most likely tokens (0 = off)", ge=0)
     update_padding: Literal["pack", "bucket", "max"] = opt(
         "pack", "layout of the update batch: pack (each sequence's real tokens only, several sequences per row of "
-                "max_prompt_len + max_new_tokens with attention kept within each; rows and completion slots "
-                "rounded up in quarter-octave steps: a handful of compiles, no compute on padding), bucket (prompt "
+                "the batch's width with attention kept within each; rows and completion slots rounded up in "
+                "quarter- and half-octave steps: a handful of compiles, no compute on padding), bucket (prompt "
                 "and completion parts padded to the next power of two of the batch's longest, at least 16) or max "
                 "(max_prompt_len + max_new_tokens: one compile, the shape --compile-only and the preflight check)")
     generation_batch: int = opt(0, "sequences per generate call (0 = all prompts x group of a step at once); "

@@ -111,6 +111,12 @@ def _project(model, h, targets, temperature: float, chunk: int):
     return unchunk(logp), unchunk(ent)
 
 
+def micro_batch_count(cfg: TrainConfig, sequences: int) -> int:
+    """How many micro-batches an update of `sequences` sequences accumulates over (optim.micro_batch_size,
+    0 = one)."""
+    return sequences // (cfg.optim.micro_batch_size or sequences)
+
+
 def micro_batches(x, n_micro: int):
     """[S, ...] -> [n_micro, S / n_micro, ...] with micro-batch i = rows i, i + n_micro, ... (strided).
 
@@ -145,8 +151,7 @@ def train_step(graphdef, cfg: TrainConfig, tx, use_old, trainable, rest, opt_sta
     the step also returns those log-probs ``[S, N]`` (the pre-update policy's), which later inner
     iterations (mu > 1) use as old log-probs."""
     s = batch["completion_mask"].shape[0]  # sequences (a packed batch has fewer token rows)
-    mbs = cfg.optim.micro_batch_size or s
-    n_micro = s // mbs
+    n_micro = micro_batch_count(cfg, s)
     # The aggregation's denominator over the whole batch, so sum of micro-batch (sum / total) is exact.
     _, total_count = AGGREGATIONS.get(cfg.algo.loss_aggregation)(
         jnp.zeros_like(batch["completion_mask"]), batch["completion_mask"], max_len=cfg.rollout.max_new_tokens)
@@ -213,7 +218,7 @@ def make_ref_logprobs(graphdef, cfg: TrainConfig):
                                        cfg.rollout.temperature, **kw)[0]
         # a packed batch is laid out per micro-batch: split as the step does, then run all groups at once
         s = batch["completion_mask"].shape[0]
-        n_micro = s // (cfg.optim.micro_batch_size or s)
+        n_micro = micro_batch_count(cfg, s)
         flat = jax.tree.map(lambda x: micro_batches(x, n_micro).reshape((-1,) + x.shape[1:]), batch)
         logp = packed_logprobs(model, flat, cfg.rollout.temperature, **kw)[0]
         return logp.reshape(n_micro, s // n_micro, -1).swapaxes(0, 1).reshape(s, -1)

@@ -38,7 +38,7 @@ from lrmq.rl.run_checks import config_diff, first_non_finite
 from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar, tb_writer
 from lrmq.rl.setup import build_model, load_datasets
 from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step,
-                          uses_rollout_logprobs)
+                          micro_batch_count, uses_rollout_logprobs)
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, host_array, make_mesh
 from lrmq.tokenizer import Tokenizer
 
@@ -213,8 +213,7 @@ class GRPOTrainer:
         """The host arrays of the update batch in the layout rollout.update_padding asks for."""
         r = self.cfg.rollout
         if r.update_padding == "pack":
-            s = rb.num_sequences
-            return packed_arrays(rb, n_micro=s // (self.cfg.optim.micro_batch_size or s),
+            return packed_arrays(rb, n_micro=micro_batch_count(self.cfg, rb.num_sequences),
                                  groups=batch_divisor(self.mesh), choose_shape=self._packed_shape)
         return bucketed_arrays(rb) if r.update_padding == "bucket" else rb.arrays()
 
