@@ -20,6 +20,7 @@ from . import reference as _ref
 from . import tpu as _tpu
 from .target import current_target
 
+
 def _gpu():
     """The GPU (Triton) kernels, imported on first use: ~0.3 s of every start on machines without a GPU."""
     from . import gpu
