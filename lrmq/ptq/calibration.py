@@ -3,7 +3,7 @@
 Three recipes, each returning int32 ``[n_blocks, block_size]``:
 
 * :func:`awq_blocks` -- llm-awq / AutoAWQ ``get_calib_dataset`` (pile-val): shuffle the documents
-  with ``datasets.Dataset.shuffle(seed=42)``, strip each, encode it (``add_special_tokens=True``, as
+  in ``datasets.Dataset.shuffle(seed=42)``'s order (:func:`shuffled`), strip each, encode it (``add_special_tokens=True``, as
   HF ``tokenizer.encode``), skip documents longer than ``max_doc_tokens`` (512) or empty, keep the
   first ``n_samples`` (128), concatenate and cut into ``block_size`` (512) blocks (the tail is dropped,
   so usually far fewer than 128 blocks).
@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from lrmq.data.prompts import _datasets, format_prompt, load_prompt_dataset
+from lrmq.data.synthetic import read_jsonl
 
 
 class CalibrationError(ValueError):
@@ -43,16 +44,30 @@ def _require(path: str, what: str) -> str:
     return path
 
 
-def load_documents(path: str, *, text_field: str = "text"):
-    """A ``datasets.Dataset`` with one ``text`` column (file order)."""
-    ds_lib = _datasets()
+def load_documents(path: str, *, text_field: str = "text") -> list[str]:
+    """The documents' texts, in file order. ``.txt`` and ``.jsonl`` are read directly (no ``datasets``
+    import: it costs 1-2 s of every quantize start); ``.json`` / ``.parquet`` go through ``datasets``."""
     path = _require(path, "calibration file")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".txt":
         with open(path, encoding="utf-8") as f:
             docs = [l.rstrip("\n") for l in f if l.strip()]
-        ds = ds_lib.Dataset.from_dict({"text": docs})
+    elif ext == ".jsonl":
+        try:
+            rows = read_jsonl(path)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CalibrationError(f"cannot read calibration file: {e}") from None
+        docs = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or text_field not in row:
+                cols = sorted(row) if isinstance(row, dict) else type(row).__name__
+                hint = (" (a prompt dataset such as lrmq's data JSONL: calibration.source=prompts, flag "
+                        "--calibration-source prompts)" if isinstance(row, dict) and "problem" in row else "")
+                raise CalibrationError(f"{path}: record {i + 1} has no text field {text_field!r}; "
+                                       f"it has: {cols}{hint}")
+            docs.append(str(row[text_field]))
     elif ext in _TABLE:
+        ds_lib = _datasets()
         try:
             ds = ds_lib.load_dataset(_TABLE[ext], data_files={"train": [path]}, split="train")
         except Exception as e:  # datasets raises many types for bad/empty files
@@ -61,14 +76,17 @@ def load_documents(path: str, *, text_field: str = "text"):
             hint = (" (a prompt dataset such as lrmq's data JSONL: calibration.source=prompts, flag "
                     "--calibration-source prompts)" if "problem" in ds.column_names else "")
             raise CalibrationError(f"{path}: no text field {text_field!r}; columns: {ds.column_names}{hint}")
-        ds = ds.select_columns([text_field])
-        if text_field != "text":
-            ds = ds.rename_column(text_field, "text")
+        docs = [str(t) for t in ds[text_field]]
     else:
         raise CalibrationError(f"{path}: unsupported calibration file type {ext!r}; use .jsonl, .json, .parquet or .txt")
-    if len(ds) == 0:
+    if not docs:
         raise CalibrationError(f"{path}: calibration file has no documents")
-    return ds
+    return docs
+
+
+def shuffled(docs: Sequence[str], seed: int) -> list[str]:
+    """``datasets.Dataset.shuffle(seed=seed)``'s order: ``np.random.default_rng(seed).permutation(n)``."""
+    return [docs[i] for i in np.random.default_rng(seed).permutation(len(docs))]
 
 
 def _blocks(ids: Sequence[int], block_size: int, source: str) -> np.ndarray:
@@ -78,15 +96,15 @@ def _blocks(ids: Sequence[int], block_size: int, source: str) -> np.ndarray:
     return np.asarray(ids[: n * block_size], np.int32).reshape(n, block_size)
 
 
-def awq_blocks(docs, tokenizer, *, n_samples: int = 128, block_size: int = 512, max_doc_tokens: int = 512,
+def awq_blocks(docs: Sequence[str], tokenizer, *, n_samples: int = 128, block_size: int = 512, max_doc_tokens: int = 512,
                seed: int | None = 42, add_special_tokens: bool = True, source: str = "calibration") -> np.ndarray:
-    """llm-awq ``get_calib_dataset`` on a Dataset with a ``text`` column (see module doc)."""
+    """llm-awq ``get_calib_dataset`` on the documents' texts (see module doc)."""
     if seed is not None:
-        docs = docs.shuffle(seed=seed)
+        docs = shuffled(docs, seed)
     samples: list[int] = []
     n_run = 0
-    for row in docs:
-        line = str(row["text"]).strip()
+    for text in docs:
+        line = text.strip()
         enc = tokenizer.encode(line, add_special_tokens=add_special_tokens)
         if len(enc) > max_doc_tokens or len(enc) == 0:
             continue
@@ -97,9 +115,9 @@ def awq_blocks(docs, tokenizer, *, n_samples: int = 128, block_size: int = 512, 
     return _blocks(samples, block_size, source)
 
 
-def reasoning_blocks(docs, tokenizer, *, max_tokens: int = 128 * 2048, block_size: int = 512,
+def reasoning_blocks(docs: Sequence[str], tokenizer, *, max_tokens: int = 128 * 2048, block_size: int = 512,
                      add_special_tokens: bool = False, source: str = "calibration") -> np.ndarray:
-    text = "\n\n".join(str(t) for t in docs["text"])
+    text = "\n\n".join(docs)
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)[:max_tokens]
     return _blocks(ids, block_size, source)
 

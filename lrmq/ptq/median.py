@@ -47,8 +47,16 @@ class Stats(NamedTuple):
 
 
 def default_workers() -> int:
-    """Threads for the per-matrix work (the kernels and numpy release the GIL)."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """Threads for the per-matrix work (the kernels and numpy release the GIL): the cores this process
+    may run on, at most ``OMP_NUM_THREADS`` when that is set (the thread budget the user gave), at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        cores = min(cores, int(omp))
+    return max(1, min(4, cores))
 
 
 def pmap(fn: Callable, items: Iterable, workers: int | None = None, ahead: int | None = None) -> Iterator:
