@@ -119,7 +119,12 @@ def _qmatmul_fwd(x, q, cfg):
 
 def _qmatmul_bwd(cfg, q, dy):
     w = _FORMATS[cfg.fmt][3](q, cfg)  # [K, N] float32
-    dx = jnp.dot(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+    cdt = _xla_compute_dtype(dy.dtype)
+    if cdt is None:  # f32: the exact product
+        dx = jnp.dot(dy.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+    else:  # 16-bit: the forward's arithmetic (16-bit weight, f32 accumulation), as bitsandbytes' QLoRA
+        # backward; an f32 HIGHEST dot would cost ~6 MXU passes on TPU and an f32 copy of the weight
+        dx = jnp.dot(dy, w.T.astype(cdt), preferred_element_type=jnp.float32)
     # The quantized base is frozen: no gradient flows to codes / scales / zeros / absmax.
     return dx.astype(dy.dtype), tuple(_float_or_int_zero(a) for a in q)
 

@@ -297,10 +297,26 @@ def test_grad_wrt_x_matches_reference(fmt, impl, dtype):
         jnp.zeros((1, x.shape[1]), jnp.float32)))[0, :, 0, :]  # [N, K]
     s = np.abs(np.asarray(ct, np.float64)) @ np.abs(w_nk.astype(np.float64))
     tol = 2 * 128 * U32 * s * 1.01 + 1e-30
-    if dtype == jnp.bfloat16:
-        tol = tol + 2.0 ** -8 * np.abs(np.asarray(g_ref, np.float64))
+    if dtype == jnp.bfloat16:  # bf16 weights in the backward dot (2^-9 relative each) and bf16 dx
+        tol = tol + 2.0 ** -9 * s + 2.0 ** -8 * np.abs(np.asarray(g_ref, np.float64))
     err = np.abs(np.asarray(g, np.float64) - np.asarray(g_ref, np.float64))
     assert np.all(err <= tol), err.max()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+def test_16_bit_backward_runs_in_16_bit(fmt):
+    """bf16 activations: dx = dy @ W^T with W in bf16 and f32 accumulation (the forward's arithmetic and
+    bitsandbytes'), not an f32 HIGHEST-precision dot (6 MXU passes on TPU, an f32 copy of the weight)."""
+    x, f, f_ref = _grad_case(fmt, jnp.bfloat16)
+    dy = jnp.asarray(_rng("dy", fmt).standard_normal((x.shape[0], 128)), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda a: f(a, impl="xla"), x)
+    jaxpr = str(jax.make_jaxpr(vjp)(dy))
+    dots = [l for l in jaxpr.splitlines() if "dot_general" in l]
+    assert dots and all("HIGHEST" not in l for l in dots), dots
+    w = jax.jacobian(lambda a: f_ref(a.astype(jnp.float32)).astype(jnp.float32))(
+        jnp.zeros((1, x.shape[1]), jnp.float32))[0, :, 0, :]  # [N, K] f32
+    want = jnp.dot(dy, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(vjp(dy)[0], np.float32), np.asarray(want, np.float32))
 
 
 def test_no_gradient_into_frozen_quantized_base():
