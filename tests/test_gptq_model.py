@@ -71,26 +71,6 @@ def test_sequential_and_act_order(hf_checkpoint):
     assert not r.g_idx and len(r.packed) == 14
 
 
-def test_parallel_stage_equals_sequential(hf_checkpoint, monkeypatch):
-    """A stage's Linears (q/k/v, gate/up) are quantized on parallel threads: bit for bit what one thread gives."""
-    from lrmq.checkpoint.hf import load_hf_model
-    from lrmq.ptq import median
-    from lrmq.ptq.gptq_model import GPTQOptions, gptq_quantize_model
-
-    d, _ = hf_checkpoint("llama3")
-    toks = np.random.default_rng(1).integers(0, 128, (4, 32))
-    packed = {}
-    for workers in (1, 3):
-        monkeypatch.setattr(median, "default_workers", lambda w=workers: w)
-        r = gptq_quantize_model(load_hf_model(d), toks, GPTQOptions(bits=4, group_size=32), progress=False)
-        packed[workers] = {p: (np.asarray(q.codes), np.asarray(q.scales), np.asarray(q.zeros))
-                           for p, q in r.packed.items()}
-    assert packed[1].keys() == packed[3].keys() and len(packed[1]) == 14
-    for p in packed[1]:
-        for a, b in zip(packed[1][p], packed[3][p]):
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), p
-
-
 def test_worker_threads_follow_the_thread_budget(monkeypatch):
     from lrmq.ptq.median import default_workers
 

@@ -36,7 +36,6 @@ import numpy as np
 
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.layer_fn import INPUT_OF, UPSTREAM
-from lrmq.ptq.median import pmap
 from lrmq.ptq.result import PTQResult
 from lrmq.ptq.gptq import gptq_codes, gptq_quantize, prepare_hessian
 from lrmq.quant import packing
@@ -100,16 +99,11 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> di
         exact.update((k, v) for k, v in caps.items() if k != "attn_in")
         exact = {k: v for k, v in exact.items() if not set(stage) & set(UPSTREAM[k])}
         del caps, h_of
-
-        def quantize(name):
-            return gptq_quantize(np.asarray(p[name]), hs[name], bits=opts.bits,
-                                 group_size=None if opts.group_size == -1 else opts.group_size,
-                                 symmetric=opts.symmetric, block_size=opts.block_size, percdamp=opts.percdamp,
-                                 act_order=opts.act_order, static_groups=opts.static_groups)
-
-        # a stage's Linears are independent given their Hessians: quantized on parallel threads (the
-        # column loop and BLAS release the GIL), each result exactly what a sequential run gives
-        for name, res in zip(stage, pmap(quantize, stage)):
+        for name in stage:
+            res = gptq_quantize(np.asarray(p[name]), hs[name], bits=opts.bits,
+                                group_size=None if opts.group_size == -1 else opts.group_size,
+                                symmetric=opts.symmetric, block_size=opts.block_size, percdamp=opts.percdamp,
+                                act_order=opts.act_order, static_groups=opts.static_groups)
             # the same float32 values the packed weight dequantizes to
             p[name] = jnp.asarray(res.w_q, jnp.float32)
             path = lw.linear_path(ctx.index, name)
