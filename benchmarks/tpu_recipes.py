@@ -12,6 +12,7 @@ file (resumable: finished entries are skipped) and rendered as the markdown tabl
 from __future__ import annotations
 
 import argparse
+import fcntl
 import glob
 import json
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 import yaml
 
@@ -91,6 +93,23 @@ def table(results: list[dict]) -> str:
                      "compile s (step / rollout)", "fits with 10% headroom"], rows)
 
 
+def merge(out: str, res: dict) -> dict:
+    """Merge one result into `out`, re-read under an exclusive lock: several invocations (e.g. one per core)
+    may share the file, and each must keep the others' entries."""
+    lock_path = os.path.join(tempfile.gettempdir(), "tpu_recipes-%08x.lock" % zlib.crc32(os.path.abspath(out).encode()))
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        payload = json.load(open(out)) if os.path.exists(out) else {"machine": machine_info(), "results": []}
+        key = (res["recipe"], res["mode"], res["layers"])
+        payload["results"] = [r for r in payload["results"]
+                              if (r["recipe"], r["mode"], r.get("layers", "loop")) != key
+                              and not (r["recipe"] == res["recipe"] and r["mode"] == res["mode"] and "error" in r)]
+        payload["results"].append(res)
+        payload["date"] = time.strftime("%Y-%m-%d")
+        write_json(out, payload)
+    return payload
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file (merged into when it exists)")
@@ -109,12 +128,7 @@ def main() -> int:
             if (name, mode, layers_of(name)) in done:
                 continue
             res = run_one(name, mode, a.timeout)
-            payload["results"] = [r for r in payload["results"]
-                                  if (r["recipe"], r["mode"], r.get("layers", "loop")) != (name, mode, res["layers"])
-                                  and not (r["recipe"] == name and r["mode"] == mode and "error" in r)]
-            payload["results"].append(res)
-            payload["date"] = time.strftime("%Y-%m-%d")
-            write_json(a.out, payload)
+            payload = merge(a.out, res)
             print(f"{name} {mode}: " + ("error " + " ".join(res["error"]) if "error" in res else
                                         f"fits={res['fits']} ({res['wall_s']:.0f} s)"), flush=True)
     print(table(payload["results"]))
