@@ -45,7 +45,7 @@ def read_text(path: str, text_field: str = "text") -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
 
-    return "\n\n".join(str(t) for t in load_documents(path, text_field=text_field))
+    return "\n\n".join(load_documents(path, text_field=text_field))
 
 
 def windows(ids, window: int, max_windows: int | None = None) -> np.ndarray:

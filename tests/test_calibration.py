@@ -11,7 +11,8 @@ import pytest
 
 from lrmq.ptq.calibration import CalibrationError, load_documents, shuffled
 
-DOCS = ["plain", "  padded  ", "ünïcödé ∑ 1+1=2", "", "x" * 500, "line\twith\ttabs", "42", "quote \" and \\ slash"]
+DOCS = ["plain", "  padded  ", "ünïcödé ∑ 1+1=2", "", "x" * 500, "line\twith\ttabs", "42",
+        "quote \" and \\ slash"]
 
 
 def test_jsonl_and_txt_read_as_datasets_reads_them(tmp_path):

@@ -3,9 +3,9 @@
 Three recipes, each returning int32 ``[n_blocks, block_size]``:
 
 * :func:`awq_blocks` -- llm-awq / AutoAWQ ``get_calib_dataset`` (pile-val): shuffle the documents
-  in ``datasets.Dataset.shuffle(seed=42)``'s order (:func:`shuffled`), strip each, encode it (``add_special_tokens=True``, as
-  HF ``tokenizer.encode``), skip documents longer than ``max_doc_tokens`` (512) or empty, keep the
-  first ``n_samples`` (128), concatenate and cut into ``block_size`` (512) blocks (the tail is dropped,
+  in ``datasets.Dataset.shuffle(seed=42)``'s order (:func:`shuffled`), strip each, encode it
+  (``add_special_tokens=True``, as HF ``tokenizer.encode``), skip documents longer than
+  ``max_doc_tokens`` (512) or empty, keep the first ``n_samples`` (128), concatenate and cut into ``block_size`` (512) blocks (the tail is dropped,
   so usually far fewer than 128 blocks).
 * :func:`reasoning_blocks` -- QuantLRM ``--calib_data reasoning``: the documents joined in file order
   (``"\\n\\n"``), encoded once, the first ``max_tokens`` (128*2048) tokens cut into ``block_size`` blocks.
@@ -96,8 +96,8 @@ def _blocks(ids: Sequence[int], block_size: int, source: str) -> np.ndarray:
     return np.asarray(ids[: n * block_size], np.int32).reshape(n, block_size)
 
 
-def awq_blocks(docs: Sequence[str], tokenizer, *, n_samples: int = 128, block_size: int = 512, max_doc_tokens: int = 512,
-               seed: int | None = 42, add_special_tokens: bool = True, source: str = "calibration") -> np.ndarray:
+def awq_blocks(docs: Sequence[str], tokenizer, *, n_samples: int = 128, block_size: int = 512,
+               max_doc_tokens: int = 512, seed: int | None = 42, add_special_tokens: bool = True, source: str = "calibration") -> np.ndarray:
     """llm-awq ``get_calib_dataset`` on the documents' texts (see module doc)."""
     if seed is not None:
         docs = shuffled(docs, seed)
