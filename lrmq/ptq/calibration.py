@@ -5,8 +5,8 @@ Three recipes, each returning int32 ``[n_blocks, block_size]``:
 * :func:`awq_blocks` -- llm-awq / AutoAWQ ``get_calib_dataset`` (pile-val): shuffle the documents
   in ``datasets.Dataset.shuffle(seed=42)``'s order (:func:`shuffled`), strip each, encode it
   (``add_special_tokens=True``, as HF ``tokenizer.encode``), skip documents longer than
-  ``max_doc_tokens`` (512) or empty, keep the first ``n_samples`` (128), concatenate and cut into ``block_size`` (512) blocks (the tail is dropped,
-  so usually far fewer than 128 blocks).
+  ``max_doc_tokens`` (512) or empty, keep the first ``n_samples`` (128), concatenate and cut into
+  ``block_size`` (512) blocks (the tail is dropped, so usually far fewer than 128 blocks).
 * :func:`reasoning_blocks` -- QuantLRM ``--calib_data reasoning``: the documents joined in file order
   (``"\\n\\n"``), encoded once, the first ``max_tokens`` (128*2048) tokens cut into ``block_size`` blocks.
 * :func:`prompt_blocks` -- paper 1's AWQ calibration: the problems of a training set rendered with a
