@@ -44,6 +44,12 @@ def _require(path: str, what: str) -> str:
     return path
 
 
+def _prompt_hint(columns) -> str:
+    """The pointer to the prompts recipe when a text file turns out to be a prompt dataset."""
+    return (" (a prompt dataset such as lrmq's data JSONL: calibration.source=prompts, flag "
+            "--calibration-source prompts)" if "problem" in columns else "")
+
+
 def load_documents(path: str, *, text_field: str = "text") -> list[str]:
     """The documents' texts, in file order. ``.txt`` and ``.jsonl`` are read directly (no ``datasets``
     import: it costs 1-2 s of every quantize start); ``.json`` / ``.parquet`` go through ``datasets``."""
@@ -61,10 +67,8 @@ def load_documents(path: str, *, text_field: str = "text") -> list[str]:
         for i, row in enumerate(rows):
             if not isinstance(row, dict) or text_field not in row:
                 cols = sorted(row) if isinstance(row, dict) else type(row).__name__
-                hint = (" (a prompt dataset such as lrmq's data JSONL: calibration.source=prompts, flag "
-                        "--calibration-source prompts)" if isinstance(row, dict) and "problem" in row else "")
                 raise CalibrationError(f"{path}: record {i + 1} has no text field {text_field!r}; "
-                                       f"it has: {cols}{hint}")
+                                       f"it has: {cols}{_prompt_hint(row if isinstance(row, dict) else ())}")
             docs.append(str(row[text_field]))
     elif ext in _TABLE:
         ds_lib = _datasets()
@@ -73,9 +77,8 @@ def load_documents(path: str, *, text_field: str = "text") -> list[str]:
         except Exception as e:  # datasets raises many types for bad/empty files
             raise CalibrationError(f"{path}: cannot read calibration file ({type(e).__name__}: {e})") from None
         if text_field not in ds.column_names:
-            hint = (" (a prompt dataset such as lrmq's data JSONL: calibration.source=prompts, flag "
-                    "--calibration-source prompts)" if "problem" in ds.column_names else "")
-            raise CalibrationError(f"{path}: no text field {text_field!r}; columns: {ds.column_names}{hint}")
+            raise CalibrationError(f"{path}: no text field {text_field!r}; columns: {ds.column_names}"
+                                   f"{_prompt_hint(ds.column_names)}")
         docs = [str(t) for t in ds[text_field]]
     else:
         raise CalibrationError(f"{path}: unsupported calibration file type {ext!r}; use .jsonl, .json, .parquet or .txt")
@@ -97,7 +100,8 @@ def _blocks(ids: Sequence[int], block_size: int, source: str) -> np.ndarray:
 
 
 def awq_blocks(docs: Sequence[str], tokenizer, *, n_samples: int = 128, block_size: int = 512,
-               max_doc_tokens: int = 512, seed: int | None = 42, add_special_tokens: bool = True, source: str = "calibration") -> np.ndarray:
+               max_doc_tokens: int = 512, seed: int | None = 42, add_special_tokens: bool = True,
+               source: str = "calibration") -> np.ndarray:
     """llm-awq ``get_calib_dataset`` on the documents' texts (see module doc)."""
     if seed is not None:
         docs = shuffled(docs, seed)
