@@ -27,7 +27,7 @@ demo: $(STAMP)
 # worker (--dist loadfile): module fixtures are built once.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/generate.py --quick

@@ -149,6 +149,27 @@ def test_dropout_only_in_differentiated_forward():
         assert float(jnp.abs(q_lora(ga, name) - q_lora(g0, name)).max()) > 1e-7, name
 
 
+def test_dropout_mask_is_a_fair_counter_hash_not_threefry():
+    """The keep-mask: rate respected, independent across projections (salts), data and neighbours,
+    deterministic, and built without threefry (whose lowering made v6e compiles crawl: lora.py)."""
+    from lrmq.quant.lora import _drop, dropout_keep
+
+    x = jax.random.normal(jax.random.key(0), (256, 512))
+    m = np.asarray(dropout_keep(x, 0.3, 0, 1))
+    sd = np.sqrt(0.21 / m.size)  # binomial std of a kept fraction
+    assert abs(m.mean() - 0.7) < 5 * sd
+    agree = 0.7 ** 2 + 0.3 ** 2  # two independent masks agree this often
+    for other in (dropout_keep(x, 0.3, 0, 2), dropout_keep(x, 0.3, 1, 1), dropout_keep(x + 1e-3, 0.3, 0, 1)):
+        assert abs((m == np.asarray(other)).mean() - agree) < 5 * sd
+    for a, b in ((m[:, 1:], m[:, :-1]), (m[1:], m[:-1])):  # neighbours along each axis
+        assert abs((a & b).mean() - 0.49) < 5 * np.sqrt(0.49 * 0.51 / a.size)
+    np.testing.assert_array_equal(np.asarray(dropout_keep(x, 0.3, 0, 1)), m)
+    assert np.asarray(dropout_keep(x, 0.0, 0, 1)).all()
+    y, keep = _drop(x, 0.3, 0, 1)
+    np.testing.assert_allclose(np.asarray(y), np.where(m, np.asarray(x) / 0.7, 0.0), rtol=1e-6)
+    assert "threefry" not in jax.jit(lambda x: _drop(x, 0.3, 0, 1)[0]).lower(x).as_text()
+
+
 def test_qlora_grpo_improves_reward_on_tiny_model(tmp_path):
     """Lead-run check: QLoRA GRPO on the shipped tiny model raises the mean reward on its training prompts."""
     from test_train_modes import TINY_ASSET, grpo_config, make_trainer, run_steps

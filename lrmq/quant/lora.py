@@ -12,9 +12,14 @@ replicated (lrmq.sharding.RULES).
   with no dropout, while the jitted GRPO update trains with dropout, from one graphdef and with no
   flag to flip (the trainer merges the same graph for both).
 * ``"off"``: never; ``"always"``: in every forward (tests).
-The mask's key is `fold_in(fold_in(key(seed), crc32(path without its layer index)), hash(x))` (see `lrmq.quant.qat.data_hash`):
-no RNG state needs threading through the jitted step; it changes with every batch and micro-batch and
-is reproducible on resume. `model.set_attributes`-style toggling works too: `set_lora_dropout(model, m)`.
+The mask is a counter-based hash (`dropout_keep`): element i is kept when
+`mix(mix(i ^ k1) ^ k2) >= rate * 2^32`, `mix` being murmur3's 32-bit finalizer and k1, k2 derived from the
+seed, crc32(path without its layer index) and `hash(x)` (`lrmq.quant.qat.data_hash`). No RNG state needs
+threading through the jitted step; the mask changes with every batch and micro-batch, is reproducible
+on resume, and is the same bits on CPU, GPU and TPU. Not `jax.random.bernoulli`: its threefry over a
+[tokens, hidden] activation made libtpu's backend crawl on v6e (one Qwen3-4B QLoRA layer's update: 1408 s
+to compile with threefry masks, 73 s with this hash; docs/tpu.md). `model.set_attributes`-style toggling
+works too: `set_lora_dropout(model, m)`.
 Adapter files (peft names): `lrmq.checkpoint.peft`.
 """
 
@@ -28,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lrmq.model.params import LOGICAL_AXES_KEY
-from lrmq.quant.qat import data_key, path_salt
+from lrmq.quant.qat import data_hash, path_salt
 from lrmq.quant.transforms import (
     DEFAULT_TARGETS,
     iter_linears,
@@ -41,8 +46,40 @@ from lrmq.sharding import logical_to_spec
 DROPOUT_MODES = ("train", "off", "always")
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(v):
+    """murmur3's fmix32: a bijection on uint32 whose every output bit depends on every input bit."""
+    v = v ^ (v >> 16)
+    v = v * jnp.uint32(0x85EBCA6B)
+    v = v ^ (v >> 13)
+    v = v * jnp.uint32(0xC2B2AE35)
+    return v ^ (v >> 16)
+
+
+def _flat_index(shape) -> jax.Array:
+    """Row-major element index as uint32 (wraps past 2^32 elements: the stream then repeats)."""
+    idx, stride = jnp.zeros(shape, jnp.uint32), 1
+    for d in reversed(range(len(shape))):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride & _M32)
+        stride *= shape[d]
+    return idx
+
+
+def dropout_keep(x, rate: float, seed: int, salt: int) -> jax.Array:
+    """Boolean keep-mask of x's shape, each element kept with probability 1 - rate, from a counter-based
+    hash of (seed, salt, the bits of x, element index): a few integer ops per element that XLA fuses
+    into the consumer (see the module docstring for why not threefry)."""
+    k = jnp.uint32(((seed * 0x9E3779B1) ^ (salt * 0x85EBCA77)) & _M32)
+    k1 = _mix32(data_hash(x) ^ k)
+    k2 = _mix32(k1 ^ jnp.uint32(0x27D4EB2F))
+    bits = _mix32(_mix32(_flat_index(x.shape) ^ k1) ^ k2)
+    return bits >= jnp.uint32(min(round(rate * 2.0 ** 32), _M32))
+
+
 def _drop(x, rate: float, seed: int, salt: int):
-    keep = jax.random.bernoulli(data_key(seed, salt, x), 1.0 - rate, x.shape)
+    keep = dropout_keep(x, rate, seed, salt)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x)).astype(x.dtype), keep
 
 
