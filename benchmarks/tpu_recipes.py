@@ -6,6 +6,7 @@ file (resumable: finished entries are skipped) and rendered as the markdown tabl
 
     python benchmarks/tpu_recipes.py --out docs/figures/tpu_recipes.json                 # everything
     python benchmarks/tpu_recipes.py --out F --only qwen3_0.6b_grpo --modes bf16         # a subset
+    python benchmarks/tpu_recipes.py --out F --only qwen3_4b_grpo --modes qlora --redo   # after a code change
     python benchmarks/tpu_recipes.py --out F --table                                     # print the table
 """
 
@@ -54,6 +55,13 @@ def layers_of(name: str) -> str:
     return layers + ("+pack" if layout == "pack" else "")
 
 
+def _commit() -> str:
+    """The code a result was compiled from (HEAD, "+dirty" with uncommitted changes to lrmq/ or kernels)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = git("status", "--porcelain", "--", "lrmq", "pallas_kernels")
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+
+
 def run_one(name: str, mode: str, timeout: float) -> dict:
     cfg = os.path.join(REPO, "configs", "paper1", name + ".yaml")
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +78,7 @@ def run_one(name: str, mode: str, timeout: float) -> dict:
         if not os.path.exists(rep):
             return {"recipe": name, "mode": mode, "layers": layers_of(name), "error": r.stderr.strip().splitlines()[-1:], "rc": r.returncode}
         out = json.load(open(rep))
-    out.update(recipe=name, mode=mode, rc=r.returncode, wall_s=wall, layers=layers_of(name), load_avg=load,
+    out.update(recipe=name, mode=mode, rc=r.returncode, wall_s=wall, layers=layers_of(name), load_avg=load, commit=_commit(),
                command="python -m lrmq.train --config " + os.path.relpath(cfg, REPO) + " --compile-only "
                + " ".join(MODES[mode]))
     return out
@@ -116,6 +124,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=[], help="recipe names (file stems) to compile")
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--redo", action="store_true", help="compile again even where a result exists (after a code change)")
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     a = ap.parse_args()
     payload = json.load(open(a.out)) if os.path.exists(a.out) else {"machine": machine_info(), "results": []}
@@ -125,7 +134,7 @@ def main() -> int:
     done = {(r["recipe"], r["mode"], r.get("layers", "loop")) for r in payload["results"] if "error" not in r}
     for name in recipes(a.only):
         for mode in a.modes:
-            if (name, mode, layers_of(name)) in done:
+            if (name, mode, layers_of(name)) in done and not a.redo:
                 continue
             res = run_one(name, mode, a.timeout)
             payload = merge(a.out, res)
