@@ -17,8 +17,8 @@ The mask is a counter-based hash (`dropout_keep`): element i is kept when
 seed, crc32(path without its layer index) and `hash(x)` (`lrmq.quant.qat.data_hash`). No RNG state needs
 threading through the jitted step; the mask changes with every batch and micro-batch, is reproducible
 on resume, and is the same bits on CPU, GPU and TPU. Not `jax.random.bernoulli`: its threefry over a
-[tokens, hidden] activation made libtpu's backend crawl on v6e (one Qwen3-4B QLoRA layer's update: 1408 s
-to compile with threefry masks, 73 s with this hash; docs/tpu.md). `model.set_attributes`-style toggling
+[tokens, hidden] activation made libtpu's backend crawl on v6e (the Qwen3-4B QLoRA step: 1741 s to
+compile with threefry masks, 309 s with this hash; docs/tpu.md). `model.set_attributes`-style toggling
 works too: `set_lora_dropout(model, m)`.
 Adapter files (peft names): `lrmq.checkpoint.peft`.
 """
