@@ -197,14 +197,15 @@ def count_params(tree: Any) -> int:
 
 def source_commit() -> str | None:
     """The lrmq commit measured: $LRMQ_COMMIT (set when running from an exported snapshot), else git HEAD
-    (with "+dirty" when tracked files differ)."""
+    (with "+dirty" when tracked files of lrmq/ or pallas_kernels/ differ)."""
     import subprocess
 
     if os.environ.get("LRMQ_COMMIT"):
         return os.environ["LRMQ_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "lrmq"],
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "lrmq",
+                                "pallas_kernels"],
                                capture_output=True, text=True).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

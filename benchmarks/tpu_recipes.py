@@ -25,7 +25,7 @@ import zlib
 
 import yaml
 
-from common import REPO, machine_info, md_table, write_json
+from common import REPO, machine_info, md_table, source_commit, write_json
 
 # Train modes as config overrides: the paper's three (bf16 full fine-tuning, QAT with its int8 STE, QLoRA
 # on an NF4 base), all from the same bf16 recipe.
@@ -55,13 +55,6 @@ def layers_of(name: str) -> str:
     return layers + ("+pack" if layout == "pack" else "")
 
 
-def _commit() -> str:
-    """The code a result was compiled from (HEAD, "+dirty" with uncommitted changes to lrmq/ or kernels)."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = git("status", "--porcelain", "--", "lrmq", "pallas_kernels")
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
-
-
 def run_one(name: str, mode: str, timeout: float) -> dict:
     cfg = os.path.join(REPO, "configs", "paper1", name + ".yaml")
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +71,7 @@ def run_one(name: str, mode: str, timeout: float) -> dict:
         if not os.path.exists(rep):
             return {"recipe": name, "mode": mode, "layers": layers_of(name), "error": r.stderr.strip().splitlines()[-1:], "rc": r.returncode}
         out = json.load(open(rep))
-    out.update(recipe=name, mode=mode, rc=r.returncode, wall_s=wall, layers=layers_of(name), load_avg=load, commit=_commit(),
+    out.update(recipe=name, mode=mode, rc=r.returncode, wall_s=wall, layers=layers_of(name), load_avg=load, commit=source_commit(),
                command="python -m lrmq.train --config " + os.path.relpath(cfg, REPO) + " --compile-only "
                + " ".join(MODES[mode]))
     return out

@@ -166,6 +166,7 @@ def test_dropout_mask_is_a_fair_counter_hash_not_threefry():
     np.testing.assert_array_equal(np.asarray(dropout_keep(x, 0.3, 0, 1)), m)
     assert np.asarray(dropout_keep(x, 0.0, 0, 1)).all()
     y, keep = _drop(x, 0.3, 0, 1)
+    np.testing.assert_array_equal(np.asarray(keep), m)
     np.testing.assert_allclose(np.asarray(y), np.where(m, np.asarray(x) / 0.7, 0.0), rtol=1e-6)
     assert "threefry" not in jax.jit(lambda x: _drop(x, 0.3, 0, 1)[0]).lower(x).as_text()
 
