@@ -1,7 +1,8 @@
 """Meshes and logical-axis sharding rules.
 
-Parameters are annotated with logical axes ("embed", "heads", "mlp", "vocab", ...); `RULES` maps each
-to mesh axes of a (data, fsdp, tensor) mesh. All mesh axes are Auto, so XLA propagates activation
+Parameters are annotated with logical axes ("embed", "heads", "mlp", "vocab", ...) under the metadata key
+`LOGICAL_AXES_KEY` (`lrmq.model.params.param` sets it); `RULES` maps each to mesh axes of a
+(data, fsdp, tensor) mesh. All mesh axes are Auto, so XLA propagates activation
 shardings and AQT's dot_general (which cannot take `out_sharding`) works.
 """
 
@@ -16,9 +17,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from lrmq.model.params import LOGICAL_AXES_KEY
-
 MESH_AXES = ("data", "fsdp", "tensor")
+# The nnx.Variable metadata key holding a parameter's logical axes. lrmq keeps its own key rather than flax's
+# eager `sharding`, so models build outside a mesh and the annotation survives flax's renames across versions.
+LOGICAL_AXES_KEY = "logical_axes"
 
 # logical axis -> mesh axis (or None = replicated). One table, as the HF name map.
 RULES: dict[str, str | tuple[str, ...] | None] = {

@@ -4,17 +4,10 @@ import threading
 import numpy as np
 import pytest
 
-import lrmq.rl.rewards as rewards
-from lrmq.rl.rewards import (
-    DEFAULT_MAX_CHARS,
-    MAX_VERIFY_CHARS,
-    REWARDS,
-    extract_last_boxed,
-    is_equiv,
-    normalize_answer,
-    score_completions,
-)
-from lrmq.rl.verify_pool import VerifyPool, get_verify_pool
+import lrmq.grading.answers as answers
+from lrmq.grading.answers import DEFAULT_MAX_CHARS, MAX_VERIFY_CHARS, extract_last_boxed, is_equiv, normalize_answer
+from lrmq.grading.verify_pool import VerifyPool, get_verify_pool
+from lrmq.rl.rewards import REWARDS, score_completions
 
 
 def test_registered_rewards():
@@ -68,10 +61,10 @@ class _CountingPattern:
 
 
 def _extract_work(text, **kw):
-    """(result, Python lines run in lrmq/rl/rewards.py, characters scanned by its regexes): the work
+    """(result, Python lines run in lrmq/grading/answers.py, characters scanned by its regexes): the work
     extract_last_boxed does, counted rather than timed (a shared machine's clock says little)."""
-    patterns = rewards._BOX_RE, rewards._BRACE_RE
-    box, brace = rewards._BOX_RE, rewards._BRACE_RE = [_CountingPattern(p) for p in patterns]
+    patterns = answers._BOX_RE, answers._BRACE_RE
+    box, brace = answers._BOX_RE, answers._BRACE_RE = [_CountingPattern(p) for p in patterns]
     lines = 0
 
     def local(frame, event, arg):
@@ -80,7 +73,7 @@ def _extract_work(text, **kw):
         return local
 
     def tracer(frame, event, arg):
-        return local if frame.f_code.co_filename == rewards.__file__ else None
+        return local if frame.f_code.co_filename == answers.__file__ else None
 
     old = sys.gettrace()
     sys.settrace(tracer)
@@ -88,7 +81,7 @@ def _extract_work(text, **kw):
         out = extract_last_boxed(text, **kw)
     finally:
         sys.settrace(old)
-        rewards._BOX_RE, rewards._BRACE_RE = patterns
+        answers._BOX_RE, answers._BRACE_RE = patterns
     return out, lines, box.chars + brace.chars
 
 

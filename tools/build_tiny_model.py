@@ -47,7 +47,7 @@ from lrmq.data.prompts import format_prompt  # noqa: E402
 from lrmq.data.synthetic import ArithDifficulty, make_splits  # noqa: E402
 from lrmq.model.config import ModelConfig  # noqa: E402
 from lrmq.model.decoder import Decoder, KVCache, positions_from_mask  # noqa: E402
-from lrmq.rl.rewards import extract_last_boxed  # noqa: E402
+from lrmq.grading.answers import extract_last_boxed  # noqa: E402
 from lrmq.tokenizer import Tokenizer  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "lrmq", "assets", "tiny")

@@ -30,8 +30,7 @@ from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf_names import expand
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
-from lrmq.model.params import LOGICAL_AXES_KEY
-from lrmq.sharding import host_array, logical_to_spec
+from lrmq.sharding import LOGICAL_AXES_KEY, host_array, logical_to_spec
 
 # Tensors some exporters write that carry no information for us.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

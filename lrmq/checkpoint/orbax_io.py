@@ -26,10 +26,9 @@ from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import CheckpointError, copy_tokenizer_files
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
-from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.qweight import QuantizedWeight
-from lrmq.sharding import state_shardings
+from lrmq.sharding import LOGICAL_AXES_KEY, state_shardings
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"

@@ -9,7 +9,7 @@ A ``Score`` holds the extracted answer, ``correct``, ``formatted`` (an answer wa
 (the paper-1 reward ``1[correct] + 0.1 * 1[boxed]`` for ``paper_reward``; ``1[correct]`` otherwise).
 
 Math equivalence is never decided here: it is the training reward's own path
-(`lrmq.rl.rewards`: last ``\boxed{}``, MATH normalisation, then math-verify in bounded workers).
+(`lrmq.grading.answers`: last ``\boxed{}``, MATH normalisation, then math-verify in bounded workers).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
+from lrmq.grading.answers import extract_last_boxed, is_equiv_many
 from lrmq.registry import Registry
-from lrmq.rl.rewards import extract_last_boxed, is_equiv_many
 
 Extractor = Callable[[str], Optional[str]]
 EXTRACTORS: Registry[Extractor] = Registry("answer extractor")
@@ -130,7 +130,7 @@ def _boxed_scores(extracted, golds, timeout_s, format_bonus: float) -> list[Scor
 
 @SCORERS.register("paper_reward")
 def paper_reward(completions, golds, *, extractor: str = "last_boxed", timeout_s: float = 1.0) -> list[Score]:
-    r"""Paper 1: equivalence as the training reward decides it (`lrmq.rl.rewards`: MATH normalisation, then
+    r"""Paper 1: equivalence as the training reward decides it (`lrmq.grading.answers`: MATH normalisation, then
     math-verify), reward ``1[correct] + 0.1 * 1[an answer was extracted]`` in {0, 0.1, 1.1}."""
     ex = EXTRACTORS.get(extractor)
     return _boxed_scores([ex(c) for c in completions], golds, timeout_s, 0.1)

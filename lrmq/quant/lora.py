@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.quant.qat import data_hash, path_salt
 from lrmq.quant.transforms import (
     DEFAULT_TARGETS,
@@ -41,7 +40,7 @@ from lrmq.quant.transforms import (
     require_linears,
     restore_float_kernel,
 )
-from lrmq.sharding import logical_to_spec
+from lrmq.sharding import LOGICAL_AXES_KEY, logical_to_spec
 
 DROPOUT_MODES = ("train", "off", "always")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.quant.formats import dequantize
 from lrmq.quant.qmatmul import qmatmul
+from lrmq.sharding import LOGICAL_AXES_KEY
 
 
 class QuantizedKernel(nnx.Variable):

@@ -24,11 +24,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.linear import Linear
-from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.quant.formats import storage_format
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.qweight import ARRAY_FIELDS, QuantizedWeight
-from lrmq.sharding import logical_to_spec
+from lrmq.sharding import LOGICAL_AXES_KEY, logical_to_spec
 
 # QuantSection.targets' default: the seven projections of every layer; lm_head is never matched.
 DEFAULT_TARGETS = r".*\.(q|k|v|o|gate|up|down)_proj$"

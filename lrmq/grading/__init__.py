@@ -1,0 +1,1 @@
+"""Answer grading: extraction, normalisation and math-verify equivalence (no JAX, no lrmq above core)."""
