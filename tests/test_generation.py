@@ -1,4 +1,5 @@
-"""Generation engine: HF greedy parity, per-sequence stops, log-probs, determinism, sampling filters, CLI."""
+"""Generation engine: HF greedy parity, per-sequence stops, log-probs, determinism, scheduling independence,
+shared prompts, preemption, paged decode attention, sampling filters, CLI."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import torch
 
 from conftest import REPO_ROOT, TINY_MODEL_DIR
 from lrmq.checkpoint.hf import load_hf_model
-from lrmq.generation.engine import Generator, bucket_length, generate, left_pad
+from lrmq.generation.engine import Engine, EngineConfig, bucket_length, generate, left_pad
+from lrmq.generation.paged import decode_attention_xla, interleave
 from lrmq.generation.sampling import SamplingConfig, _top_p_mask, sample
-from lrmq.model.decoder import positions_from_mask
+from lrmq.model.decoder import attend, positions_from_mask
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3]]
 
@@ -56,14 +58,85 @@ def test_logprobs_match_full_forward_and_stops_per_sequence(hf_checkpoint):
 def test_deterministic_for_a_seed_and_seed_matters(hf_checkpoint):
     path, _ = hf_checkpoint("llama3")
     model = load_hf_model(path)
-    gen = Generator(model, eos_ids=[127], pad_id=0)
+    gen = Engine(model, eos_ids=[127], pad_id=0)
     s = SamplingConfig(temperature=1.0, top_p=0.9, top_k=20)
     a = gen.generate(model, PROMPTS, max_new_tokens=16, sampling=s, seed=3)
     b = gen.generate(model, PROMPTS, max_new_tokens=16, sampling=s, seed=3)
     c = gen.generate(model, PROMPTS, max_new_tokens=16, sampling=s, seed=4)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(a.tokens, c.tokens)
-    assert len(gen._fns) == 1  # one compiled program reused across calls
+    assert len(gen._decode) == 1  # one decode program reused across calls
+    assert gen._decode[s]._cache_size() == 1
+
+
+SCHEDULES = [
+    EngineConfig(),
+    EngineConfig(slots=2, page_size=8, sync_steps=3, block_pages=1),
+    EngineConfig(slots=3, page_size=4, pages=12, sync_steps=4),  # a pool this small preempts
+]
+
+
+@pytest.mark.parametrize("variant", ["olmo3"])  # sliding and full layers, post-norm
+def test_results_do_not_depend_on_scheduling(hf_checkpoint, variant):
+    """The same per-sequence keys give the same tokens whatever the slots, pages, page size, steps per call,
+    preemption or request order; duplicated prompts (a GRPO group) equal the same prompts run alone."""
+    path, _ = hf_checkpoint(variant)
+    model = load_hf_model(path)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1], [4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    budgets = [14, 9, 14, 5, 11, 14]
+    s = SamplingConfig(temperature=1.3)
+    keys = np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(jax.random.key(7), i)))(
+        jnp.arange(len(prompts))))
+    runs = []
+    for cfg in SCHEDULES:
+        eng = Engine(model, eos_ids=[127, 3], pad_id=0, config=cfg)
+        runs.append(eng.generate(model, prompts, max_new_tokens=budgets, sampling=s, keys=keys))
+        assert (eng.stats["preempted"] > 0) == bool(cfg.pages)
+    order = [5, 3, 0, 4, 1, 2]
+    eng = Engine(model, eos_ids=[127, 3], pad_id=0)
+    permuted = eng.generate(model, [prompts[i] for i in order], max_new_tokens=[budgets[i] for i in order],
+                            sampling=s, keys=keys[order])
+    # PROMPTS[1] three times: prefilled once, its pages shared; PROMPTS[2] has one token: nothing to prefill
+    assert eng.stats["prefilled_prompts"] == 3
+    alone = [eng.generate(model, [p], max_new_tokens=[b], sampling=s, keys=keys[i:i + 1])
+             for i, (p, b) in enumerate(zip(prompts, budgets))]
+    ref = runs[0]
+    assert (ref.lengths > 1).all() and len({tuple(ref.tokens[i]) for i in (0, 2, 4)}) > 1
+    for res in runs[1:]:
+        np.testing.assert_array_equal(res.tokens, ref.tokens)
+        np.testing.assert_array_equal(res.lengths, ref.lengths)
+        np.testing.assert_allclose(res.logprobs, ref.logprobs, atol=2e-5)
+    np.testing.assert_array_equal(permuted.tokens, ref.tokens[order])
+    for i, a in enumerate(alone):
+        np.testing.assert_array_equal(a.tokens[0, :a.lengths[0]], ref.tokens[i, :ref.lengths[i]])
+        np.testing.assert_allclose(a.logprobs[0, :a.lengths[0]], ref.logprobs[i, :ref.lengths[i]], atol=2e-5)
+    for i, b in enumerate(budgets):  # each row stops at its own budget or at an EOS
+        n = ref.lengths[i]
+        assert n == b or ref.tokens[i, n - 1] in (127, 3)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_attention_equals_dense(window):
+    """Pages scattered over the pool, uneven lengths, an idle slot: equals dense attention over the
+    same keys, and idle slots give zeros."""
+    rng = np.random.default_rng(0)
+    s, h, kvh, d, ps, width = 4, 4, 2, 8, 4, 6
+    lengths = np.array([1, 7, 23, 0])
+    perm = rng.permutation(np.arange(1, 1 + s * width)).reshape(s, width).astype(np.int32)
+    pool = np.zeros((1, 1 + s * width, ps, 2 * kvh, d), np.float32)
+    k = rng.normal(size=(s, width * ps, kvh, d)).astype(np.float32)
+    v = rng.normal(size=(s, width * ps, kvh, d)).astype(np.float32)
+    for i in range(s):
+        for j in range(width):
+            pool[0, perm[i, j]] = np.asarray(interleave(k[i, j * ps:(j + 1) * ps], v[i, j * ps:(j + 1) * ps]))
+    q = rng.normal(size=(s, h, d)).astype(np.float32)
+    out = decode_attention_xla(jnp.asarray(q), jnp.asarray(pool), 0, jnp.asarray(perm), jnp.asarray(lengths),
+                               window, block_pages=2)
+    k_pos = np.where(np.arange(width * ps)[None] < lengths[:, None], np.arange(width * ps)[None], -1)
+    ref = attend(jnp.asarray(q[:, None]), jnp.asarray(k), jnp.asarray(v), jnp.asarray((lengths - 1)[:, None]),
+                 jnp.asarray(k_pos), window)[:, 0]
+    np.testing.assert_allclose(np.asarray(out)[:3], np.asarray(ref)[:3], atol=1e-5)
+    assert np.all(np.asarray(out)[3] == 0)
 
 
 def test_top_k_top_p_filters():

@@ -1,15 +1,33 @@
-"""Batched generation: one jitted prefill + `lax.while_loop` decode over a preallocated KV cache.
+"""The generation engine: continuous batching over a paged KV cache (`lrmq.generation.paged`).
 
-Prompts are left-padded to a length bucket (powers of two), so a run compiles once per
-(batch, bucket, max_new_tokens) and never per step. Every sequence stops at its own EOS or at
-`max_new_tokens`. Returns generated ids, the log-probability of each sampled token (temperature
-applied, before top-k/top-p truncation: the quantity GRPO's importance ratio uses) and lengths
-(the EOS token is counted and kept).
+A fixed number of decode slots share a pool of fixed-size KV pages; each slot has a page table. A
+request (prompt, per-sequence key, token budget) waits in a queue until a slot is free, then decodes in
+that slot; when it stops (an EOS token or its budget) its pages return to the pool and the next request
+takes the slot. Every device shape is static: one decode compile per (slots, pages, page table width),
+one prefill compile per (rows, prompt length) bucket, never one per step.
+
+* Prompts are deduplicated: requests with the same prompt (a GRPO group's G samples, an evaluation
+  item's n samples) prefill it once and share its full pages; the partly filled last page is copied into
+  each sample's own first page (copy on write), and the prompt's last token is fed as each sample's
+  first decode input, so nothing else differs between a shared and an unshared prompt.
+* Token t of a sequence is sampled with `fold_in(key_of_sequence, t)`: results do not depend on the
+  slot, the pages, the batch composition or the order in which the scheduler admits requests.
+* The host schedules, the device decodes: one call runs up to `sync_steps` decode steps in a
+  `lax.while_loop`, returning early when a row finishes while requests wait. Pages are reserved
+  `sync_steps` tokens ahead; when the pool runs out the youngest slot is preempted and recomputed later
+  (same key, so the same tokens).
+* Before a call the layers are stacked once into their decode layout (`layer_runs`); the loop body scans
+  over them, and on a mesh the weights are gathered once per call, never per token.
+
+Returns generated ids, the log-probability of each sampled token (temperature applied, before top-k/top-p
+truncation: the quantity GRPO's importance ratio uses) and lengths (the EOS token is counted and kept).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Sequence
 
@@ -18,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lrmq.generation.paged import NULL_PAGE, PagedCache, pages_for, pool_shape
 from lrmq.generation.sampling import SamplingConfig, sample
-from lrmq.model.decoder import Decoder, KVCache, positions_from_mask
-from lrmq.sharding import batch_divisor, batch_sharding
+from lrmq.model.decoder import Decoder, layer_runs
 
 
 @dataclass
@@ -28,6 +46,25 @@ class GenerationResult:
     tokens: np.ndarray  # [B, max_new_tokens] int32, pad after the end
     logprobs: np.ndarray  # [B, max_new_tokens] float32, 0 after the end
     lengths: np.ndarray  # [B] int32, generated tokens including EOS
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine (see the module docstring)."""
+
+    slots: int = 0  # decode slots: sequences decoded at once (0 = all requests of a call, at most 256)
+    page_size: int = 16  # tokens per KV page
+    pages: int = 0  # KV pages in the pool (0 = enough that no request is ever preempted)
+    block_pages: int = 8  # pages read per block of decode attention
+    sync_steps: int = 64  # decode steps per device call at most (pages are reserved this far ahead)
+
+    def __post_init__(self):
+        for name in ("slots", "pages"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"engine.{name} must be >= 0 (got {getattr(self, name)})")
+        for name in ("page_size", "block_pages", "sync_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name} must be >= 1 (got {getattr(self, name)})")
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -50,105 +87,313 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tupl
     return tokens, mask
 
 
-def _generate_fn(graphdef, state, tokens, mask, key, *, max_new: int, cfg: SamplingConfig, eos: tuple[int, ...],
-                 pad_id: int):
-    states = state if isinstance(state, tuple) else (state,)  # (trainable, rest) splits merge too
-    model: Decoder = nnx.merge(graphdef, *states)
-    b, p = tokens.shape
-    cache = KVCache.create(model.cfg, b, p + max_new)
-    positions = positions_from_mask(mask)
-    # Prefill: only the last position's logits are needed (prompts are left-padded, so it is each row's last
-    # real token); projecting all P positions onto the vocabulary would cost ~P decode steps of lm_head.
-    h, cache = model.hidden(tokens, positions, cache, index=0)
-    logits = model.logits(h[:, -1:])
-    next_pos = jnp.max(positions, axis=-1) + 1
+def sequence_keys(key: jax.Array, n: int) -> np.ndarray:
+    """Raw key data of `fold_in(key, i)` for i < n: sequence i's key, whatever batch it runs in."""
+    return np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(n)))
+
+
+# ----------------------------------------------------------------------------- host-side bookkeeping
+
+
+class PagePool:
+    """The free pages of the pool (page 0 is the null page, never handed out). A prompt's pages belong to
+    its `_Prompt`, which counts the slots reading them and gives them back when the last one finishes."""
+
+    def __init__(self, pages: int):
+        self.free = deque(range(1, pages))
+        self.pages = pages
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        return [self.free.popleft() for _ in range(n)]
+
+    def release(self, pages: Sequence[int]):
+        self.free.extend(pages)
+
+
+@dataclass
+class _Prompt:
+    ids: tuple[int, ...]
+    pages: list[int]  # pages of its first len - 1 tokens (the last is fed as the first decode input)
+    users: int = 0  # slots reading its pages
+
+
+@dataclass
+class _Seq:
+    index: int
+    prompt: tuple[int, ...]
+    max_new: int
+    key: np.ndarray
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # own pages (from the prompt's partly filled one on)
+
+
+# ----------------------------------------------------------------------------- device programs
+
+
+def _merge(graphdef, state) -> Decoder:
+    return nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
+
+
+def _prefill_fn(graphdef, state, pool, tokens, positions, page_table, *, engine: EngineConfig, layout):
+    model = _merge(graphdef, state)
+    runs = layout(layer_runs(model.layers))
+    cache = PagedCache(pool, page_table, jnp.ones(tokens.shape[:1], bool), mode="prefill",
+                       block_pages=engine.block_pages)
+    _, cache = model.hidden_runs(runs, tokens, positions, cache)
+    return cache.pool
+
+
+def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, gen, max_new, live, keys, stop_early,
+               *, engine: EngineConfig, sampling: SamplingConfig, eos: tuple[int, ...], pad_id: int, impl: str,
+               layout):
+    model = _merge(graphdef, state)
+    runs = layout(layer_runs(model.layers))  # once per call: the loop below reads these
+    pool = pool.at[:, copy_dst].set(pool[:, copy_src])  # copy-on-write of shared prompts' last pages
+    keys = jax.random.wrap_key_data(keys)
     eos_arr = jnp.asarray(eos, jnp.int32)
+    s, steps = tok.shape[0], engine.sync_steps
+    out_tok = jnp.full((s, steps), pad_id, jnp.int32)
+    out_lp = jnp.zeros((s, steps), jnp.float32)
 
-    out_tok = jnp.full((b, max_new), pad_id, jnp.int32)
-    out_lp = jnp.zeros((b, max_new), jnp.float32)
-    state0 = (0, logits[:, -1], cache, next_pos, jnp.zeros((b,), bool), out_tok, out_lp, jnp.zeros((b,), jnp.int32))
+    def cond(c):
+        i, _, _, _, _, live, _, _, finished = c
+        return (i < steps) & jnp.any(live) & ~(stop_early & finished)
 
-    def cond(s):
-        step, _, _, _, done, *_ = s
-        return (step < max_new) & ~jnp.all(done)
+    def body(c):
+        i, pool, tok, pos, gen, live, out_tok, out_lp, finished = c
+        cache = PagedCache(pool, page_table, live, mode="decode", block_pages=engine.block_pages, impl=impl)
+        h, cache = model.hidden_runs(runs, tok[:, None], pos[:, None], cache)
+        logits = model.logits(h)[:, 0]
+        step_keys = jax.vmap(jax.random.fold_in)(keys, gen)
+        nxt, lp = jax.vmap(lambda k, lg: sample(k, lg[None], sampling))(step_keys, logits)
+        nxt, lp = nxt[:, 0], lp[:, 0]
+        out_tok = out_tok.at[:, i].set(jnp.where(live, nxt, pad_id))
+        out_lp = out_lp.at[:, i].set(jnp.where(live, lp, 0.0))
+        gen = gen + live.astype(jnp.int32)
+        done = live & (jnp.isin(nxt, eos_arr) | (gen >= max_new))
+        return (i + 1, cache.pool, nxt, pos + 1, gen, live & ~done, out_tok, out_lp, finished | jnp.any(done))
 
-    def body(s):
-        step, last_logits, cache, pos, done, out_tok, out_lp, lengths = s
-        tok, lp = sample(jax.random.fold_in(key, step), last_logits, cfg)
-        tok = jnp.where(done, pad_id, tok)
-        lp = jnp.where(done, 0.0, lp)
-        out_tok = out_tok.at[:, step].set(tok)
-        out_lp = out_lp.at[:, step].set(lp)
-        lengths = lengths + (~done).astype(jnp.int32)
-        done = done | jnp.isin(tok, eos_arr)
-        logits, cache = model(tok[:, None], pos[:, None], cache, index=p + step)
-        return step + 1, logits[:, -1], cache, pos + 1, done, out_tok, out_lp, lengths
-
-    _, _, _, _, _, out_tok, out_lp, lengths = jax.lax.while_loop(cond, body, state0)
-    return out_tok, out_lp, lengths
+    init = (jnp.int32(0), pool, tok, pos, gen, live, out_tok, out_lp, jnp.bool_(False))
+    _, pool, _, _, gen, live, out_tok, out_lp, _ = jax.lax.while_loop(cond, body, init)
+    return pool, out_tok, out_lp, gen, live
 
 
-class Generator:
-    """Holds the compiled generate function for a model; reuse it across calls (rollouts)."""
+# ----------------------------------------------------------------------------- the engine
 
-    def __init__(self, model: Decoder, *, eos_ids: Sequence[int], pad_id: int, mesh=None, min_bucket: int = 16,
-                 graphdef=None):
+
+class Engine:
+    """Compiled prefill/decode programs for a model; reuse it across calls (rollouts, evaluation)."""
+
+    def __init__(self, model: Decoder | None, *, eos_ids: Sequence[int], pad_id: int, config: EngineConfig = EngineConfig(),
+                 graphdef=None, model_cfg=None, impl: str = "xla", layout=None):
         if not eos_ids:
             raise ValueError("eos_ids is empty: generation needs at least one stop token")
         # graphdef: pass the one from an `nnx.split(model, filter, ...)` to generate from split states
         self.graphdef = graphdef if graphdef is not None else nnx.split(model)[0]
+        self.model_cfg = model_cfg if model_cfg is not None else model.cfg
         self.eos = tuple(int(e) for e in eos_ids)
         self.pad_id = int(pad_id)
-        self.mesh = mesh
-        self.min_bucket = min_bucket
-        self._fns: dict = {}
+        self.config = config
+        self.impl = impl
+        # layout(runs) -> runs: the decode layout of the stacked layer weights (identity: as they are)
+        self.layout = layout or (lambda runs: runs)
+        self._prefill = jax.jit(partial(_prefill_fn, self.graphdef, engine=config, layout=self.layout),
+                                donate_argnums=(1,))
+        self._decode: dict = {}
+        self.stats: dict[str, int] = {}
 
-    def _fn(self, max_new: int, cfg: SamplingConfig):
-        k = (max_new, cfg)
-        if k not in self._fns:
-            self._fns[k] = jax.jit(partial(_generate_fn, self.graphdef, max_new=max_new, cfg=cfg, eos=self.eos,
-                                           pad_id=self.pad_id))
-        return self._fns[k]
+    def _decode_for(self, sampling: SamplingConfig):
+        if sampling not in self._decode:
+            self._decode[sampling] = jax.jit(
+                partial(_decode_fn, self.graphdef, engine=self.config, sampling=sampling, eos=self.eos,
+                        pad_id=self.pad_id, impl=self.impl, layout=self.layout), donate_argnums=(1,))
+        return self._decode[sampling]
 
-    def generate_padded(self, state, tokens, mask, key, *, max_new_tokens: int, sampling: SamplingConfig):
-        """Device-level call on already left-padded arrays (used by the GRPO rollout)."""
-        return self._fn(max_new_tokens, sampling)(state, tokens, mask, key)
+    # ------------------------------------------------------------------ sizing
+    def sizes(self, n_requests: int, longest_prompt: int, max_new: int) -> tuple[int, int, int]:
+        """(slots, pages, page-table width) for a call; the width covers the longest prompt's bucket."""
+        c = self.config
+        slots = c.slots or min(n_requests, 256)
+        prompt = bucket_length(longest_prompt)
+        own = pages_for(max_new + c.sync_steps, c.page_size) + 2  # from the prompt's partial page on
+        width = pages_for(prompt, c.page_size) + own
+        width = -(-width // c.block_pages) * c.block_pages
+        pages = c.pages or 1 + slots * (own + pages_for(prompt, c.page_size))
+        return slots, pages, width
 
-    def generate(self, model_or_state, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+    # ------------------------------------------------------------------ generation
+    def generate(self, state, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
                  sampling: SamplingConfig = SamplingConfig(), seed: int | jax.Array = 0,
-                 prompt_bucket: int | None = None) -> GenerationResult:
-        state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+                 keys: np.ndarray | None = None) -> GenerationResult:
+        """Complete every prompt. keys: raw per-sequence key data [N, ...] (default: `sequence_keys` of
+        the seed's key); max_new_tokens: one budget, or one per prompt."""
+        state = nnx.state(state) if isinstance(state, nnx.Module) else state
         n = len(prompts)
-        p = prompt_bucket or bucket_length(max(len(x) for x in prompts), self.min_bucket)
-        tokens, mask = left_pad(prompts, p, self.pad_id)
-        if self.mesh is not None:  # batch must divide the data axes; pad with copies of the first prompt
+        if n == 0:
+            raise ValueError("no prompts to generate from")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        budgets = [int(max_new_tokens)] * n if np.ndim(max_new_tokens) == 0 else [int(m) for m in max_new_tokens]
+        if len(budgets) != n or min(budgets) < 1:
+            raise ValueError("max_new_tokens: one budget >= 1 per prompt")
+        if keys is None:
+            keys = sequence_keys(jax.random.key(seed) if isinstance(seed, int) else seed, n)
+        seqs = [_Seq(i, tuple(int(t) for t in p), budgets[i], keys[i]) for i, p in enumerate(prompts)]
+        width_new = max(budgets)
+        slots, pages, width = self.sizes(n, max(len(s.prompt) for s in seqs), width_new)
+        self._run(state, seqs, slots, pages, width, sampling)
+        tokens = np.full((n, width_new), self.pad_id, np.int32)
+        logprobs = np.zeros((n, width_new), np.float32)
+        lengths = np.zeros(n, np.int32)
+        for s in seqs:
+            tokens[s.index, :len(s.tokens)] = s.tokens
+            logprobs[s.index, :len(s.logprobs)] = s.logprobs
+            lengths[s.index] = len(s.tokens)
+        return GenerationResult(tokens, logprobs, lengths)
 
-            div = batch_divisor(self.mesh)
-            extra = (-n) % div
-            if extra:
-                tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
-                mask = np.concatenate([mask, np.repeat(mask[:1], extra, 0)])
-            sh = batch_sharding(self.mesh)
-            tokens, mask = jax.device_put(tokens, sh), jax.device_put(mask, sh)
-        key = jax.random.key(seed) if isinstance(seed, int) else seed
-        out_tok, out_lp, lengths = self.generate_padded(state, jnp.asarray(tokens), jnp.asarray(mask), key,
-                                                        max_new_tokens=max_new_tokens, sampling=sampling)
-        return GenerationResult(np.asarray(out_tok)[:n], np.asarray(out_lp)[:n], np.asarray(lengths)[:n])
+    def _run(self, state, seqs: list[_Seq], n_slots: int, n_pages: int, width: int, sampling: SamplingConfig):
+        c, cfg = self.config, self.model_cfg
+        ps = c.page_size
+        pool = jnp.zeros(pool_shape(cfg, n_pages, ps), jnp.dtype(cfg.dtype))
+        alloc = PagePool(n_pages)
+        prompts: dict[tuple[int, ...], _Prompt] = {}
+        queue: deque[_Seq] = deque(seqs)
+        slot_seq: list[_Seq | None] = [None] * n_slots
+        admitted_at = np.zeros(n_slots, np.int64)  # admission order (the youngest is preempted first)
+        clock = 0
+        decode = self._decode_for(sampling)
+        key_shape = np.asarray(seqs[0].key).shape
+        self.stats = {"decode_calls": 0, "prefill_calls": 0, "prefilled_prompts": 0, "preempted": 0, "steps": 0}
+
+        def free_seq(slot: int):
+            s = slot_seq[slot]
+            alloc.release(s.pages)
+            s.pages = []
+            pr = prompts[s.prompt]
+            pr.users -= 1
+            if pr.users == 0:
+                alloc.release(pr.pages)
+                del prompts[s.prompt]
+            slot_seq[slot] = None
+
+        while queue or any(s is not None for s in slot_seq):
+            # admit waiting requests into free slots; prefill the prompts that are not resident
+            copy_src = np.full(n_slots, NULL_PAGE, np.int32)
+            copy_dst = np.full(n_slots, NULL_PAGE, np.int32)
+            to_prefill: list[_Prompt] = []
+            for slot in range(n_slots):
+                if slot_seq[slot] is not None or not queue:
+                    continue
+                s = queue[0]
+                pr = prompts.get(s.prompt)
+                n_prompt_pages = (len(s.prompt) - 1) // ps  # full pages shared as they are
+                if pr is None:
+                    got = alloc.take(pages_for(len(s.prompt) - 1, ps))
+                    if got is None:
+                        break
+                    pr = prompts[s.prompt] = _Prompt(s.prompt, got)
+                    to_prefill.append(pr)
+                own = alloc.take(pages_for(len(s.prompt) + len(s.tokens) + c.sync_steps, ps) - n_prompt_pages)
+                if own is None:
+                    if pr.users == 0 and pr in to_prefill:
+                        to_prefill.remove(pr)
+                        alloc.release(pr.pages)
+                        del prompts[s.prompt]
+                    break
+                queue.popleft()
+                pr.users += 1
+                s.pages = own
+                if (len(s.prompt) - 1) % ps:  # the prompt's partly filled page becomes this sample's own
+                    copy_src[slot], copy_dst[slot] = pr.pages[n_prompt_pages], own[0]
+                slot_seq[slot] = s
+                admitted_at[slot] = clock = clock + 1
+            if to_prefill:
+                pool = self._prefill_prompts(state, pool, to_prefill)
+            # reserve pages sync_steps ahead; preempt the youngest slots when the pool runs dry
+            for slot in np.argsort(admitted_at):
+                s = slot_seq[slot]
+                if s is None:
+                    continue
+                need = pages_for(len(s.prompt) + len(s.tokens) + c.sync_steps, ps) - (len(s.prompt) - 1) // ps
+                while len(s.pages) < need:
+                    got = alloc.take(need - len(s.pages))
+                    if got is not None:
+                        s.pages += got
+                        continue
+                    victim = int(max((j for j in range(n_slots) if slot_seq[j] is not None),
+                                     key=lambda j: admitted_at[j]))
+                    v = slot_seq[victim]
+                    v.tokens, v.logprobs = [], []
+                    free_seq(victim)
+                    copy_src[victim] = copy_dst[victim] = NULL_PAGE
+                    queue.appendleft(v)
+                    self.stats["preempted"] += 1
+                    if victim == slot:
+                        break
+            live = np.array([s is not None for s in slot_seq])
+            if not live.any():
+                if queue and not any(s is not None for s in slot_seq):
+                    raise RuntimeError(f"the KV pool of {n_pages} pages of {ps} tokens cannot hold one sequence "
+                                       f"of {len(queue[0].prompt)} prompt tokens plus {c.sync_steps} decode steps; "
+                                       f"raise engine pages")
+                continue
+            table = np.zeros((n_slots, width), np.int32)
+            tok = np.zeros(n_slots, np.int32)
+            pos = np.zeros(n_slots, np.int32)
+            gen = np.zeros(n_slots, np.int32)
+            max_new = np.ones(n_slots, np.int32)
+            keys = np.zeros((n_slots, *key_shape), np.asarray(seqs[0].key).dtype)
+            for slot, s in enumerate(slot_seq):
+                if s is None:
+                    continue
+                shared = prompts[s.prompt].pages[:(len(s.prompt) - 1) // ps]
+                row = shared + s.pages
+                table[slot, :len(row)] = row
+                tok[slot] = s.tokens[-1] if s.tokens else s.prompt[-1]
+                pos[slot] = len(s.prompt) - 1 + len(s.tokens)
+                gen[slot], max_new[slot], keys[slot] = len(s.tokens), s.max_new, s.key
+            pool, out_tok, out_lp, new_gen, still = decode(
+                state, pool, table, copy_src, copy_dst, tok, pos, gen, max_new, live, keys, np.bool_(bool(queue)))
+            out_tok, out_lp, new_gen, still = jax.device_get((out_tok, out_lp, new_gen, still))
+            self.stats["decode_calls"] += 1
+            self.stats["steps"] += int((new_gen - gen).max())
+            for slot, s in enumerate(slot_seq):
+                if s is None:
+                    continue
+                k = int(new_gen[slot] - gen[slot])
+                s.tokens += out_tok[slot, :k].tolist()
+                s.logprobs += out_lp[slot, :k].tolist()
+                if not still[slot]:
+                    free_seq(slot)
+
+    def _prefill_prompts(self, state, pool, prompts: list[_Prompt]):
+        """Write the first len - 1 tokens of each prompt into its pages (one call per row/length bucket)."""
+        ps = self.config.page_size
+        todo = [p for p in prompts if len(p.ids) > 1]
+        if not todo:
+            return pool
+        length = bucket_length(max(len(p.ids) - 1 for p in todo))
+        rows = 1 << (len(todo) - 1).bit_length()
+        tokens = np.full((rows, length), self.pad_id, np.int32)
+        positions = np.full((rows, length), -1, np.int32)
+        table = np.zeros((rows, pages_for(length, ps)), np.int32)
+        for r, p in enumerate(todo):
+            n = len(p.ids) - 1
+            tokens[r, :n] = p.ids[:n]
+            positions[r, :n] = np.arange(n)
+            table[r, :len(p.pages)] = p.pages
+        self.stats["prefill_calls"] += 1
+        self.stats["prefilled_prompts"] += len(todo)
+        return self._prefill(state, pool, tokens, positions, table)
 
 
 def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: Sequence[int],
-             pad_id: int, sampling: SamplingConfig = SamplingConfig(), seed: int = 0, mesh=None) -> GenerationResult:
-    """One-shot convenience wrapper around Generator."""
-    return Generator(model, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh).generate(
+             pad_id: int, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+             config: EngineConfig = EngineConfig()) -> GenerationResult:
+    """One-shot convenience wrapper around Engine."""
+    return Engine(model, eos_ids=eos_ids, pad_id=pad_id, config=config).generate(
         model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
-
-
-def generation_chunk(generation_batch: int, n: int, divisor: int) -> int:
-    """Rows per generate call: generation_batch (0 = all n), a multiple of the data-parallel divisor that
-    divides n, so every chunk has the same shape (one compile)."""
-    if not generation_batch or generation_batch >= n:
-        return n
-    size = max(divisor, generation_batch // divisor * divisor)
-    while n % size:
-        size -= divisor
-    return max(size, divisor)
