@@ -149,7 +149,8 @@ def test_ct_3bit_word_layout_and_config():
     assert cfg["format"] == "pack-quantized" and cfg["ignore"] == ["lm_head"]
     assert cfg["config_groups"]["group_0"]["weights"] == {
         "num_bits": 3, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
-        "actorder": None, "dynamic": False}
+        "block_structure": None, "actorder": None, "dynamic": False}
+    assert cfg["config_groups"]["group_0"]["format"] == "pack-quantized"
     w = ef.ct_quantization_config(4, -1, False)["config_groups"]["group_0"]["weights"]
     assert w["strategy"] == "channel" and w["group_size"] is None
     with pytest.raises(ValueError, match="group_size"):

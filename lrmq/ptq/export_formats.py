@@ -192,7 +192,18 @@ def ct_quantization_config(
     bits: int, group_size: int, symmetric: bool, ignore=("lm_head",), *, actorder=None
 ) -> dict:
     """``config.json`` ``quantization_config`` for a WNA16 pack-quantized checkpoint: strategy ``group``,
-    or ``channel`` (one scale per output row, ``weight_scale`` ``[N, 1]``) for ``group_size`` -1."""
+    or ``channel`` (one scale per output row, ``weight_scale`` ``[N, 1]``) for ``group_size`` -1.
+
+    Key for key what llmcompressor 0.14.0.1 (compressed-tensors 0.19.0's ``ModelCompressor.update_config``)
+    writes for the same scheme, except five keys of its own: ``version`` (the compressed-tensors version
+    that wrote the file), ``weights.observer`` / ``weights.observer_kwargs`` (llmcompressor's calibration
+    observer, ``memoryless_minmax`` / ``{}``) and ``weights.zp_dtype`` / ``weights.scale_dtype``
+    (``"torch.int8"`` for asymmetric, else null / null): compressed-tensors 0.19 / 0.20.1 fill in the same
+    values when they are absent, and 0.11 .. 0.12.2 (whose ``QuantizationArgs`` forbids unknown keys and
+    has neither field) refuse to parse them. Checked against llmcompressor's own output by
+    ``benchmarks/ct_export_vs_llmcompressor.py`` (and ``tests/test_exports_consumers.py`` where a side venv
+    has llmcompressor), and against compressed-tensors 0.20.1's own ``ModelCompressor`` output in
+    ``tests/test_exports_consumers.py``."""
     bits = _check_ct_bits(bits)
     channel = int(group_size) == -1
     if not channel and int(group_size) <= 0:
@@ -201,18 +212,24 @@ def ct_quantization_config(
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
+        "global_compression_ratio": None,
         "ignore": list(ignore),
         "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
+                "format": "pack-quantized",
                 "input_activations": None,
+                "output_activations": None,
                 "weights": {
                     "num_bits": int(bits),
                     "type": "int",
                     "symmetric": bool(symmetric),
                     "strategy": "channel" if channel else "group",
                     "group_size": None if channel else int(group_size),
+                    "block_structure": None,
                     "actorder": actorder,
                     "dynamic": False,
                 },

@@ -1,0 +1,179 @@
+"""compressed-tensors checkpoints of lrmq's quantized values written by the reference writers, and loaded by
+transformers. Runs in lrmq's venv (``ct-write``, ``load``, :func:`compare_dirs`, :func:`lrmq_values`) or in a
+side virtualenv with llmcompressor (``write``, ``load``; llmcompressor is never an lrmq dependency:
+llmcompressor 0.14.0.1 pins compressed-tensors 0.19.0 and transformers <= 5.17). Commands:
+
+``write MODEL_DIR VALUES.npz OUT_DIR``: llmcompressor's own output for given quantized values. ``oneshot``
+applies a data-free ``QuantizationModifier`` (the scheme in VALUES.npz: ``bits``, ``symmetric``,
+``group_size`` (-1: channel), ``dtype``) to MODEL_DIR, then every quantized Linear's ``weight``,
+``weight_scale`` and ``weight_zero_point`` are overwritten with the values lrmq computed (``w:<module>`` the
+dequantized weight ``[N, K]``, ``s:<module>`` the scales ``[N, K/g]``, ``z:<module>`` the signed zero points
+``z - 2^(b-1)`` int8 ``[N, K/g]``), and ``model.save_pretrained(OUT_DIR, save_compressed=True)`` writes the
+checkpoint (llmcompressor's wrapper: compressed-tensors' ``ModelCompressor`` packs weights and zero points
+with its ``PackedQuantizationCompressor``, then ``update_config`` writes ``quantization_config``).
+
+``ct-write MODEL_DIR VALUES.npz OUT_DIR``: the same without llmcompressor, with compressed-tensors alone
+(``apply_quantization_config``, the values, ``ModelCompressor.compress_model``, ``save_pretrained``,
+``update_config``: the steps of llmcompressor's save wrapper).
+
+``load TOKENS.npy OUT.json DIR...``: loads each DIR with this venv's transformers, both ways
+(``CompressedTensorsConfig(dequantize=True)`` and ``dequantize=False``), and records per directory and
+mode either the logits of TOKENS (``OUT.json`` + ``OUT.json.<i>.<mode>.npy``) or the error.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def compare_dirs(a, b):
+    """Tensor by tensor (names, shapes, dtypes, raw bytes) and ``quantization_config`` key by key (nested keys
+    dotted) of checkpoint dirs ``a`` and ``b``."""
+    from safetensors.numpy import load_file
+
+    ta, tb = (load_file(os.path.join(d, "model.safetensors")) for d in (a, b))
+    bad = []
+    for k in sorted(set(ta) & set(tb)):
+        x, y = ta[k], tb[k]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            bad.append(f"{k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
+        elif x.tobytes() != y.tobytes():
+            bad.append(f"{k}: values differ")
+    qa, qb = (_flat(json.load(open(os.path.join(d, "config.json")))["quantization_config"]) for d in (a, b))
+    return {"n_tensors": len(set(ta) | set(tb)), "only_in_a": sorted(set(ta) - set(tb)),
+            "only_in_b": sorted(set(tb) - set(ta)), "mismatched": bad,
+            "tensors_identical": not bad and set(ta) == set(tb),
+            "shapes": {k: [str(v.dtype), list(v.shape)] for k, v in ta.items() if ".layers.0.self_attn.q_proj." in k},
+            "config_only_in_a": {k: qa[k] for k in sorted(set(qa) - set(qb))},
+            "config_only_in_b": {k: qb[k] for k in sorted(set(qb) - set(qa))},
+            "config_differ": {k: [qa[k], qb[k]] for k in sorted(set(qa) & set(qb)) if qa[k] != qb[k]}}
+
+
+def lrmq_values(model, result, dtype="float32"):
+    """(lrmq venv) VALUES.npz contents for ``write`` / ``ct-write`` from an lrmq model after PTQ and its
+    ``PTQResult``: per HF module ``w:`` the dequantized weight [N, K] (``dtype``), ``s:`` scales [N, K/g]
+    float32, ``z:`` signed zero points int8 [N, K/g] (0 when symmetric); and the scheme."""
+    from lrmq.ptq import export_formats as ef
+    from lrmq.ptq.exports import _hf_prefixes, _unpacked
+
+    pre = _hf_prefixes(model)
+    qw0 = next(iter(result.packed.values()))
+    channel = all(np.shape(qw.scales)[0] == 1 for qw in result.packed.values())
+    vals = {"bits": qw0.bits, "symmetric": bool(qw0.symmetric), "group_size": -1 if channel else qw0.group_size,
+            "dtype": dtype}
+    for path, qw in result.packed.items():
+        codes, scales, zeros = _unpacked(qw)
+        vals["w:" + pre[path]] = np.ascontiguousarray(ef.dequantize(codes, scales, zeros, dtype=dtype).T)
+        vals["s:" + pre[path]] = np.ascontiguousarray(scales.T.astype(np.float32))
+        vals["z:" + pre[path]] = np.ascontiguousarray((zeros.astype(np.int16) - (1 << (qw.bits - 1))).astype(np.int8).T)
+    return vals
+
+
+def _scheme(v):
+    bits, sym, group = int(v["bits"]), bool(v["symmetric"]), int(v["group_size"])
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "channel" if group == -1 else "group"}
+    if group != -1:
+        weights["group_size"] = group
+    return weights
+
+
+def _inject(model, v):
+    """Overwrite every quantized Linear's weight, weight_scale, weight_zero_point with VALUES."""
+    names = sorted(k[2:] for k in v.files if k.startswith("w:"))
+    done = []
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if not hasattr(mod, "weight_scale"):
+                continue
+            assert name in names, f"the reference writer quantized {name}, lrmq did not"
+            mod.weight.copy_(torch.from_numpy(v["w:" + name]))
+            mod.weight_scale.copy_(torch.from_numpy(v["s:" + name]).reshape(mod.weight_scale.shape))
+            mod.weight_zero_point.copy_(torch.from_numpy(v["z:" + name]).reshape(mod.weight_zero_point.shape))
+            done.append(name)
+    assert sorted(done) == names, (done, names)
+
+
+def _versions(out, **extra):
+    import compressed_tensors
+    import transformers
+
+    with open(os.path.join(out, "versions.json"), "w") as f:
+        json.dump({**extra, "compressed_tensors": compressed_tensors.__version__,
+                   "transformers": transformers.__version__, "torch": torch.__version__}, f)
+
+
+def write(model_dir, values, out):
+    import llmcompressor
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    v = np.load(values)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, str(v["dtype"])))
+    oneshot(model=model, recipe=[QuantizationModifier(
+        config_groups={"group_0": {"targets": ["Linear"], "weights": _scheme(v)}}, ignore=["lm_head"])])
+    _inject(model, v)
+    model.save_pretrained(out, save_compressed=True)
+    _versions(out, llmcompressor=llmcompressor.__version__)
+
+
+def ct_write(model_dir, values, out):
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config)
+    from transformers import AutoModelForCausalLM
+
+    v = np.load(values)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, str(v["dtype"])))
+    qc = QuantizationConfig.model_validate({"config_groups": {"group_0": {"targets": ["Linear"], "weights": _scheme(v)}},
+                                            "ignore": ["lm_head"]})
+    apply_quantization_config(model, qc)
+    _inject(model, v)
+    for mod in model.modules():
+        if hasattr(mod, "quantization_scheme"):
+            mod.quantization_status = QuantizationStatus.FROZEN
+    mc = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    mc.compress_model(model)
+    model.save_pretrained(out)
+    mc.update_config(out)
+    _versions(out)
+
+
+def load(tokens, out, *dirs):
+    import compressed_tensors
+    import transformers
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    toks = torch.from_numpy(np.load(tokens).astype(np.int64))
+    res = {"versions": {"compressed_tensors": compressed_tensors.__version__, "transformers": transformers.__version__,
+                        "torch": torch.__version__}, "loads": {}}
+    for i, d in enumerate(dirs):
+        for dequantize in (True, False):
+            mode = "dequantize" if dequantize else "compressed"
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    d, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=dequantize)).eval()
+                with torch.inference_mode():
+                    logits = model(input_ids=toks).logits.float().numpy()
+                np.save(f"{out}.{i}.{mode}.npy", logits)
+                res["loads"].setdefault(d, {})[mode] = {"ok": True, "logits": f"{out}.{i}.{mode}.npy"}
+            except Exception as e:  # noqa: BLE001 -- the error is the result
+                res["loads"].setdefault(d, {})[mode] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    {"write": write, "ct-write": ct_write, "load": load}[sys.argv[1]](*sys.argv[2:])
