@@ -8,6 +8,9 @@
   the two renames of a replacement is put back when its output is missing.
 * Disk full (ENOSPC) while an output is written raises `DiskFullError` naming the output; the
   temporary is removed, so nothing half-written is left.
+* An output path that exists as the wrong kind of thing (a file where an output directory belongs, a
+  directory where an output file belongs, a file where a parent directory belongs) is refused with a
+  sentence that says so (`lrmq.paths.check_dir_path` / `check_file_path`), before anything is written.
 
 URLs (`gs://...`, see lrmq.paths): an object store has no rename, so a directory is staged in a local
 temp dir ($TMPDIR) and uploaded with config.json last (`lrmq.paths.publish_dir`), and a text file is
@@ -192,6 +195,7 @@ def _staged_upload(url: str, overwrite: bool):
 @contextlib.contextmanager
 def _local_atomic_dir(path: str, overwrite: bool):
     path = os.path.abspath(path)
+    paths.check_dir_path(path, "output directory")  # a file there (or above it): a sentence, not [Errno 17]
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"output directory {path} already exists (pass overwrite to replace it)")
     parent = os.path.dirname(path)
@@ -230,6 +234,7 @@ def atomic_write_text(path, text: str) -> None:
     if paths.is_url(path):
         paths.write_text(paths.resolve(path), text)
         return
+    paths.check_file_path(path)  # a directory there, or a file above it: a sentence, not [Errno 21] / [Errno 17]
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     clean_stale_temporaries(d)

@@ -7,19 +7,102 @@
   wording as config bounds (`lrmq.configlib`: `opt(ge=...)`): "must be >= 1, found 0".
 * Outputs never overlap inputs (`check_disjoint`): an output that is, contains or is inside an input
   would delete or corrupt it when it is replaced.
+* JAX's platforms are chosen before its backends start (`select_platforms`, first thing in every command's
+  `main`): on a machine without a TPU, the TPU runtime (libtpu, installed for ahead-of-time TPU compiles) is
+  never started, so it prints nothing; a TPU VM, a GPU machine and an explicit JAX_PLATFORMS are left to JAX.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import glob
+import importlib.metadata
+import importlib.util
 import math
 import os
+import pkgutil
 import sys
 from typing import Callable, Mapping, Sequence
 
 from lrmq import paths
 from lrmq.atomic import DiskFullError, is_disk_full
+
+
+# ----------------------------------------------------------------------------- JAX platforms
+# Environment variables that say this process is meant to run on TPUs (set on TPU VMs by their images or
+# launchers, or by hand); with any of them the choice stays JAX's.
+TPU_ENV_HINTS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_VISIBLE_CHIPS", "TPU_NAME",
+                 "JAX_FORCE_TPU_INIT")
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips; also Google's virtual NIC and disks (PCI classes 0x02 / 0x01)
+_NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")  # what JAX itself looks for
+_AMD_DEVICES = ("/dev/kfd",)
+
+
+def tpu_present() -> bool:
+    """Whether this machine may have a TPU: a TPU env hint, a TPU device node (/dev/accel*, a /dev/vfio group),
+    or a Google PCI device other than a network or storage one. Generous on purpose: a false "yes" only
+    leaves the choice to JAX (which then also prints the TPU runtime's start-up lines)."""
+    if any(os.environ.get(k) for k in TPU_ENV_HINTS):
+        return True
+    if glob.glob("/dev/accel*") or [p for p in glob.glob("/dev/vfio/*") if os.path.basename(p) != "vfio"]:
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() != _GOOGLE_PCI_VENDOR:
+                    continue
+            with open(os.path.join(os.path.dirname(vendor), "class")) as f:
+                cls = f.read().strip()
+        except OSError:
+            continue
+        if not cls.startswith(("0x01", "0x02")):
+            return True
+    return False
+
+
+def _jax_plugins() -> set[str]:
+    """Names of the installed JAX PJRT plugins (e.g. xla_cuda12), found the way JAX finds them, unimported."""
+    names = set()
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        names |= {m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations))}
+    names |= {ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")}
+    return names
+
+
+def default_platforms() -> str:
+    """JAX_PLATFORMS for a machine without a TPU: its GPU where a plugin for it is installed, then the CPU."""
+    plugins = " ".join(sorted(_jax_plugins())).lower()
+    out = []
+    if "cuda" in plugins and any(os.path.exists(d) for d in _NVIDIA_DEVICES):
+        out.append("cuda")
+    if "rocm" in plugins and any(os.path.exists(d) for d in _AMD_DEVICES):
+        out.append("rocm")
+    return ",".join([*out, "cpu"])
+
+
+def select_platforms() -> str | None:
+    """Choose JAX's platforms before its backends start; call it first in a command's `main`.
+
+    The test extra installs libtpu (ahead-of-time TPU compiles need it, not a TPU), and JAX left to itself
+    starts every backend it finds, libtpu's included, which on a machine without a TPU prints lines of
+    metadata-server and worker-hostname errors. So when JAX_PLATFORMS is unset (an explicit value, "" too,
+    is kept) and `tpu_present()` says no, JAX_PLATFORMS becomes `default_platforms()` ("cpu", or "cuda,cpu"
+    on an NVIDIA machine with JAX's CUDA plugin). Compiles for a TPU topology (`--compile-only --topology`)
+    load libtpu on their own and are unaffected. Returns what it set, or None."""
+    if "JAX_PLATFORMS" in os.environ:
+        return None
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.config.jax_platforms:  # set in code before the command started
+        return None
+    if tpu_present():
+        return None
+    chosen = default_platforms()
+    os.environ["JAX_PLATFORMS"] = chosen  # for jax imported later and for the processes a command starts
+    if jax is not None:  # imported already: it read the environment then
+        jax.config.update("jax_platforms", chosen)
+    return chosen
 
 
 class UsageError(ValueError):
@@ -41,9 +124,18 @@ def error_message(e: BaseException) -> str:
         return f"no space left on device while writing {where}"
     if isinstance(e, KeyError) and e.args:
         return str(e.args[0])
-    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)) and e.filename \
-            and e.strerror and str(e).startswith("[Errno"):
-        return f"{e.filename}: {e.strerror}"
+    if isinstance(e, OSError) and e.filename and e.strerror and str(e).startswith("[Errno"):
+        # an OS error raised without lrmq's words: a sentence for the wrong kind of thing at a path
+        where = e.filename if not e.filename2 else f"{e.filename} -> {e.filename2}"
+        if isinstance(e, FileExistsError):
+            kind = "a directory" if os.path.isdir(e.filename) else "a file"
+            return f"{e.filename}: already exists ({kind} is there); remove it or choose another path"
+        if isinstance(e, IsADirectoryError):
+            return f"{where}: is a directory where a file belongs"
+        if isinstance(e, NotADirectoryError):
+            return f"{where}: part of this path is a file where a directory belongs"
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            return f"{e.filename}: {e.strerror}"
     return str(e) or type(e).__name__
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal, Sequence, TypeVar
 
 import yaml
 
+from lrmq import paths
 from lrmq.atomic import atomic_write_text
 # add_config_args and opt are part of this module's API
 from lrmq.config_help import add_config_args, commented_yaml, dump_yaml, is_dataclass_type, is_union  # noqa: F401
@@ -45,9 +46,24 @@ def check_data_parallel_batch(seqs: int, micro_batch: int, divisor: int, mesh: s
 
 
 # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a *string*; learning rates are written exactly
-# like that, so use a loader whose float rule also takes YAML 1.2 style exponents.
+# like that, so use a loader whose float rule also takes YAML 1.2 style exponents. A key given twice in one
+# mapping is refused (PyYAML would keep the last one silently: a half-edited config would run).
 class _Loader(yaml.SafeLoader):
-    pass
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first != key_node.start_mark.line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (first on line {first + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
@@ -72,6 +88,32 @@ _Loader.add_implicit_resolver(
 def parse_yaml(text: str) -> Any:
     """YAML with the 1.2-style float rule (`1e-6` is a float)."""
     return yaml.load(text, Loader=_Loader)
+
+
+def yaml_error_line(source: str, e: yaml.YAMLError) -> str:
+    """One line for a YAML error: the file, the line and column, and PyYAML's problem (its message spans
+    several lines, with a copy of the offending text)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{source} line {mark.line + 1} column {mark.column + 1}" if mark is not None else source
+    problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or ["unreadable"])[0]
+    context = getattr(e, "context", None)
+    return f"{where}: invalid YAML ({context + ': ' if context else ''}{problem})"
+
+
+def read_yaml_file(path: str | os.PathLike, what: str = "config file") -> Any:
+    """The value of a YAML file (None when it is empty); a missing file, a directory, bytes that are not UTF-8
+    and invalid YAML are a ConfigError of one line naming the file (and the line)."""
+    source = os.fspath(path)
+    if not os.path.exists(source):
+        raise ConfigError(f"{what} not found: {source}")
+    try:
+        text = paths.decode_utf8(paths.read_bytes(source, what), source)
+    except paths.FileFormatError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return parse_yaml(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_error_line(source, e)) from None
 
 
 # ----------------------------------------------------------------------------- type helpers
@@ -347,7 +389,7 @@ def parse_override(cls: type, text: str) -> tuple[list[str], Any]:
     try:
         value = parse_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from e
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({getattr(e, 'problem', None) or e})") from None
     # `name=123` or `dtype=true` for a str field means the text, not a number/bool.
     if _accepts_str_only(tp) and value is not None and not isinstance(value, str):
         value = raw.strip()
@@ -385,13 +427,7 @@ def load_config(cls: type[T], yaml_path: str | os.PathLike | None = None, overri
     source = "<defaults>"
     if yaml_path is not None:
         source = str(yaml_path)
-        try:
-            with open(yaml_path, encoding="utf-8") as f:
-                data = parse_yaml(f.read())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {source}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: invalid YAML: {e}") from e
+        data = read_yaml_file(yaml_path)
         if data is None:
             data = {}
         if not isinstance(data, dict):

@@ -2,7 +2,7 @@
 
     python -m lrmq.convert [--from hf|lrmq] --to hf|lrmq SRC DST [--dtype bfloat16] [--overwrite]
 
-The source kind is detected when --from is omitted. Tokenizer files travel along. Output is atomic:
+The source kind is detected when --from is omitted; SRC may be the alias "tiny" (the shipped model). Tokenizer files travel along. Output is atomic:
 on any error DST is not created (or, with --overwrite, left as it was), a full disk included. DST may not
 be, contain or lie inside SRC. Errors about the input are one line-group on stderr
 (`lrmq.convert: error: ...`) and exit code 2, without a traceback.
@@ -14,9 +14,10 @@ import os
 import sys
 
 from lrmq.checkpoint.hf import CheckpointError, load_hf_model, save_hf_model
-from lrmq.checkpoint.load import checkpoint_kind
+from lrmq import paths
+from lrmq.checkpoint.load import checkpoint_kind, resolve_checkpoint
 from lrmq.checkpoint.orbax_io import load_lrmq, save_lrmq
-from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main
+from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms
 from lrmq.model.config import DTYPES
 
 KINDS = ("hf", "lrmq")
@@ -27,11 +28,13 @@ def convert(src: str, dst: str, *, to: str, src_kind: str | None = None, dtype: 
     """Convert `src` into `dst` of kind `to`; `dtype` re-types the stored parameters (default: keep)."""
     if to not in KINDS:
         raise ValueError(f"unknown target kind {to!r}; known: {KINDS}")
+    src = resolve_checkpoint(src)  # the alias "tiny" too
     kind = checkpoint_kind(src)
     if src_kind is not None and src_kind != kind:
         raise CheckpointError(f"{src}: --from {src_kind} given, but this is an {kind} checkpoint")
     # Fail before the (possibly long) load rather than after it.
     check_disjoint({"DST": dst}, {"SRC": src})  # also DST inside SRC or SRC inside DST
+    paths.check_dir_path(dst, "DST")  # a file where the output directory belongs
     if os.path.exists(dst) and not overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(dst)} already exists (pass --overwrite)")
 
@@ -46,6 +49,7 @@ def convert(src: str, dst: str, *, to: str, src_kind: str | None = None, dtype: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    select_platforms()  # before JAX starts a backend (lrmq.cli)
     ap = ArgumentParser("convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("--from", dest="src_kind", choices=KINDS, help="source kind (default: detect)")
     ap.add_argument("--to", required=True, choices=KINDS, help="target kind")

@@ -13,9 +13,9 @@ import sys
 
 import jax
 
-from lrmq import aot, cli, compile_cache, configlib
+from lrmq import aot, cli, compile_cache, configlib, paths
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
-from lrmq.checkpoint.peft import ADAPTER_CONFIG, load_lora
+from lrmq.checkpoint.peft import load_lora, read_adapter_config
 from lrmq.config_help import to_plain
 from lrmq.configlib import ConfigError
 from lrmq.evals.benchmarks import BENCHMARKS, EvalDataError, default_data_dir, load_items, resolve_suite
@@ -65,11 +65,7 @@ def build_config(args) -> EvalConfig:
     data, source = {}, "<command line>"
     if args.config:
         source = args.config
-        try:
-            with open(args.config, encoding="utf-8") as f:
-                data = configlib.parse_yaml(f.read()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {args.config}") from None
+        data = configlib.read_yaml_file(args.config) or {}  # one line naming the file (and line) when unreadable
         if not isinstance(data, dict):
             raise ConfigError(f"{args.config}: top level must be a mapping")
     flags = []
@@ -96,6 +92,7 @@ def run_meta(cfg: EvalConfig) -> dict:
 
 def check_run_dir(cfg: EvalConfig, overwrite: bool) -> None:
     """A run dir belongs to one config: resuming with another would mix completions."""
+    paths.check_dir_path(cfg.out_dir, "run directory (--out)")
     path = os.path.join(cfg.out_dir, RUN_CONFIG)
     if os.path.exists(path):
         old = configlib.load_config(EvalConfig, path)
@@ -117,9 +114,8 @@ def load_eval_model(cfg: EvalConfig):
     mesh = make_mesh(None) if jax.device_count() > 1 else None
     model = load_model(ckpt, mesh=mesh, dtype=cfg.dtype)
     if cfg.adapter:
-        with open(os.path.join(cfg.adapter, ADAPTER_CONFIG)) as f:
-            acfg = json.load(f)
-        apply_lora(model, DEFAULT_TARGETS, rank=int(acfg["r"]), alpha=float(acfg["lora_alpha"]), mesh=mesh,
+        rank, alpha = read_adapter_config(cfg.adapter)
+        apply_lora(model, DEFAULT_TARGETS, rank=rank, alpha=alpha, mesh=mesh,
                    mode="off")
         load_lora(model, cfg.adapter)
     return model, Tokenizer.from_dir(ckpt), mesh
@@ -186,6 +182,7 @@ def compile_only(cfg: EvalConfig, args) -> int:
 
 
 def main(argv=None) -> int:
+    cli.select_platforms()  # before JAX starts a backend (lrmq.cli)
     args = parse_args(argv)
     compile_cache.enable()  # a rerun loads its compiled programs (lrmq.compile_cache)
     return cli.run_main("evaluate", lambda: _main(args))

@@ -18,22 +18,23 @@ import time
 import numpy as np
 
 from lrmq import aot, compile_cache
-from lrmq.checkpoint.load import load_model
-from lrmq.cli import ArgumentParser, UsageError, number, run_main
+from lrmq.checkpoint.load import load_model, load_tokenizer, read_model_config
+from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms
+from lrmq.data.text import read_documents
 from lrmq.generation.engine import Generator
 from lrmq.generation.sampling import SamplingConfig
-from lrmq.model.config import ModelConfig, check_position_limit
+from lrmq.model.config import check_position_limit
 from lrmq.model.presets import preset_config
 from lrmq.sharding import make_mesh
-from lrmq.tokenizer import Tokenizer
 
 
 def parse_args(argv=None):
     ap = ArgumentParser("generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", help="HF or lrmq checkpoint directory")
+    ap.add_argument("--checkpoint", help="HF or lrmq checkpoint directory ('tiny' = the shipped model)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    src.add_argument("--prompts-file", help="text file, one prompt per line (or .jsonl with a 'prompt' field)")
+    src.add_argument("--prompts-file", help="plain-text file, one prompt per line, or .jsonl/.json/.parquet with a "
+                                            "'prompt' field")
     ap.add_argument("--max-new-tokens", type=number(int, ge=1), default=128)
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--temperature", type=number(float, gt=0), default=1.0)
@@ -63,35 +64,17 @@ def parse_args(argv=None):
 
 
 def read_prompts(args) -> list[str]:
+    """--prompt texts, or --prompts-file: one prompt per non-blank line of a plain-text file, or the 'prompt'
+    field of each record of a .jsonl / .json / .parquet file (lrmq.data.text)."""
     if args.prompt:
         return list(args.prompt)
-    try:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            lines = [l.rstrip("\n") for l in f if l.strip()]
-    except FileNotFoundError:
-        raise FileNotFoundError(f"prompts file {args.prompts_file} does not exist") from None
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise UsageError(f"prompts file {args.prompts_file}: cannot read it as text ({e})") from None
-    if not lines:
-        raise UsageError(f"prompts file {args.prompts_file} has no prompts")
-    if args.prompts_file.endswith(".jsonl"):
-        out = []
-        for i, l in enumerate(lines):
-            try:
-                rec = json.loads(l)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{args.prompts_file} line {i + 1} is not JSON ({e})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise UsageError(f"{args.prompts_file} line {i + 1} has no 'prompt' text field")
-            out.append(rec["prompt"])
-        return out
-    return lines
+    return read_documents(args.prompts_file, "--prompts-file", field="prompt", what="prompts")
 
 
 def compile_only(args) -> int:
     """--compile-only: per-device memory, FLOPs and compile time of one generate call."""
     mcfg = (preset_config(args.shapes, dtype=args.dtype) if args.shapes
-            else ModelConfig.from_hf_file(args.checkpoint, dtype=args.dtype))
+            else read_model_config(args.checkpoint, dtype=args.dtype))
     check_position_limit(mcfg, args.prompt_len + args.max_new_tokens, "--prompt-len + --max-new-tokens")
     devices = list(aot.topology_devices(args.topology)) if args.topology else None
     mesh = make_mesh(None, devices=devices)
@@ -110,6 +93,7 @@ def compile_only(args) -> int:
 
 
 def main(argv=None) -> int:
+    select_platforms()  # before JAX starts a backend (lrmq.cli)
     args = parse_args(argv)
     compile_cache.enable()  # a rerun loads its compiled programs (lrmq.compile_cache)
     if args.compile_only:
@@ -120,7 +104,7 @@ def main(argv=None) -> int:
 def generate(args) -> int:
     prompts = read_prompts(args)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    tok = Tokenizer.from_dir(args.checkpoint)
+    tok = load_tokenizer(args.checkpoint)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
     ids = [tok.encode(t) for t in texts]
     empty = [i + 1 for i, x in enumerate(ids) if not x]

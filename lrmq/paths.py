@@ -4,14 +4,21 @@ Local paths keep plain os behaviour (absolute paths, renames, appends). URLs go 
 only: object stores have neither directory renames nor appends, so whole directories are staged
 locally and uploaded (`publish_dir`), and growing logs are written to a local file that `Mirror`
 copies up.
+
+Reading small local files (`read_bytes`, `decode_utf8`, `read_json`): a missing path, a directory where a
+file belongs, bytes that are not UTF-8 and JSON that does not parse or is not the expected kind are one line
+naming the file (and the line and column): `FileNotFoundError` or `FileFormatError` (a ValueError), which
+every command reports as its error line. Paths that must be directories (`check_dir_path`) get the same.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import time
+from typing import Any
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # The schemes etils.epath routes to a real filesystem backend (etils/epath/gpath.py); any other
@@ -41,6 +48,105 @@ def resolve(path) -> str:
     return path.rstrip("/")
 
 
+class FileFormatError(ValueError):
+    """A file that exists but cannot be read as what it should be; the message names it (and the line)."""
+
+
+def read_bytes(path, what: str = "file", where: str | None = None) -> bytes:
+    """A local file's bytes. `what` is what the file should be ("config file"), `where` how messages name it
+    (default: the path; e.g. "--text-file notes.txt")."""
+    path = os.fspath(path)
+    where = where or path
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{where}: {what} does not exist")
+    if os.path.isdir(path):
+        raise FileFormatError(f"{where}: is a directory, expected a {what}")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except PermissionError:
+        raise FileFormatError(f"{where}: no permission to read this {what}") from None
+    except OSError as e:
+        raise FileFormatError(f"{where}: cannot read this {what} ({e.strerror or e})") from None
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """UTF-8 text (a leading byte-order mark dropped); a bad byte is reported with its line and column."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise FileFormatError(f"{where} line {line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+                              f"{col})") from None
+    return text.removeprefix("\ufeff")
+
+
+def json_error(where: str, e: json.JSONDecodeError, line: int | None = None) -> FileFormatError:
+    """The one-line message of a JSON syntax error; `line` when the text was one line of a larger file."""
+    return FileFormatError(f"{where} line {e.lineno if line is None else line}: not valid JSON ({e.msg} at "
+                           f"column {e.colno})")
+
+
+def kind_of(v: Any) -> str:
+    """How messages name a JSON / YAML value's kind."""
+    return {dict: "mapping (JSON object)", list: "list", str: "string", bool: "boolean", int: "number",
+            float: "number", type(None): "null (empty)"}.get(type(v), type(v).__name__)
+
+
+def read_json(path, *, what: str = "JSON file", where: str | None = None, expect: type | None = dict) -> Any:
+    """A local JSON file's value; an empty file, bad UTF-8, a syntax error (line and column) or, with `expect`
+    (default dict), a value of another kind is a FileFormatError naming the file."""
+    path = os.fspath(path)
+    where = where or path
+    text = decode_utf8(read_bytes(path, what, where), where)
+    if not text.strip():
+        raise FileFormatError(f"{where}: empty {what}, expected JSON")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise json_error(where, e) from None
+    if expect is not None and not isinstance(value, expect):
+        want = "a mapping (JSON object)" if expect is dict else f"a {expect.__name__}"
+        raise FileFormatError(f"{where}: expected {want}, found a {kind_of(value)}")
+    return value
+
+
+def first_existing(path: str) -> str:
+    """The longest prefix of `path` (itself included) that exists."""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
+
+
+def check_dir_path(path, what: str = "directory") -> None:
+    """A local path where a directory is (or will be) made: raises NotADirectoryError with a sentence when
+    it, or a directory it would be made in, is a file. URLs are not checked."""
+    path = os.fspath(path)
+    if is_url(path):
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{what} {path} is a file, not a directory; remove it or choose another path")
+    found = first_existing(path)
+    if found != os.path.abspath(path) and not os.path.isdir(found):
+        raise NotADirectoryError(f"{what} {path} cannot be made: {found} is a file, not a directory")
+
+
+def check_file_path(path, what: str = "output file") -> None:
+    """A local path where a file is written: NotADirectoryError / IsADirectoryError with a sentence when it is
+    a directory or lies under a file. URLs are not checked."""
+    path = os.fspath(path)
+    if is_url(path):
+        return
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{what} {path} is a directory, not a file; remove it or choose another path")
+    parent = os.path.dirname(os.path.abspath(path))
+    found = first_existing(parent)
+    if not os.path.isdir(found):
+        raise NotADirectoryError(f"{what} {path} cannot be written: {found} is a file, not a directory")
+
+
 def join(base, *parts: str) -> str:
     base = os.fspath(base)
     if is_url(base):
@@ -59,6 +165,7 @@ def ensure_dir(path) -> None:
     (epath's mkdir would create a missing bucket, turning a typo into a new bucket)."""
     path = os.fspath(path)
     if not is_url(path):
+        check_dir_path(path)
         os.makedirs(path, exist_ok=True)
         return
     root = _URL.match(path).group(0) + path[_URL.match(path).end():].split("/", 1)[0]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from functools import partial
 
@@ -26,35 +25,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lrmq.checkpoint.load import load_model
-from lrmq.cli import ArgumentParser, number, run_main
+from lrmq.checkpoint.load import load_model, load_tokenizer
+from lrmq.cli import ArgumentParser, number, run_main, select_platforms
 from lrmq.model.config import check_position_limit
-from lrmq.ptq.calibration import load_documents
+from lrmq.data.text import label, read_documents
 from lrmq.quant.quantizers import QUANTIZERS
 from lrmq.quant.transforms import iter_linears
-from lrmq.tokenizer import Tokenizer
 
 DEFAULT_WINDOW = 2048  # the seqlen of GPTQ / llm-awq / QuantLRM's WikiText-2 evaluation
 
 
-def read_text(path: str, text_field: str = "text") -> str:
-    """The evaluation text: a .txt file as is, or the ``text_field`` rows of jsonl/json/parquet joined by "\\n\\n"."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"text file not found: {path}")
-    if path.endswith(".txt"):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-
-    return "\n\n".join(load_documents(path, text_field=text_field))
+def read_text(path: str, text_field: str = "text", option: str | None = "--text-file") -> str:
+    """The evaluation text: a plain-text file (.txt, .md, no suffix) as is, or the ``text_field`` rows of
+    jsonl/json/parquet joined by "\\n\\n" (``lrmq.data.text``; errors name ``option`` and the file)."""
+    return "\n\n".join(read_documents(path, option, field=text_field, whole=True, what="text"))
 
 
-def windows(ids, window: int, max_windows: int | None = None) -> np.ndarray:
+def windows(ids, window: int, max_windows: int | None = None, source: str | None = None) -> np.ndarray:
     ids = np.asarray(ids, np.int32)
     n = len(ids) // window
     if max_windows:
         n = min(n, max_windows)
     if n == 0:
-        raise ValueError(f"{len(ids)} tokens are fewer than one window of {window}")
+        raise ValueError(f"{source + ': ' if source else ''}{len(ids)} tokens are fewer than one window of "
+                         f"{window}" + (" (--window)" if source else ""))
     return ids[: n * window].reshape(n, window)
 
 
@@ -101,11 +95,15 @@ def apply_fake_quant(model, method: str, bits: int, group_size: int) -> None:
 
 
 def main(argv=None) -> int:
+    select_platforms()  # before JAX starts a backend (lrmq.cli)
     ap = ArgumentParser("perplexity", description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True, help="HF or lrmq checkpoint (float, fake-quant or packed)")
-    ap.add_argument("--text-file", required=True, help=".txt, or .jsonl/.json/.parquet with a text field")
+    ap.add_argument("--checkpoint", required=True, help="HF or lrmq checkpoint (float, fake-quant or packed; "
+                                                         "'tiny' = the shipped model)")
+    ap.add_argument("--text-file", required=True, help="plain text (.txt, .md), or .jsonl/.json/.parquet with a "
+                                                        "text field (--text-field)")
     ap.add_argument("--text-field", default="text")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the checkpoint)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir or checkpoint ('tiny' = the shipped model; "
+                                                       "default: the checkpoint)")
     ap.add_argument("--window", type=number(int, ge=2), default=None,
                     help=f"tokens per window (default: {DEFAULT_WINDOW}, the reference protocol's, or the model's "
                          "max_position_embeddings when smaller; a larger window is refused)")
@@ -124,14 +122,14 @@ def main(argv=None) -> int:
 
 def _run(a) -> int:
     text = read_text(a.text_file, a.text_field)
-    tok = Tokenizer.from_dir(a.tokenizer or a.checkpoint)
+    tok = load_tokenizer(a.tokenizer or a.checkpoint)
     model = load_model(a.checkpoint, dtype=a.dtype)
     window = a.window or min(DEFAULT_WINDOW, model.cfg.max_position_embeddings)
     check_position_limit(model.cfg, window, "--window")
     if a.fake_quant:
         apply_fake_quant(model, a.fake_quant, a.bits, a.group_size)
     ids = eval_ids(tok, text, add_special_tokens=not a.no_bos)
-    blocks = windows(ids, window, a.max_windows)
+    blocks = windows(ids, window, a.max_windows, source=label(a.text_file, "--text-file"))
     res = perplexity(model, blocks, batch_size=a.batch_size)
     bos = tok.bos_id
     res.update(checkpoint=a.checkpoint, text_file=a.text_file, fake_quant=a.fake_quant,

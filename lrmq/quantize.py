@@ -35,8 +35,9 @@ import sys
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import checkpoint_kind
 from lrmq.checkpoint.orbax_io import save_lrmq
-from lrmq.cli import USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main
+from lrmq.cli import USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main, select_platforms
 from lrmq.configlib import add_config_args, dump_config
+from lrmq.paths import check_dir_path
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
 from lrmq.ptq.exports import packed_kernels
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
@@ -51,6 +52,9 @@ FLAG_DEFAULTS = {"int8": (8, -1), "nf4": (4, 64)}
 # ConfigError are ValueErrors; an unknown registry name is a KeyError; a full disk: DiskFullError)
 INPUT_ERRORS = USER_ERRORS
 CALIBRATION_SOURCES = ("text", "reasoning", "prompts")
+# what the flag form's messages call the QuantizeConfig keys
+FLAG_NAMES = {"model": "--checkpoint", "calibration.path": "--calibration", "quantlrm.base": "--base",
+              "quantlrm.run_dir": "--run-dir"}
 
 
 def parse_args(argv=None):
@@ -59,8 +63,8 @@ def parse_args(argv=None):
                                         "for the full PTQ pipeline (calibration, AWQ/GPTQ/QuantLRM, exports); "
                                         "--help-config lists its options.")
     ap.add_argument("--checkpoint", default=None,
-                    help="float HF or lrmq checkpoint directory (required unless --run-dir gives it: "
-                         "RUN/final_policy)")
+                    help="float HF or lrmq checkpoint directory ('tiny' = the shipped model; required unless "
+                         "--run-dir gives it: RUN/final_policy)")
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
     ap.add_argument("--bits", type=int, default=None)
     ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None, help="-1: per output channel")
@@ -118,10 +122,10 @@ def check_paths(outputs: dict, cfg) -> None:
     file, the tokenizer) or another output: replacing it would delete that input (UsageError)."""
     flag = "outputs.dir" in outputs
     inputs = {("model" if flag else "--checkpoint"): resolve_model_path(cfg.model) if cfg.model else None,
-              ("quantlrm.base" if flag else "--base"): cfg.quantlrm.base,
+              ("quantlrm.base" if flag else "--base"): resolve_model_path(cfg.quantlrm.base) if cfg.quantlrm.base else None,
               ("quantlrm.run_dir" if flag else "--run-dir"): cfg.quantlrm.run_dir,
               ("calibration.path" if flag else "--calibration"): cfg.calibration.path,
-              "tokenizer": cfg.tokenizer}
+              "tokenizer": resolve_model_path(cfg.tokenizer) if cfg.tokenizer else None}
     check_disjoint(outputs, inputs)
 
 
@@ -166,6 +170,8 @@ def check_flags(args, cfg) -> None:
         raise UsageError(str(e)) from None
     check_paths({"--out": args.out, "--export-hf-fake": args.export_hf_fake}, cfg)
     for flag, path in (("--out", args.out), ("--export-hf-fake", args.export_hf_fake)):
+        if path:
+            check_dir_path(path, flag)  # a file there: a sentence, before any work
         if path and os.path.exists(path) and not args.overwrite:
             raise UsageError(f"{flag} {path} already exists (pass --overwrite to replace it)")
 
@@ -209,7 +215,7 @@ def run(args) -> dict:
     c = cfg.calibration
     cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(
         c, block_size=min(c.block_size, limit), max_doc_tokens=min(c.max_doc_tokens, limit)))
-    prep = prepare(cfg)
+    prep = prepare(cfg, FLAG_NAMES)
     model = load_float_model(prep.model_path)
     check_targets(model, cfg)
     result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
@@ -238,6 +244,7 @@ def config_main(argv) -> int:
 
 
 def main(argv=None) -> int:
+    select_platforms()  # before JAX starts a backend (lrmq.cli)
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--config" in argv or "--help-config" in argv:  # the full pipeline (calibration, AWQ/GPTQ/QuantLRM, exports)
         return config_main(argv)

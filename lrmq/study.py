@@ -58,6 +58,7 @@ def _main(args) -> int:
 
 
 def main(argv=None) -> int:
+    cli.select_platforms()  # before JAX starts a backend (lrmq.cli)
     args = parse_args(argv)
     return cli.run_main("study", lambda: _main(args))
 

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import tokenizers
 
+from lrmq import paths
+
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -27,11 +29,8 @@ def _token_str(v: Any) -> str | None:
 
 
 def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON: {e}") from e
+    """A tokenizer metadata file: one line naming the file (and line) when it is not a JSON object."""
+    return paths.read_json(path, what="tokenizer file")
 
 
 def _pick_template(t: Any, source: str) -> str | None:
@@ -99,6 +98,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.generation_config = dict(generation_config or {})
         self._cleanup = clean_up_tokenization_spaces
+        self.chat_template_source = "chat template"  # the file it came from, for error messages
 
     # ------------------------------------------------------------------ loading
 
@@ -110,7 +110,12 @@ class Tokenizer:
         if not os.path.isfile(tj):
             what = "directory does not exist" if not os.path.isdir(path) else "no tokenizer.json in it"
             raise FileNotFoundError(f"tokenizer directory {path!r}: {what}")
-        tok = tokenizers.Tokenizer.from_file(tj)
+        text = paths.decode_utf8(paths.read_bytes(tj, "tokenizer file"), tj)
+        try:
+            tok = tokenizers.Tokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises a bare Exception: "expected `,` or `}` at line 1 column 5"
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise paths.FileFormatError(f"{tj}: not a tokenizers file ({first})") from None
 
         cfg_path = os.path.join(path, "tokenizer_config.json")
         cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
@@ -123,13 +128,15 @@ class Tokenizer:
 
         # Same precedence as transformers: the standalone .jinja file wins over the JSON field.
         template = _pick_template(cfg.get("chat_template"), cfg_path)
+        template_source = cfg_path
         jinja_path = os.path.join(path, "chat_template.jinja")
         ct_json = os.path.join(path, "chat_template.json")
         if os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                template = f.read()
+            template = paths.decode_utf8(paths.read_bytes(jinja_path, "chat template"), jinja_path)
+            template_source = jinja_path
         elif os.path.isfile(ct_json):
             template = _pick_template(_read_json(ct_json).get("chat_template"), ct_json)
+            template_source = ct_json
 
         gen_path = os.path.join(path, "generation_config.json")
         gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
@@ -142,6 +149,7 @@ class Tokenizer:
             clean_up_tokenization_spaces=bool(cfg.get("clean_up_tokenization_spaces", False)),
             name=path,
         )
+        out.chat_template_source = template_source
         for k, v in out.special_tokens.items():
             if tok.token_to_id(v) is None:
                 raise ValueError(f"{cfg_path}: {k} {v!r} is not in the vocabulary of {tj}")
@@ -238,10 +246,19 @@ class Tokenizer:
                 raise TypeError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
         # Special tokens first so explicit kwargs win, as in transformers.
         variables = {**self.special_tokens, **kwargs}
-        return _compile_template(template).render(
-            messages=[dict(m) for m in messages],
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        source = self.chat_template_source if chat_template is None else "chat template"
+        try:
+            return _compile_template(template).render(
+                messages=[dict(m) for m in messages],
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except Exception as e:
+            if not type(e).__module__.startswith("jinja2"):
+                raise
+            # jinja2's TemplateError: a syntax error, raise_exception(), an undefined name: name the file
+            line = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"{source}{line}: chat template error ({first})") from None

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from lrmq import aot, cli
+from lrmq import aot, cli, paths
 from lrmq.atomic import atomic_write_text, disk_full_error, is_disk_full
 from lrmq.configlib import ConfigError, add_config_args, config_from_args, dump_config
 from lrmq.rl.config import TrainConfig
@@ -34,6 +34,7 @@ def maybe_init_distributed() -> None:
 
 
 def main(argv=None) -> int:
+    cli.select_platforms()  # before JAX starts a backend (lrmq.cli)
     ap = argparse.ArgumentParser(prog="python -m lrmq.train", description=__doc__.splitlines()[0])
     add_config_args(ap, TrainConfig)  # also --help-config (every option, described) and --print-config
     ap.add_argument("--compile-only", action="store_true",
@@ -112,9 +113,11 @@ def compile_only(cfg, topology: str, report_path: str | None) -> int:
     import json
 
     try:
+        if report_path:  # a directory there: say so before the compile, not after it
+            paths.check_file_path(report_path, "--report")
         devices = aot.topology_devices(topology) if topology else None
         report = aot.check_fit(cfg, devices, log=lambda m: print(m, file=sys.stderr, flush=True))
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
         cli.print_error("train", e)
         return 2
     target = topology or "local devices"

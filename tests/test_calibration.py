@@ -35,10 +35,10 @@ def test_jsonl_and_txt_read_as_datasets_reads_them(tmp_path):
 def test_bad_jsonl_names_file_line_and_field(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": \n')
-    with pytest.raises(CalibrationError, match=r"bad.jsonl:3: invalid JSON"):
+    with pytest.raises(CalibrationError, match=r"bad.jsonl line 3: not valid JSON"):
         load_documents(str(path))
     path.write_text('{"text": "a"}\n{"body": "b"}\n')
-    with pytest.raises(CalibrationError, match=r"bad.jsonl: record 2 has no text field 'text'; it has: \['body'\]"):
+    with pytest.raises(CalibrationError, match=r"bad.jsonl line 2 has no field 'text'; it has: \['body'\]"):
         load_documents(str(path))
     path.write_text("\n")
     with pytest.raises(CalibrationError, match="no documents"):

@@ -37,7 +37,7 @@ def test_missing_calibration_file(setup, tmp_path):
 
 def test_bad_calibration_field_and_missing_pair(setup, tmp_path):
     _fails(qcfg(setup, str(tmp_path / "o"), **{"calibration.text_field": "body", "method": "awq"}),
-           "no text field 'body'")
+           "no field 'body'")
     _fails(qcfg(setup, str(tmp_path / "o"), **{"quantlrm.run_dir": str(tmp_path)}), "final_policy")
 
 

@@ -26,6 +26,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from lrmq import paths
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf_names import expand
 from lrmq.model.config import ModelConfig
@@ -56,10 +57,9 @@ def tensor_index(ckpt_dir: str) -> dict[str, str]:
     single = os.path.join(ckpt_dir, "model.safetensors")
     if os.path.exists(index):
         try:
-            with open(index) as f:
-                wm = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            wm = paths.read_json(index, what="safetensors index").get("weight_map")
+        except paths.FileFormatError as e:
+            raise CheckpointError(str(e)) from None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         outside = sorted({v for v in wm.values() if not inside_dir(ckpt_dir, v)})

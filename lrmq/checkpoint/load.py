@@ -1,20 +1,30 @@
-"""One entry point for models on disk: a Hugging Face directory or an lrmq checkpoint."""
+"""One entry point for models on disk: a Hugging Face directory or an lrmq checkpoint.
+
+Every command reads a checkpoint option (`--checkpoint`, `--tokenizer`, `--base`, convert's SRC, the configs'
+`model.checkpoint` / `model` / `tokenizer` / `checkpoint`) through these functions, and each resolves the
+alias "tiny" (the shipped tiny model) with `resolve_checkpoint`: the model, its config and its tokenizer
+are found the same way everywhere.
+"""
 
 from __future__ import annotations
 
 import os
 
 from lrmq.checkpoint.hf import CheckpointError, load_hf_model
-from lrmq.checkpoint.orbax_io import is_lrmq_checkpoint, load_lrmq
+from lrmq.checkpoint.orbax_io import (CONFIG_FILE, PARAMS_DIR, STATE_FILE, is_lrmq_checkpoint, load_lrmq,
+                                      read_lrmq_config)
+from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
+from lrmq.tokenizer import Tokenizer
 
 # The tiny Qwen3 shipped with the package (`model.checkpoint: tiny`).
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
+ALIASES = {"tiny": TINY_MODEL_DIR}
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint path, with the alias "tiny" for the shipped tiny model."""
-    return TINY_MODEL_DIR if path == "tiny" else path
+    """A checkpoint path, with the alias "tiny" for the shipped tiny model (idempotent)."""
+    return ALIASES.get(path, path)
 
 
 def is_hf_checkpoint(path: str) -> bool:
@@ -25,13 +35,28 @@ def is_hf_checkpoint(path: str) -> bool:
 
 def checkpoint_kind(path: str) -> str:
     """'lrmq' or 'hf'; raises naming the path (and what was looked for) when it is neither."""
+    path = resolve_checkpoint(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"{path}: is a file; a checkpoint is a directory (config.json, weights, "
+                                 "tokenizer files)")
     # lrmq first: its config.json is also a valid HF config, but it has no safetensors.
     if is_lrmq_checkpoint(path):
         return "lrmq"
+    if os.path.exists(os.path.join(path, STATE_FILE)) or os.path.isdir(os.path.join(path, PARAMS_DIR)):
+        # looks like an lrmq checkpoint: say which of its files is missing or broken
+        missing = [n + (" (a directory is there)" if os.path.isdir(os.path.join(path, n)) else "")
+                   for n in (CONFIG_FILE, STATE_FILE) if not os.path.isfile(os.path.join(path, n))]
+        missing += [PARAMS_DIR + "/"] if not os.path.isdir(os.path.join(path, PARAMS_DIR)) else []
+        if missing:
+            raise CheckpointError(f"{path}: incomplete lrmq checkpoint, missing {', '.join(missing)}")
+        read_lrmq_config(path)  # raises naming config.json and what is wrong with it
     if is_hf_checkpoint(path):
         return "hf"
+    cfg = os.path.join(path, CONFIG_FILE)
+    if os.path.exists(cfg) and not os.path.isfile(cfg):
+        raise CheckpointError(f"{cfg}: is a directory, expected the model config (a JSON file)")
     raise CheckpointError(
         f"{path}: not a model checkpoint; expected either a Hugging Face directory (config.json + "
         f"model.safetensors or model.safetensors.index.json) or an lrmq checkpoint (config.json with an "
@@ -43,6 +68,20 @@ def load_model(path: str, *, mesh=None, dtype: str | None = None, param_dtype: s
 
     dtype: compute dtype override; param_dtype: parameter dtype override (None keeps the stored one).
     """
+    path = resolve_checkpoint(path)
     if checkpoint_kind(path) == "lrmq":
         return load_lrmq(path, mesh=mesh, dtype=dtype, param_dtype=param_dtype)
     return load_hf_model(path, mesh=mesh, dtype=dtype, param_dtype=param_dtype)
+
+
+def read_model_config(path: str, *, dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig of an HF or lrmq checkpoint (or of a bare config.json's directory), no weights read."""
+    path = resolve_checkpoint(path)
+    if os.path.isdir(path) and is_lrmq_checkpoint(path):
+        return read_lrmq_config(path, dtype=dtype)
+    return ModelConfig.from_hf_file(path, dtype=dtype)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (or of a tokenizer directory), alias resolved."""
+    return Tokenizer.from_dir(resolve_checkpoint(path))

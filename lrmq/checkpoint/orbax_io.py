@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lrmq import paths
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import CheckpointError, copy_tokenizer_files
 from lrmq.model.config import ModelConfig
@@ -165,10 +166,9 @@ def read_lrmq_config(path: str, *, dtype: str | None = None, param_dtype: str | 
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"no config.json at {cfg_path}")
     try:
-        with open(cfg_path) as f:
-            hf = json.load(f)
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        hf = paths.read_json(cfg_path, what="model config")
+    except paths.FileFormatError as e:
+        raise CheckpointError(str(e)) from None
     meta = hf.pop("lrmq", None)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{cfg_path}: no 'lrmq' section; this is not an lrmq checkpoint")
@@ -181,13 +181,15 @@ def read_lrmq_config(path: str, *, dtype: str | None = None, param_dtype: str | 
 
 def _read_manifest(path: str) -> dict[str, dict[str, Any]]:
     p = os.path.join(path, STATE_FILE)
+    if not os.path.exists(p):
+        raise CheckpointError(f"{p}: missing; {path} is not a complete lrmq checkpoint")
     try:
-        with open(p) as f:
-            return json.load(f)["variables"]
-    except FileNotFoundError:
-        raise CheckpointError(f"{p}: missing; {path} is not a complete lrmq checkpoint") from None
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{p}: not a valid lrmq state manifest ({e})") from None
+        variables = paths.read_json(p, what="lrmq state manifest").get("variables")
+    except paths.FileFormatError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(variables, dict) or not all(isinstance(v, dict) for v in variables.values()):
+        raise CheckpointError(f"{p}: not a valid lrmq state manifest (no 'variables' mapping of entries)")
+    return variables
 
 
 def _install_quantized(abstract: Decoder, path: str, entry: dict[str, Any]) -> None:
@@ -256,8 +258,11 @@ def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: st
     try:
         restored = ckptr.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)),
                                  _nest({p: target(p) for p in variables}))
-    except Exception as e:  # orbax/tensorstore raise many types; name the checkpoint and the cause
-        raise CheckpointError(f"{os.path.join(path, PARAMS_DIR)}: cannot restore ({type(e).__name__}: {e})") from e
+    except Exception as e:  # orbax/tensorstore raise many types; name the checkpoint and the cause (one line:
+        # tensorstore appends its whole multi-line spec)
+        first = (str(e).strip().splitlines() or [""])[0].removesuffix(" See full TensorStore details.")
+        raise CheckpointError(f"{os.path.join(path, PARAMS_DIR)}: cannot restore ({type(e).__name__}: {first}); "
+                              "the checkpoint's arrays are missing or damaged") from e
     finally:
         ckptr.close()
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from lrmq import paths
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf_names import NAME_MAP
 from lrmq.quant.lora import lora_linears
@@ -74,13 +75,33 @@ def save_lora(model, out_dir: str, *, overwrite: bool = False) -> str:
     return out_dir
 
 
+def read_adapter_config(adapter_dir: str) -> tuple[int, float]:
+    """(rank r, lora_alpha) of an adapter directory's adapter_config.json; one line naming the file when it is
+    missing, not JSON, or lacks either number."""
+    if not os.path.isdir(adapter_dir):
+        what = "is a file" if os.path.exists(adapter_dir) else "does not exist"
+        raise FileNotFoundError(f"adapter directory {adapter_dir} {what} (it holds {ADAPTER_CONFIG} and "
+                                f"{ADAPTER_WEIGHTS})")
+    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    cfg = paths.read_json(path, what="adapter config")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    for key, v in (("r", r), ("lora_alpha", alpha)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{path}: {key} must be a positive number, found {v!r}")
+    return int(r), float(alpha)
+
+
 def load_lora(model, adapter_dir: str) -> list[str]:
     """Load adapters saved by `save_lora` into a model that already has adapters on the same modules
     (e.g. after `prepare_for_training`); shapes and the module set must match. Keeps shardings."""
     wpath = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     if not os.path.isfile(wpath):
         raise FileNotFoundError(f"{wpath}: no adapter weights")
-    tensors = load_file(wpath)
+    try:
+        tensors = load_file(wpath)
+    except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{wpath}: cannot read the adapter weights ({first})") from None
     lins = lora_linears(model)
     want = set()
     for path, lin in lins:

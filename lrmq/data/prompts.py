@@ -10,6 +10,8 @@ import glob
 import os
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from lrmq.data.text import label, read_records
+from lrmq.paths import FileFormatError, kind_of
 from lrmq.registry import Registry
 
 if TYPE_CHECKING:
@@ -60,13 +62,34 @@ def _boxed_content(text: str, i: int) -> Optional[str]:
     return None  # unbalanced
 
 
-def _load_one(path: str, split: str, cache_dir: Optional[str]) -> "datasets.Dataset":
+def _first_line(e: BaseException) -> str:
+    """The innermost cause's first line (datasets wraps the parser's error in DatasetGenerationError)."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _why_unreadable(files: Sequence[str], option: Optional[str]) -> None:
+    """Raise the precise one-line error (file, line, what) for JSON / JSON Lines files `datasets` refused."""
+    for f in files:
+        if os.path.splitext(f)[1].lower() in (".jsonl", ".json"):
+            for at, rec in read_records(f, option):
+                if not isinstance(rec, dict):
+                    raise FileFormatError(f"{label(f, option)} {at}: expected a JSON object (one problem), found "
+                                          f"a {kind_of(rec)}")
+
+
+def _load_one(path: str, split: str, cache_dir: Optional[str], option: Optional[str] = None) -> "datasets.Dataset":
     ds_lib = _datasets()
+    where = label(path, option)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"prompt dataset not found: {path}")
+        raise FileNotFoundError(f"{where}: prompt dataset not found" if option else f"prompt dataset not found: {path}")
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "dataset_dict.json")):
-            obj = ds_lib.load_from_disk(path)  # a save_to_disk() directory
+            try:
+                obj = ds_lib.load_from_disk(path)  # a save_to_disk() directory
+            except Exception as e:  # a damaged save_to_disk directory: arrow, json and file errors
+                raise ValueError(f"{where}: cannot load the saved dataset ({_first_line(e)})") from None
             if isinstance(obj, ds_lib.DatasetDict):
                 if split not in obj:
                     raise KeyError(f"{path}: no split {split!r}; available: {sorted(obj)}")
@@ -75,21 +98,22 @@ def _load_one(path: str, split: str, cache_dir: Optional[str]) -> "datasets.Data
         files = sorted(f for f in glob.glob(os.path.join(path, "*")) if os.path.splitext(f)[1] in _FORMATS)
         kinds = {_FORMATS[os.path.splitext(f)[1]] for f in files}
         if len(kinds) != 1:
-            raise ValueError(f"{path}: expected data files of one format {sorted(set(_FORMATS))}, found {sorted(kinds) or 'none'}")
+            raise ValueError(f"{where}: expected data files of one format {sorted(set(_FORMATS))}, found {sorted(kinds) or 'none'}")
         fmt = kinds.pop()
     else:
         ext = os.path.splitext(path)[1].lower()
         if ext not in _FORMATS:
-            raise ValueError(f"{path}: unsupported file type {ext!r}; use one of {sorted(_FORMATS)} or a save_to_disk dir")
+            raise ValueError(f"{where}: unsupported file type {ext!r}; use one of {sorted(_FORMATS)} or a save_to_disk dir")
         fmt, files = _FORMATS[ext], [path]
     if all(os.path.getsize(f) == 0 for f in files):
-        raise ValueError(f"prompt dataset {path} is empty")
+        raise ValueError(f"prompt dataset {where} is empty")
     try:
         return ds_lib.load_dataset(fmt, data_files={split: files}, split=split, cache_dir=cache_dir)
-    except (StopIteration, ValueError) as e:  # what `datasets` raises for files without rows
+    except Exception as e:  # datasets raises many types (DatasetGenerationError wraps the parser's error)
         if isinstance(e, StopIteration) or "corresponds to no data" in str(e):
-            raise ValueError(f"prompt dataset {path} is empty") from e
-        raise ValueError(f"{path}: could not load as {fmt}: {e}") from e
+            raise ValueError(f"prompt dataset {where} is empty") from None
+        _why_unreadable(files, option)  # JSON: the file, line and problem
+        raise ValueError(f"{where}: could not load as {fmt} ({_first_line(e)})") from None
 
 
 def load_prompt_dataset(
@@ -100,11 +124,13 @@ def load_prompt_dataset(
     solution_field: Optional[str] = "solution",
     split: str = "train",
     cache_dir: Optional[str] = None,
+    option: Optional[str] = None,
 ) -> "datasets.Dataset":
     """Local jsonl/json/parquet/csv/arrow files or save_to_disk dirs -> Dataset[problem, answer] (str).
 
     When `answer_field` is not a column, the answer is the last `\\boxed{}` of `solution_field`.
-    Several paths are concatenated in order.
+    Several paths are concatenated in order. `option`: the key or flag the paths came from
+    (`data.train_files`), named in the errors with the file (and, for JSON, the line).
     """
     ds_lib = _datasets()
     paths = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
@@ -112,12 +138,13 @@ def load_prompt_dataset(
         raise ValueError("load_prompt_dataset: no paths given")
     parts = []
     for p in map(os.fspath, paths):
-        ds = _load_one(p, split, cache_dir)
+        ds = _load_one(p, split, cache_dir, option)
+        where = label(p, option)
         if len(ds) == 0:
-            raise ValueError(f"prompt dataset {p} is empty")
+            raise ValueError(f"prompt dataset {where} is empty")
         cols = list(ds.column_names)
         if problem_field not in cols:
-            raise KeyError(f"{p}: missing problem field {problem_field!r}; available columns: {cols}")
+            raise KeyError(f"{where}: missing problem field {problem_field!r}; available columns: {cols}")
         if answer_field in cols:
             answers = [None if a is None else str(a) for a in ds[answer_field]]
             source = answer_field
@@ -126,16 +153,16 @@ def load_prompt_dataset(
             source = f"\\boxed{{}} in {solution_field!r}"
         else:
             raise KeyError(
-                f"{p}: missing answer field {answer_field!r} (and no solution field {solution_field!r} to "
+                f"{where}: missing answer field {answer_field!r} (and no solution field {solution_field!r} to "
                 f"extract a \\boxed{{}} answer from); available columns: {cols}"
             )
         bad = [i for i, a in enumerate(answers) if a is None]
         if bad:
-            raise ValueError(f"{p}: {len(bad)} row(s) have no answer from {source}, first at row {bad[0]}")
+            raise ValueError(f"{where}: {len(bad)} row(s) have no answer from {source}, first at row {bad[0]}")
         problems = ds[problem_field]
         bad = [i for i, q in enumerate(problems) if not isinstance(q, str) or not q]
         if bad:
-            raise ValueError(f"{p}: {len(bad)} row(s) have an empty or non-string {problem_field!r}, first at row {bad[0]}")
+            raise ValueError(f"{where}: {len(bad)} row(s) have an empty or non-string {problem_field!r}, first at row {bad[0]}")
         parts.append(ds_lib.Dataset.from_dict({"problem": problems, "answer": answers}))
     return parts[0] if len(parts) == 1 else ds_lib.concatenate_datasets(parts)
 

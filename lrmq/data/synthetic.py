@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from lrmq.atomic import atomic_write_text
-from lrmq.cli import ArgumentParser, UsageError, number, run_main
+from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms
 
 OPS = ("+", "-", "*")
 
@@ -133,6 +133,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    select_platforms()  # before JAX starts a backend (lrmq.cli)
     p = ArgumentParser("data.synthetic", description="Write train.jsonl / test.jsonl of synthetic arithmetic")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--n-train", type=number(int, ge=1), default=2000)

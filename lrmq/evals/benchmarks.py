@@ -14,13 +14,13 @@ the files looked for.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from lrmq.data.prompts import arith_template, qwen_math_template
-from lrmq.data.synthetic import read_jsonl
+from lrmq.data.text import read_records
+from lrmq.paths import FileFormatError, kind_of
 from lrmq.registry import Registry
 
 DATA_DIR_ENV = "LRMQ_EVAL_DATA"
@@ -208,24 +208,18 @@ def local_candidates(data_dir: str, name: str) -> list[str]:
 
 
 def _read_local(path: str) -> list[dict]:
-    if path.endswith(".jsonl"):
-        try:
-            return read_jsonl(path)
-        except ValueError as e:  # names the file and line
-            raise EvalDataError(str(e)) from None
-    if path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-        if isinstance(obj, dict) and isinstance(obj.get("examples"), list):  # BIG-Bench / BBH task files
-            return obj["examples"]
-        if isinstance(obj, list):
-            return obj
-        raise EvalDataError(f"{path}: expected a list of rows or {{\"examples\": [...]}}")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    raise EvalDataError(f"{path}: unsupported file type (use {', '.join(LOCAL_SUFFIXES)})")
+    """The rows of a local benchmark file (lrmq.data.text: .jsonl, .json as a list, columns or BIG-Bench's
+    {"examples": [...]}, .parquet); a bad file is one line naming it and the line or record."""
+    if not path.endswith(LOCAL_SUFFIXES):
+        raise EvalDataError(f"{path}: unsupported file type (use {', '.join(LOCAL_SUFFIXES)})")
+    try:
+        records = read_records(path)
+    except FileFormatError as e:
+        raise EvalDataError(str(e)) from None
+    for at, r in records:
+        if not isinstance(r, dict):
+            raise EvalDataError(f"{path} {at}: expected a JSON object (one benchmark item), found a {kind_of(r)}")
+    return [r for _, r in records]
 
 
 def _offline() -> bool:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from lrmq import paths
 from lrmq.configlib import ConfigError  # noqa: F401  (raised below for config.json fields lrmq cannot honour)
 
 FAMILIES = ("qwen3", "qwen2", "llama", "olmo3")
@@ -22,6 +22,11 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # config.json `architectures` of each family (the transformers class); another one is refused
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "olmo3": "Olmo3ForCausalLM"}
+
+
+# config.json fields that must be positive integers when present
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
 
 
 def check_position_limit(cfg: "ModelConfig", positions: int, what: str) -> None:
@@ -139,6 +144,15 @@ class ModelConfig:
                 raise ConfigError(f"{source}: required field {key!r} is missing")
             return hf[key]
 
+        for key in _POSITIVE_INTS:  # a wrong type would fail later, deep in the model code, without the file
+            v = hf.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{source}: {key} must be a positive integer, found {v!r}")
+        for key in ("rms_norm_eps", "rope_theta"):
+            v = hf.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ConfigError(f"{source}: {key} must be a number, found {v!r}")
+
         act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -206,11 +220,10 @@ class ModelConfig:
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no config.json at {path}")
-        with open(path) as f:
-            try:
-                hf = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        try:
+            hf = paths.read_json(path, what="model config")  # one line naming the file: bad JSON, not a mapping
+        except paths.FileFormatError as e:
+            raise ConfigError(str(e)) from None
         return cls.from_hf_dict(hf, source=path, **kw)
 
     def to_hf_dict(self) -> dict[str, Any]:

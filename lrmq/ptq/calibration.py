@@ -15,8 +15,8 @@ Three recipes, each returning int32 ``[n_blocks, block_size]``:
   own sequence; the layer-wise pipeline needs equal blocks, so here the prompts are concatenated and
   cut like the AWQ recipe (documented difference).
 
-Text files: ``.jsonl``/``.json``/``.parquet`` (a ``text_field`` column, default ``text``) or ``.txt``
-(one document per non-empty line).
+Text files: ``.jsonl``/``.json``/``.parquet`` (a ``text_field`` column, default ``text``) or plain text
+(``.txt``, ``.md``: one document per non-empty line), read by ``lrmq.data.text``.
 """
 
 from __future__ import annotations
@@ -27,20 +27,17 @@ from typing import Sequence
 import numpy as np
 
 from lrmq.data.prompts import _datasets, format_prompt, load_prompt_dataset
-from lrmq.data.synthetic import read_jsonl
+from lrmq.data.text import TextFileError, label, read_documents
 
 
 class CalibrationError(ValueError):
     """Calibration data that cannot be used; the message names the file."""
 
 
-_TABLE = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-def _require(path: str, what: str) -> str:
+def _require(path: str, what: str, option: str | None = None) -> str:
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{what} not found: {path}")
+        raise FileNotFoundError(f"{label(path, option or what)}: {what} does not exist")
     return path
 
 
@@ -50,41 +47,15 @@ def _prompt_hint(columns) -> str:
             "--calibration-source prompts)" if "problem" in columns else "")
 
 
-def load_documents(path: str, *, text_field: str = "text") -> list[str]:
-    """The documents' texts, in file order. ``.txt`` and ``.jsonl`` are read directly (no ``datasets``
-    import: it costs 1-2 s of every quantize start); ``.json`` / ``.parquet`` go through ``datasets``."""
-    path = _require(path, "calibration file")
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".txt":
-        with open(path, encoding="utf-8") as f:
-            docs = [l.rstrip("\n") for l in f if l.strip()]
-    elif ext == ".jsonl":
-        try:
-            rows = read_jsonl(path)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CalibrationError(f"cannot read calibration file: {e}") from None
-        docs = []
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict) or text_field not in row:
-                cols = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise CalibrationError(f"{path}: record {i + 1} has no text field {text_field!r}; "
-                                       f"it has: {cols}{_prompt_hint(row if isinstance(row, dict) else ())}")
-            docs.append(str(row[text_field]))
-    elif ext in _TABLE:
-        ds_lib = _datasets()
-        try:
-            ds = ds_lib.load_dataset(_TABLE[ext], data_files={"train": [path]}, split="train")
-        except Exception as e:  # datasets raises many types for bad/empty files
-            raise CalibrationError(f"{path}: cannot read calibration file ({type(e).__name__}: {e})") from None
-        if text_field not in ds.column_names:
-            raise CalibrationError(f"{path}: no text field {text_field!r}; columns: {ds.column_names}"
-                                   f"{_prompt_hint(ds.column_names)}")
-        docs = [str(t) for t in ds[text_field]]
-    else:
-        raise CalibrationError(f"{path}: unsupported calibration file type {ext!r}; use .jsonl, .json, .parquet or .txt")
-    if not docs:
-        raise CalibrationError(f"{path}: calibration file has no documents")
-    return docs
+def load_documents(path: str, *, text_field: str = "text", option: str | None = "calibration file") -> list[str]:
+    """The documents' texts, in file order (`lrmq.data.text.read_documents`: a plain-text file's non-blank
+    lines, or the ``text_field`` of each record of a .jsonl / .json / .parquet file; no ``datasets`` import:
+    it costs 1-2 s of every quantize start). Errors name ``option`` (the flag or key the path came from),
+    the file and the line."""
+    try:
+        return read_documents(path, option, field=text_field, what="documents", hint=_prompt_hint)
+    except TextFileError as e:
+        raise CalibrationError(str(e)) from None
 
 
 def shuffled(docs: Sequence[str], seed: int) -> list[str]:
@@ -128,10 +99,11 @@ def reasoning_blocks(docs: Sequence[str], tokenizer, *, max_tokens: int = 128 * 
 
 def prompt_blocks(path: str, tokenizer, *, template: str = "chat", n_samples: int = 128, block_size: int = 512,
                   max_doc_tokens: int = 512, seed: int | None = None, problem_field: str = "problem",
-                  answer_field: str = "answer", solution_field: str | None = "solution") -> np.ndarray:
-    path = _require(path, "calibration prompt dataset")
+                  answer_field: str = "answer", solution_field: str | None = "solution",
+                  option: str | None = "calibration prompt dataset") -> np.ndarray:
+    path = _require(path, "calibration prompt dataset", option)
     ds = load_prompt_dataset(path, problem_field=problem_field, answer_field=answer_field,
-                             solution_field=solution_field)
+                             solution_field=solution_field, option=option)
     if seed is not None:
         ds = ds.shuffle(seed=seed)
     samples: list[int] = []
@@ -144,17 +116,18 @@ def prompt_blocks(path: str, tokenizer, *, template: str = "chat", n_samples: in
         n += 1
         if n == n_samples:
             break
-    return _blocks(samples, block_size, path)
+    return _blocks(samples, block_size, label(path, option))
 
 
-def calibration_blocks(source: str, path: str, tokenizer, **kw) -> np.ndarray:
-    """Dispatch on ``source`` in {"text" (AWQ recipe), "reasoning", "prompts"}."""
+def calibration_blocks(source: str, path: str, tokenizer, *, option: str | None = None, **kw) -> np.ndarray:
+    """Dispatch on ``source`` in {"text" (AWQ recipe), "reasoning", "prompts"}; ``option``: the flag or key
+    the path came from (``--calibration``, ``calibration.path``), for the messages."""
     if source == "prompts":
-        return prompt_blocks(path, tokenizer, **kw)
+        return prompt_blocks(path, tokenizer, option=option or "calibration prompt dataset", **kw)
     text_field = kw.pop("text_field", "text")
-    docs = load_documents(path, text_field=text_field)
+    docs = load_documents(path, text_field=text_field, option=option or "calibration file")
     if source == "text":
-        return awq_blocks(docs, tokenizer, source=path, **kw)
+        return awq_blocks(docs, tokenizer, source=label(path, option), **kw)
     if source == "reasoning":
-        return reasoning_blocks(docs, tokenizer, source=path, **kw)
+        return reasoning_blocks(docs, tokenizer, source=label(path, option), **kw)
     raise CalibrationError(f"unknown calibration source {source!r}; known: text, reasoning, prompts")

@@ -17,9 +17,10 @@ import dataclasses
 import io
 import json
 import os
+from typing import Mapping
 
-from lrmq.checkpoint.load import checkpoint_kind, load_model, resolve_checkpoint
-from lrmq.checkpoint.orbax_io import read_lrmq_config
+from lrmq import paths
+from lrmq.checkpoint.load import checkpoint_kind, load_model, load_tokenizer, read_model_config, resolve_checkpoint
 from lrmq.configlib import dump_config
 from lrmq.ptq.calibration import calibration_blocks
 from lrmq.model.config import ModelConfig, check_position_limit
@@ -35,7 +36,6 @@ from lrmq.ptq.quantlrm import (
     resolve_pair,
 )
 from lrmq.quant.transforms import iter_linears
-from lrmq.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -53,7 +53,8 @@ def resolve_model_path(p: str) -> str:
 
 def model_config(path: str) -> ModelConfig:
     """The ModelConfig of an HF or lrmq checkpoint, without reading its weights."""
-    return read_lrmq_config(path) if checkpoint_kind(path) == "lrmq" else ModelConfig.from_hf_file(path)
+    checkpoint_kind(path)  # a clear error for a missing / broken checkpoint
+    return read_model_config(path)
 
 
 def check_calibration_length(cfg: QuantizeConfig) -> None:
@@ -67,12 +68,13 @@ def check_calibration_length(cfg: QuantizeConfig) -> None:
         check_position_limit(model_config(path), cfg.calibration.block_size, "calibration.block_size")
 
 
-def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str):
-    """int32 [n_blocks, block_size] from ``cfg.calibration`` (lrmq.ptq.calibration recipes)."""
+def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str, option: str = "calibration.path"):
+    """int32 [n_blocks, block_size] from ``cfg.calibration`` (lrmq.ptq.calibration recipes); ``option``: what
+    the messages call the path (the flag form: --calibration)."""
     c = cfg.calibration
     if not os.path.exists(c.path):
-        raise FileNotFoundError(f"calibration file not found: {c.path}")
-    tok = Tokenizer.from_dir(tokenizer_dir)
+        raise FileNotFoundError(f"{option} {c.path}: calibration file does not exist")
+    tok = load_tokenizer(tokenizer_dir)
     if c.source == "text":
         kw = dict(text_field=c.text_field, n_samples=c.n_samples, block_size=c.block_size,
                   max_doc_tokens=c.max_doc_tokens, seed=c.seed, add_special_tokens=c.add_special_tokens)
@@ -81,7 +83,7 @@ def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str):
     else:
         kw = dict(template=c.template, n_samples=c.n_samples, block_size=c.block_size,
                   max_doc_tokens=c.max_doc_tokens, problem_field=c.problem_field, answer_field=c.answer_field)
-    blocks = calibration_blocks(c.source, c.path, tok, **kw)
+    blocks = calibration_blocks(c.source, c.path, tok, option=option, **kw)
     return blocks[: c.max_blocks] if c.max_blocks else blocks
 
 
@@ -89,7 +91,7 @@ def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
     """The QuantLRM pair's checks and importance pass: (model path to quantize, importances,
     output files, report fields). The pair is read lazily and released before returning."""
     q = cfg.quantlrm
-    ft_dir, base_dir = resolve_pair(model_path, q.base, q.run_dir)
+    ft_dir, base_dir = resolve_pair(model_path, resolve_checkpoint(q.base) if q.base else None, q.run_dir)
     ft, base = TensorSource(ft_dir), TensorSource(base_dir)
     check_pair(ft, base)
     opts = QuantLRMOptions(targets=tuple(q.targets) if q.targets else None,
@@ -108,16 +110,18 @@ def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
     return (ft_dir if q.quantize == "finetuned" else base_dir), imps, files, report
 
 
-def prepare(cfg: QuantizeConfig) -> Prepared:
-    """Every input of the run, read and checked (FileNotFoundError, QuantLRMError, CalibrationError, ...)."""
+def prepare(cfg: QuantizeConfig, names: Mapping[str, str] | None = None) -> Prepared:
+    """Every input of the run, read and checked (FileNotFoundError, QuantLRMError, CalibrationError, ...).
+    ``names``: what the messages call a config key (the flag form: {"calibration.path": "--calibration"})."""
     model_path = resolve_model_path(cfg.model) if cfg.model else None
     check_calibration_length(cfg)
     importances, files, report = None, {}, {}
     if cfg.method == "quantlrm":
         model_path, importances, files, report = quantlrm_importance(cfg, model_path)
     checkpoint_kind(model_path)  # clear error for a missing / non-checkpoint dir
-    tok_dir = cfg.tokenizer or model_path
-    tokens = calibration_tokens(cfg, tok_dir) if needs_calibration(cfg.method) else None
+    tok_dir = resolve_checkpoint(cfg.tokenizer) if cfg.tokenizer else model_path
+    option = (names or {}).get("calibration.path", "calibration.path")
+    tokens = calibration_tokens(cfg, tok_dir, option) if needs_calibration(cfg.method) else None
     return Prepared(model_path, tok_dir, MethodInputs(tokens=tokens, importances=importances), files, report)
 
 
@@ -133,6 +137,7 @@ def load_float_model(path: str):
 def run_quantize(cfg: QuantizeConfig) -> dict:
     """Prepare, quantize, export (atomically into ``cfg.outputs.dir``). Returns the report dict."""
     out_dir = cfg.outputs.dir
+    paths.check_dir_path(out_dir, "outputs.dir")  # a file there: a sentence, before any work
     if os.path.exists(out_dir) and not cfg.outputs.overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(out_dir)} already exists (outputs.overwrite=true)")
     prep = prepare(cfg)

@@ -34,12 +34,9 @@ from flax import nnx
 
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import save_hf_model
-from lrmq.checkpoint.load import checkpoint_kind, load_model
-from lrmq.checkpoint.orbax_io import read_lrmq_config
-from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main
+from lrmq.checkpoint.load import checkpoint_kind, load_model, load_tokenizer, read_model_config, resolve_checkpoint
+from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms
 from lrmq.data.synthetic import read_jsonl
-from lrmq.model.config import ModelConfig
-from lrmq.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,15 +120,16 @@ def sft(model, tokens: np.ndarray, mask: np.ndarray, opts: PseudoFTOptions = Pse
 
 
 def _stored_param_dtype(path: str) -> str:
-    cfg = read_lrmq_config(path) if checkpoint_kind(path) == "lrmq" else ModelConfig.from_hf_file(path)
-    return cfg.param_dtype
+    checkpoint_kind(path)  # a clear error for a missing / broken checkpoint
+    return read_model_config(path).param_dtype
 
 
 def pseudo_finetune(checkpoint: str, traces: str, out_dir: str, opts: PseudoFTOptions = PseudoFTOptions(), *,
                     tokenizer: str | None = None, dtype: str | None = None, overwrite: bool = False) -> dict:
     """Write ``out_dir/before`` (the model as given) and ``out_dir/after`` (after SFT), atomically."""
-    tok_dir = tokenizer or checkpoint
-    tok = Tokenizer.from_dir(tok_dir)
+    checkpoint = resolve_checkpoint(checkpoint)
+    tok_dir = resolve_checkpoint(tokenizer) if tokenizer else checkpoint
+    tok = load_tokenizer(tok_dir)
     tokens, mask = load_traces(traces, tok, opts.seq_len)
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(out_dir)} already exists")
@@ -148,6 +146,7 @@ def pseudo_finetune(checkpoint: str, traces: str, out_dir: str, opts: PseudoFTOp
 
 
 def main(argv=None) -> int:
+    select_platforms()  # before JAX starts a backend (lrmq.cli)
     ap = ArgumentParser("ptq.pseudo_ft", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--traces", required=True, help="jsonl: text, or prompt + completion")
@@ -165,8 +164,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     opts = PseudoFTOptions(steps=a.steps, lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed)
     def body() -> int:
-        check_disjoint({"--out": a.out}, {"--checkpoint": a.checkpoint, "--traces": a.traces,
-                                          "--tokenizer": a.tokenizer})
+        check_disjoint({"--out": a.out}, {"--checkpoint": resolve_checkpoint(a.checkpoint), "--traces": a.traces,
+                                          "--tokenizer": resolve_checkpoint(a.tokenizer) if a.tokenizer else None})
         r = pseudo_finetune(a.checkpoint, a.traces, a.out, opts, tokenizer=a.tokenizer, dtype=a.dtype,
                             overwrite=a.overwrite)
         print(json.dumps({"before": r["before"], "after": r["after"], "first_loss": r["losses"][0],

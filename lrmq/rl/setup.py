@@ -19,11 +19,11 @@ def load_datasets(cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
         return strip(train), strip(held)
 
     kw = dict(problem_field=d.problem_field, answer_field=d.answer_field, solution_field=d.solution_field)
-    train = load_prompt_dataset(d.train_files, **kw)
+    train = load_prompt_dataset(d.train_files, option="data.train_files", **kw)
     if d.max_train_examples:
         train = train.select(range(min(d.max_train_examples, len(train))))
     train = [dict(r) for r in train]
-    held = [dict(r) for r in load_prompt_dataset(d.eval_files, **kw)] if d.eval_files else []
+    held = [dict(r) for r in load_prompt_dataset(d.eval_files, option="data.eval_files", **kw)] if d.eval_files else []
     return train, held
 
 

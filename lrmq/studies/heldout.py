@@ -33,7 +33,7 @@ from flax import nnx
 from lrmq import compile_cache
 from lrmq.atomic import atomic_write_text
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
-from lrmq.cli import ArgumentParser, number, run_main
+from lrmq.cli import ArgumentParser, number, run_main, select_platforms
 from lrmq.configlib import load_config
 from lrmq.data.prompts import format_prompt
 from lrmq.generation.engine import Generator
@@ -144,6 +144,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
+    select_platforms()  # before JAX starts a backend (lrmq.cli)
     args = parse_args(argv)
     compile_cache.enable()  # every job of a study compiles the same generation programs: load them from disk
 
