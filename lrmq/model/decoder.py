@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from lrmq.model.attention import attention
 from lrmq.model.config import ModelConfig
 from lrmq.model.linear import Linear
 from lrmq.model.params import param
@@ -111,8 +112,7 @@ class Attention(nnx.Module):
             out = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, cache_pos, self.window,
                          kv_heads_first=True)
             return self.o_proj(out.reshape(b, t, -1)), (ck, cv)
-        out = attend(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, self.window,
-                     segments=segments)
+        out = attention(q, keys, values, positions, k_pos, self.window, segments=segments)  # blockwise, no [T, S] scores
         return self.o_proj(out.reshape(b, t, -1)), new_kv
 
 
