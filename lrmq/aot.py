@@ -4,8 +4,9 @@ With `libtpu` installed, XLA compiles for any TPU topology from a CPU-only host
 (`jax.experimental.topologies`), so a recipe can be checked against its slice's HBM before the slice
 is rented: `python -m lrmq.train --config X --compile-only [--topology v5p:2x4x4]`. The state is
 abstract throughout (`nnx.eval_shape`): no weight is ever allocated, and no checkpoint needs to be
-on this machine (`model.shapes` names the architecture). The trainer runs the same compile before
-its first step on real accelerators and refuses to start when the step does not fit.
+on this machine (`model.shapes` names the architecture). The update is compiled for every shape it can
+take (`lrmq.rl.precompile.update_shapes`), as the trainer does before its first rollout; on real
+accelerators the trainer also refuses to start when the update or the rollout does not fit.
 """
 
 from __future__ import annotations
@@ -26,21 +27,16 @@ from lrmq.generation.engine import Generator, generation_chunk
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
-from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.model.presets import preset_config
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.training import pack_linears, prepare_for_training, trainable_filter
 from lrmq.quant.transforms import qweight_shardings
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.step import (make_optimizer, make_train_step, micro_batch_count, opt_state_shardings,
-                          uses_rollout_logprobs)
-from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, logical_to_spec, make_mesh
-
-GIB = 1024 ** 3
-# HBM per chip by device kind (public Cloud TPU specs), for topologies compiled without the hardware.
-HBM_BYTES = {"TPU v4": 32 * GIB, "TPU v5 lite": 16 * GIB, "TPU v5": 95 * GIB, "TPU v6 lite": 32 * GIB}
-# Leave this share of HBM free: runtime buffers, fragmentation, and host transfers are not in the report.
-HEADROOM = 0.10
+# the shapes, compiles and memory budget shared with the trainer (re-exported: lrmq.aot.X is their public name)
+from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, UpdateShape, abstract_update,  # noqa: F401
+                                check_budget, hbm_bytes, lower_compile, memory_report, update_shapes)
+from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings, uses_rollout_logprobs
+from lrmq.sharding import LOGICAL_AXES_KEY, MeshConfig, batch_divisor, batch_sharding, logical_to_spec, make_mesh
 
 
 # ----------------------------------------------------------------------------- targets
@@ -57,17 +53,6 @@ def topology_devices(name: str) -> tuple:
     except Exception as e:  # libtpu missing, or a malformed name: say which
         raise ConfigError(f"TPU topology {name!r}: {str(e).splitlines()[0]} (needs libtpu: "
                           f"pip install 'jax[tpu]'; names look like v5e:2x4, v5p:2x4x4, v6e:2x2)") from None
-
-
-def hbm_bytes(device) -> int | None:
-    """Usable memory of one device: the runtime's own limit on real hardware, else the spec table."""
-    try:
-        stats = device.memory_stats()
-        if stats and stats.get("bytes_limit"):
-            return int(stats["bytes_limit"])
-    except Exception:  # topology devices and CPUs have no runtime stats
-        pass
-    return HBM_BYTES.get(getattr(device, "device_kind", ""))
 
 
 # ----------------------------------------------------------------------------- abstract state
@@ -128,60 +113,15 @@ def abstract_run(cfg: TrainConfig, mesh, mcfg: ModelConfig | None = None) -> Abs
     return AbstractRun(cfg, mcfg, mesh, graphdef, trainable, rest)
 
 
-def _sds(shape, dtype, sharding):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def abstract_batch(cfg: TrainConfig, mesh) -> dict:
-    """The train step's batch at its largest: S = prompts x group sequences of max_prompt_len +
-    max_new_tokens; for rollout.update_padding=pack the packed layout's worst case (every sequence at full
-    length, one per row, every completion position a slot: the same work as the padded batch)."""
-    r = cfg.rollout
-    s, n = r.prompts_per_step * r.group_size, r.max_new_tokens
-    length = r.max_prompt_len + n
-    sh = lambda nd: batch_sharding(mesh, nd)
-    if r.update_padding == "pack":
-        n_micro = micro_batch_count(cfg, s)
-        groups = batch_divisor(mesh)
-        slots = s // n_micro // groups * n
-        rows = {k: _sds((s, length), jnp.int32, sh(2)) for k in ("tokens", "positions", "segments")}
-        idx = {k: _sds((groups * n_micro, slots), jnp.int32, sh(2)) for k in ("src", "target", "dest")}
-        return {**rows, **idx, "completion_mask": _sds((s, n), jnp.float32, sh(2)),
-                "old_logp": _sds((s, n), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}
-    return {"tokens": _sds((s, length), jnp.int32, sh(2)), "mask": _sds((s, length), jnp.int32, sh(2)),
-            "completion": _sds((s, n), jnp.int32, sh(2)), "completion_mask": _sds((s, n), jnp.float32, sh(2)),
-            "old_logp": _sds((s, n), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}
+def abstract_batch(cfg: TrainConfig, mesh, shape: UpdateShape | None = None) -> dict:
+    """The train step's batch of `shape` (default the largest of `update_shapes`: S = prompts x group sequences
+    of max_prompt_len + max_new_tokens; for rollout.update_padding=pack every sequence at full length, one per
+    row, every completion position a slot: the same work as the padded batch)."""
+    shape = shape or update_shapes(cfg, batch_divisor(mesh))[0]
+    return abstract_update(cfg, shape, mesh)[0]
 
 
 # ----------------------------------------------------------------------------- compiles
-class PreflightError(ConfigError):
-    """The update or the rollout needs more memory per device than the device has (lrmq.train exits 3)."""
-
-
-def check_budget(mem: dict[str, int], device, hbm_limit_gib: float = 0.0, log=print) -> None:
-    """Raise PreflightError naming every program of `mem` (name -> bytes per device) over the allowed memory:
-    `hbm_limit_gib`, or the device's HBM minus HEADROOM (no limit when it is unknown)."""
-    limit = hbm_limit_gib * GIB if hbm_limit_gib else (hbm_bytes(device) or 0) * (1 - HEADROOM)
-    gib = lambda b: f"{b / GIB:.2f} GiB"
-    log("preflight: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()) + f" per device (limit {gib(limit)})")
-    over = {k: v for k, v in mem.items() if limit and v > limit}
-    if over:
-        raise PreflightError(
-            "preflight: " + ", ".join(f"{k} needs {gib(v)}" for k, v in over.items()) +
-            f" per device, more than the {gib(limit)} allowed; nothing was run. Find a micro-batch that fits "
-            f"with `python -m lrmq.train --config CONFIG --compile-only` (or lower rollout.prompts_per_step)")
-
-
-def memory_report(compiled) -> dict:
-    """Per-device bytes of a compiled program (what XLA allocates for one chip's share)."""
-    ma = compiled.memory_analysis()
-    arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
-    alias, tmp = int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes)
-    code = int(getattr(ma, "generated_code_size_in_bytes", 0))
-    return {"arguments": arg, "outputs": out, "aliased": alias, "temporaries": tmp, "code": code,
-            "total": arg + out - alias + tmp + code}
-
-
 def _flops(compiled) -> float:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
@@ -189,15 +129,9 @@ def _flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def _compile(fn, *args, mesh) -> tuple[object, float]:
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = fn.lower(*args).compile()
-    return compiled, time.perf_counter() - t0
-
-
-def compile_train_step(run: AbstractRun, micro_batch: int | None = None):
-    """(compiled, seconds) of one optimizer update at `micro_batch` (default: the config's)."""
+def compile_train_step(run: AbstractRun, micro_batch: int | None = None, shape: UpdateShape | None = None):
+    """(compiled, seconds) of one optimizer update at `micro_batch` (default: the config's) for the batch
+    `shape` (default the largest of `update_shapes`)."""
     cfg = run.cfg
     if micro_batch is not None:
         import dataclasses
@@ -208,9 +142,16 @@ def compile_train_step(run: AbstractRun, micro_batch: int | None = None):
     opt_sh = opt_state_shardings(tx, run.trainable, run.mesh)
     opt = _with_shardings(jax.eval_shape(tx.init, run.trainable), opt_sh)
     step = make_train_step(run.graphdef, cfg, tx, (tr_sh, opt_sh), use_old=uses_rollout_logprobs(cfg))
-    s, n = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens
-    ref = _sds((s, n), jnp.float32, batch_sharding(run.mesh, 2)) if cfg.algo.beta != 0.0 else None
-    return _compile(step, run.trainable, run.rest, opt, abstract_batch(cfg, run.mesh), ref, mesh=run.mesh)
+    batch, ref = abstract_update(cfg, shape or update_shapes(cfg, batch_divisor(run.mesh))[0], run.mesh)
+    return lower_compile(step, run.trainable, run.rest, opt, batch, ref, mesh=run.mesh)
+
+
+def _sds(shape, dtype, sharding):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _compile(fn, *args, mesh) -> tuple[object, float]:
+    return lower_compile(fn, *args, mesh=mesh)
 
 
 def compile_generate(graphdef, state, mesh, *, batch: int, prompt_len: int, max_new: int,
@@ -231,6 +172,17 @@ def compile_rollout(run: AbstractRun):
     return compile_generate(run.graphdef, (run.trainable, run.rest), run.mesh, batch=rows, prompt_len=r.max_prompt_len,
                             max_new=r.max_new_tokens,
                             sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
+
+
+def rollout_memory(cfg: TrainConfig, graphdef, state, mesh) -> dict[str, int]:
+    """{"rollout": per-device bytes} of the rollout the trainer will run, compiled now: the trainer's preflight
+    (`GRPOTrainer(preflight_programs=...)`, wired by lrmq.train) checks it against the budget with the update."""
+    r = cfg.rollout
+    rows = generation_chunk(r.generation_batch, r.prompts_per_step * r.group_size, batch_divisor(mesh))
+    compiled, _ = compile_generate(graphdef, state, mesh, batch=rows, prompt_len=r.max_prompt_len,
+                                   max_new=r.max_new_tokens,
+                                   sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
+    return {"rollout": memory_report(compiled)["total"]}
 
 
 def abstract_model(mcfg: ModelConfig, mesh, pack: str | None = None):
@@ -294,17 +246,29 @@ def fit_line(report: FitReport) -> str:
             + (f" of {report.hbm * (1 - HEADROOM) / GIB:.1f} GiB usable" if report.hbm else ""))
 
 
-def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, log=print) -> FitReport:
+def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_updates: bool = True,
+              log=print) -> FitReport:
     """Compile the train step and the rollout for `devices` (default: this process's view of all devices)
     and compare per-device memory with HBM minus HEADROOM; when the step does not fit, find the largest
-    micro-batch that does (compiling smaller ones, largest first)."""
+    micro-batch that does (compiling smaller ones, largest first). The step is compiled for every shape of
+    `update_shapes` (`all_updates`, as the trainer does before its first rollout): the first row is the
+    largest ("train_step"), then the rollout, then the smaller update shapes ("train_step 2/5")."""
     devices = list(devices) if devices is not None else jax.devices()
     mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), devices=devices)
     hbm = hbm_bytes(devices[0])
     budget = hbm * (1 - HEADROOM) if hbm else None
     run = abstract_run(cfg, mesh)
+    shapes = update_shapes(cfg, batch_divisor(mesh))
+    n = len(shapes)
+    programs = [("train_step", lambda: compile_train_step(run, shape=shapes[0])), ("rollout", lambda: compile_rollout(run))]
+    if all_updates:
+        programs += [(f"train_step {i}/{n}", lambda sh=sh: compile_train_step(run, shape=sh))
+                     for i, sh in enumerate(shapes[1:], start=2)]
     rows = []
-    for name, fn in (("train_step", lambda: compile_train_step(run)), ("rollout", lambda: compile_rollout(run))):
+    for name, fn in programs:
+        if name.startswith("train_step"):
+            i = int(name.split()[1].split("/")[0]) if " " in name else 1
+            log(f"compiling update {i}/{n}: {shapes[i - 1].label()}")
         compiled, secs = fn()
         rows.append({"name": name, "memory": memory_report(compiled), "flops": _flops(compiled), "seconds": secs})
         log(f"compiled {name} in {secs:.1f} s: {rows[-1]['memory']['total'] / GIB:.2f} GiB per device")

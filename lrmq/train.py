@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, startup_signal)
     try:
-        trainer = GRPOTrainer(cfg)
+        trainer = GRPOTrainer(cfg, preflight_programs=aot.rollout_memory)
         final = trainer.train(stop_after=args.stop_after or None)
     except _StartupInterrupted as e:
         cli.print_error("train", f"interrupted by {e} during start-up, before the first step; nothing to resume "

@@ -18,7 +18,7 @@ from conftest import REPO_ROOT
 # Bottom-up. Modules are named exactly, packages (ending in ".") by prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("lrmq", "lrmq.registry", "lrmq.paths", "lrmq.atomic", "lrmq.compile_cache", "lrmq.cli", "lrmq.configlib",
-              "lrmq.config_help", "lrmq.model.params", "lrmq.sharding", "lrmq.tokenizer")),
+              "lrmq.config_help", "lrmq.sharding", "lrmq.tokenizer", "lrmq.grading", "lrmq.grading.")),
     ("formats", ("lrmq.quant", "lrmq.quant.packing", "lrmq.quant.quantizers", "lrmq.quant.qweight",
                  "lrmq.quant.nf4", "lrmq.quant.formats", "lrmq.quant.qmatmul",
                  "lrmq.quant.qkernel")),
@@ -26,9 +26,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("transforms", ("lrmq.quant.transforms", "lrmq.quant.qat", "lrmq.quant.lora",
                     "lrmq.quant.training", "lrmq.generation", "lrmq.generation.")),
     ("io", ("lrmq.checkpoint", "lrmq.checkpoint.", "lrmq.data", "lrmq.data.")),
+    ("evaluation", ("lrmq.evals", "lrmq.evals.")),
     ("algorithms", ("lrmq.rl", "lrmq.rl.", "lrmq.ptq", "lrmq.ptq.")),
-    ("drivers", ("lrmq.rl.trainer", "lrmq.rl.evaluation", "lrmq.aot", "lrmq.perplexity", "lrmq.evals", "lrmq.evals.", "lrmq.studies",
-                 "lrmq.studies.")),
+    ("drivers", ("lrmq.rl.trainer", "lrmq.rl.evaluation", "lrmq.perplexity", "lrmq.studies", "lrmq.studies.")),
+    ("preflight", ("lrmq.aot",)),
     ("commands", ("lrmq.train", "lrmq.quantize", "lrmq.generate", "lrmq.convert", "lrmq.evaluate", "lrmq.study")),
 ]
 FIRST_PARTY = ("lrmq", "pallas_kernels")
@@ -103,13 +104,13 @@ def _try_layer(m):
         return None
 
 
+def _upward(m: str) -> list[str]:
+    return [f"{m}:{line} ({LAYERS[layer_of(m)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]})"
+            for dep, _, line in _imports(m) if dep in MODULES and layer_of(dep) > layer_of(m)]
+
+
 def test_imports_go_down_the_layers():
-    bad = []
-    for m in sorted(MODULES):
-        for dep, _, line in _imports(m):
-            if dep in MODULES and layer_of(dep) > layer_of(m):
-                bad.append(f"{m}:{line} ({LAYERS[layer_of(m)][0]}) imports {dep} "
-                           f"({LAYERS[layer_of(dep)][0]})")
+    bad = [b for m in sorted(MODULES) for b in _upward(m)]
     assert not bad, "\n".join(bad)
 
 
@@ -154,3 +155,38 @@ def test_the_rules_can_fail(tmp_path):
         assert layer_of(dep) > layer_of("lrmq.model.probe")
     finally:
         del MODULES["lrmq.model.probe"]
+
+
+# Imports that once ran back up the layers (issue 26): each must stay an error.
+BACKWARD = [
+    # the trainer reaches the preflight through lrmq.rl.precompile and a callable lrmq.train hands it
+    ("lrmq.rl.trainer", "lrmq.aot"),
+    # grading sits below both RL and evaluation: the evaluation suites never import the RL rewards to grade
+    ("lrmq.evals.scorers", "lrmq.rl.rewards"),
+    ("lrmq.grading.answers", "lrmq.rl.rewards"),
+    ("lrmq.grading.answers", "lrmq.evals.scorers"),
+    # the logical-axes key lives with sharding; the model imports it from there
+    ("lrmq.sharding", "lrmq.model.params"),
+]
+
+
+@pytest.mark.parametrize("importer, imported", BACKWARD)
+def test_backward_imports_stay_errors(tmp_path, importer, imported):
+    """The placements above: a module at `importer`'s place importing `imported` is reported, at module top."""
+    assert layer_of(imported) > layer_of(importer)
+    assert imported not in {d for d, _, _ in _imports(importer)}
+    src = tmp_path / "probe.py"
+    src.write_text(f"import {imported}\n")
+    saved = MODULES[importer]
+    MODULES[importer] = str(src)
+    try:
+        assert _upward(importer), f"{importer} importing {imported} was not reported"
+    finally:
+        MODULES[importer] = saved
+
+
+def test_preflight_pieces_below_the_trainer():
+    """What the trainer and lrmq.aot share (update shapes, memory budget) sits below both."""
+    assert layer_of("lrmq.rl.precompile") < layer_of("lrmq.rl.trainer") < layer_of("lrmq.aot") < layer_of("lrmq.train")
+    assert layer_of("lrmq.sharding") < layer_of("lrmq.model.params")
+    assert layer_of("lrmq.grading.answers") < layer_of("lrmq.evals.scorers") < layer_of("lrmq.rl.rewards")

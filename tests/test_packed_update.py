@@ -10,7 +10,7 @@ import pytest
 from test_train_modes import grpo_config, make_trainer, scratch_ckpt  # noqa: F401 (fixture)
 
 from lrmq.model.decoder import positions_from_mask
-from lrmq.rl.batch import RolloutBatch, mask_rows, packed_arrays, reuse_or_bucket, row_bucket
+from lrmq.rl.batch import RolloutBatch, ladder_choice, mask_rows, packed_arrays, packed_ladder, row_bucket
 
 
 def test_row_bucket_quarter_octaves():
@@ -19,12 +19,42 @@ def test_row_bucket_quarter_octaves():
     assert all(row_bucket(n) >= n and row_bucket(n) <= 1.25 * n + 1 for n in range(1, 2000))
 
 
-def test_compiled_shapes_are_reused_only_when_not_much_larger():
-    assert reuse_or_bucket(20, 1500, set()) == (20, 1536)
-    assert reuse_or_bucket(20, 1500, {(24, 2048)}) == (24, 2048)  # 24 <= 1.25 * 20, 2048 <= 1.5 * 1536
-    assert reuse_or_bucket(20, 1500, {(24, 2048), (20, 1536)}) == (20, 1536)  # the smallest that holds it
-    assert reuse_or_bucket(10, 1500, {(24, 2048)}) == (10, 1536)  # too many idle rows: compile its own
-    assert reuse_or_bucket(20, 2100, {(24, 2048)}) == (20, 3072)  # does not hold the slots
+def test_packed_ladder_is_fixed_and_holds_every_batch():
+    """The trainer's packed shapes: a fixed set from the worst case down in steps of sqrt(2) (slots aligned
+    to 128), the smallest that holds a batch chosen; the worst case holds any batch."""
+    ladder = packed_ladder(128, 128 * 64, 5)
+    assert ladder == [(128, 8192), (91, 5888), (64, 4096), (46, 2944), (32, 2048)]
+    choose = ladder_choice(ladder)
+    assert choose(30, 1000) == (32, 2048)  # below the smallest: the smallest
+    assert choose(33, 1000) == (46, 2944)
+    assert choose(20, 3000) == (64, 4096)  # the slots decide
+    assert choose(128, 8192) == (128, 8192)
+    with pytest.raises(ValueError, match="no packed shape"):
+        choose(129, 1)
+    assert packed_ladder(4, 40, 5) == [(4, 40), (3, 29), (2, 20), (2, 15), (1, 10)]  # small: no alignment
+    assert packed_ladder(4, 256, 6) == [(4, 256), (3, 256), (2, 128), (1, 128)]  # repeats dropped
+    assert packed_ladder(64, 4096, 1) == [(64, 4096)]
+
+
+@pytest.mark.parametrize("n_micro,groups", [(1, 1), (2, 2)])
+def test_packed_layout_at_a_fixed_width_and_ladder_shape(n_micro, groups):
+    """The trainer packs into rows of max_prompt_len + max_new_tokens (wider than a batch whose prompts are
+    short) with a shape from its ladder: the same tokens, positions and targets as at the batch's own width."""
+    rb = _random_batch(np.random.default_rng(7), s=12)
+    s, n = rb.completion.shape
+    k_loc = s // n_micro // groups
+    ladder = packed_ladder(k_loc, k_loc * n, 3)
+    own = packed_arrays(rb, n_micro=n_micro, groups=groups)
+    wide = packed_arrays(rb, n_micro=n_micro, groups=groups, choose_shape=ladder_choice(ladder), width=40)
+    assert wide["tokens"].shape[1] == 40
+    r, t = wide["tokens"].shape[0] // (n_micro * groups), wide["src"].shape[1]
+    assert (r, t) in ladder
+    # every needed (sequence, position) -> target appears once in both layouts
+    pairs = lambda a: sorted((int(d) + g * 10_000, int(x)) for g in range(a["dest"].shape[0])
+                             for d, x in zip(a["dest"][g], a["target"][g]) if d != k_loc * n)
+    assert pairs(own) == pairs(wide)
+    with pytest.raises(ValueError, match="packed width"):
+        packed_arrays(rb, width=rb.tokens.shape[1] - 1)
 
 
 def _random_batch(rng, s=12, p=10, n=9):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,17 +111,50 @@ def packed_buckets(rows: int, slots: int) -> tuple[int, int]:
     return row_bucket(rows), row_bucket(slots, per_octave=2)
 
 
-def reuse_or_bucket(rows: int, slots: int, compiled) -> tuple[int, int]:
-    """The packed shape for a batch needing (rows, slots): the smallest of the `compiled` shapes that holds it
-    with at most 25% more rows and 50% more slots than `packed_buckets` would give (compiles cost seconds; a
-    few padded rows cost milliseconds), else those buckets."""
-    want = packed_buckets(rows, slots)
-    fits = [(r, t) for r, t in compiled if rows <= r <= 1.25 * want[0] and slots <= t <= 1.5 * want[1]]
-    return min(fits) if fits else want
+def packed_ladder(rows_max: int, slots_max: int, count: int, *, ratio: float = 2 ** 0.5,
+                  slot_align: int = 128) -> list[tuple[int, int]]:
+    """`count` packed shapes (rows, slots) per device group, largest first: the worst case (`rows_max`: one
+    sequence per row; `slots_max`: every completion at full length) and then both scaled down by `ratio` at
+    each step. Slots are rounded up to multiples of `slot_align` (when there are that many). A batch uses the
+    smallest that holds it (`ladder_choice`): the set is fixed by the config, so every shape is compiled
+    before the first step, and the padding is at most `ratio` times the rows a batch needs (until the
+    smallest shape)."""
+    out: list[tuple[int, int]] = []
+    for i in range(count):
+        f = ratio ** -i
+        r = max(1, math.ceil(rows_max * f - 1e-9))
+        t = max(1, math.ceil(slots_max * f - 1e-9))
+        if slots_max >= slot_align:
+            t = min(slots_max, -(-t // slot_align) * slot_align)
+        if not out or (r, t) != out[-1]:
+            out.append((r, t))
+    return out
+
+
+def ladder_choice(ladder):
+    """choose_shape for `packed_arrays`: the smallest (rows, slots) of `ladder` holding a batch's need."""
+    ordered = sorted(ladder)
+
+    def choose(rows: int, slots: int) -> tuple[int, int]:
+        for r, t in ordered:
+            if r >= rows and t >= slots:
+                return r, t
+        raise ValueError(f"no packed shape of {ordered} holds {rows} rows and {slots} slots")
+
+    return choose
+
+
+def pow2_buckets(limit: int, minimum: int = 16) -> list[int]:
+    """Every value `bucket(n, limit, minimum)` can take: powers of two from `minimum`, capped at `limit`."""
+    out, b = [], minimum
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
 
 
 def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
-                  choose_shape=None) -> dict[str, np.ndarray]:
+                  choose_shape=None, width: int | None = None) -> dict[str, np.ndarray]:
     """The update batch with no padding computed: each sequence's real tokens packed into rows of the
     batch's width (prompt bucket + max_new_tokens), several sequences per row (first-fit decreasing), each
     with its own positions and a segment id that confines its attention to itself (`Decoder.hidden(segments=)`).
@@ -143,11 +177,17 @@ def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
       completion_mask / old_logp [S, N], advantages [S]: as `rb.arrays()`.
 
     R and Tg: the largest over groups, rounded up by `choose_shape(rows, slots)` -> (R, Tg) (default
-    `packed_buckets`; the trainer also reuses an already compiled shape that is not much larger)."""
+    `packed_buckets`; the trainer picks from its fixed `packed_ladder`). W: `width` (the trainer passes
+    max_prompt_len + max_new_tokens, so the shape does not follow the rollout's prompt bucket), default the
+    batch's own width."""
     s, n = rb.completion.shape
     if s % n_micro or (s // n_micro) % groups:
         raise ValueError(f"{s} sequences do not split into {n_micro} micro-batches x {groups} device groups")
-    width, prompt_len = rb.tokens.shape[1], rb.prompt_len
+    prompt_len = rb.prompt_len
+    if width is None:
+        width = rb.tokens.shape[1]
+    if width < rb.tokens.shape[1]:
+        raise ValueError(f"packed width {width} below the batch's {rb.tokens.shape[1]} columns")
     if np.any((rb.mask[:, :prompt_len].sum(axis=1) == 0) & (rb.completion_mask > 0).any(axis=1)):
         raise ValueError("a sequence with an empty prompt: nothing predicts its first completion token")
     k_loc = s // n_micro // groups

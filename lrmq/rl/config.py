@@ -70,11 +70,16 @@ class RolloutSection:
                             "mass (1 = off)", gt=0, le=1)
     top_k: int = opt(0, "sample among the k most likely tokens (0 = off)", ge=0)
     update_padding: Literal["pack", "bucket", "max"] = opt(
-        "pack", "layout of the update batch: pack (each sequence's real tokens only, several sequences per row of "
-                "the batch's width with attention kept within each; rows and completion slots rounded up in "
-                "quarter- and half-octave steps: a handful of compiles, no compute on padding), bucket (prompt "
-                "and completion parts padded to the next power of two of the batch's longest, at least 16) or max "
-                "(max_prompt_len + max_new_tokens: one compile, the shape --compile-only and the preflight check)")
+        "pack", "layout of the update batch, every shape of it compiled before the first rollout: pack (each "
+                "sequence's real tokens only, several sequences per row of max_prompt_len + max_new_tokens "
+                "columns with attention kept within each; rows and completion slots rounded up to one of "
+                "rollout.update_shapes shapes), bucket (prompt and completion parts padded to the next power of "
+                "two of the batch's longest, at least 16: one compile per pair) or max (max_prompt_len + "
+                "max_new_tokens: one compile)")
+    update_shapes: int = opt(5, "update_padding=pack: packed update shapes, all compiled before the first rollout: "
+                                "from the worst case (one sequence per row, every completion at full length) down "
+                                "in steps of sqrt(2); a batch uses the smallest that holds it (1 = always the "
+                                "worst case: one compile, the most padding)", ge=1)
     generation_batch: int = opt(0, "sequences per generate call (0 = all prompts x group of a step at once); "
                                    "the KV cache scales with it", ge=0)
 

@@ -157,10 +157,10 @@ def tb_writer(path: str):
     return SummaryWriter(path)
 
 
-def progress_bar(total: int, initial: int, enabled: bool):
+def progress_bar(total: int, initial: int, enabled: bool, desc: str = "grpo", unit: str = "step"):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="grpo", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit=unit, dynamic_ncols=True)
 
 
 def completion_markdown(r: dict) -> str:

@@ -210,7 +210,7 @@ def make_ref_logprobs(graphdef, cfg: TrainConfig):
     """Reference-policy log-probs [S, N] of an update batch (beta > 0): same graph, frozen reference
     parameters, the whole batch in one forward."""
 
-    def fn(ref_trainable, rest, batch):
+    def reference_logprobs(ref_trainable, rest, batch):
         model = nnx.merge(graphdef, ref_trainable, rest)
         kw = dict(chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
         if "segments" not in batch:
@@ -223,4 +223,4 @@ def make_ref_logprobs(graphdef, cfg: TrainConfig):
         logp = packed_logprobs(model, flat, cfg.rollout.temperature, **kw)[0]
         return logp.reshape(n_micro, s // n_micro, -1).swapaxes(0, 1).reshape(s, -1)
 
-    return jax.jit(fn)
+    return jax.jit(reference_logprobs)

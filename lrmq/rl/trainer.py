@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrmq import aot, compile_cache, paths
+from lrmq import compile_cache, paths
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
@@ -28,10 +28,11 @@ from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.quant.training import export_float_model, trainable_filter
 from lrmq.rl.advantages import compute_advantages
-from lrmq.rl.batch import (build_batch, bucketed_arrays, mask_rows, packed_arrays, reuse_or_bucket, truncate_left,
-                           truncated_rows)
+from lrmq.rl.batch import build_batch, bucketed_arrays, mask_rows, packed_arrays, truncate_left, truncated_rows
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.evaluation import SuiteEval
+from lrmq.rl.precompile import (abstract_update, batch_key, check_budget, lower_compile, memory_report, packed_chooser,
+                                update_shapes)
 from lrmq.rl.rewards import score_completions, weighted_rewards
 from lrmq.rl.run_lock import RunDirLock
 from lrmq.rl.run_checks import config_diff, first_non_finite
@@ -53,8 +54,11 @@ class TrainingStopped(RuntimeError):
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: TrainConfig, *, writer_factory=None):
+    def __init__(self, cfg: TrainConfig, *, writer_factory=None, preflight_programs=None):
+        """`preflight_programs(cfg, graphdef, state, mesh) -> {name: per-device bytes}`: more programs the
+        memory preflight compiles and checks with the update (lrmq.train passes `lrmq.aot.rollout_memory`)."""
         self.cfg = cfg
+        self.preflight_programs = preflight_programs
         compile_cache.enable(cfg.run.compile_cache)
         self.run_dir = paths.resolve(cfg.run.out_dir)  # local: absolute path; or a URL (gs://...)
         paths.ensure_dir(self.run_dir)
@@ -84,8 +88,13 @@ class GRPOTrainer:
         self._first_uses_old = uses_rollout_logprobs(cfg)
         self.train_steps = {use_old: make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh), use_old=use_old)
                             for use_old in (True, False)}
-        self._aot_steps: dict = {}  # (use_old, batch shapes) -> the preflight's compiled update
-        self._packed_shapes: set[tuple[int, int]] = set()  # (rows, slots) of the packed updates compiled so far
+        # Every shape an update can have, fixed by the config (lrmq.rl.precompile); compile_updates compiles
+        # them all before the first rollout, and update() runs those compiled programs.
+        self.update_shapes = update_shapes(cfg, batch_divisor(self.mesh))
+        self._choose_packed = packed_chooser(self.update_shapes) if cfg.rollout.update_padding == "pack" else None
+        self._aot_steps: dict = {}  # (use_old, batch_key) -> compiled update
+        self._aot_ref: dict = {}  # batch_key -> compiled reference log-probs (algo.beta != 0)
+        self._missed_shapes: set = set()  # shapes that had to be compiled during training (none expected)
         self.ref_trainable = None
         if cfg.algo.beta != 0.0:
             self.logprob_fn = make_ref_logprobs(self.graphdef, cfg)
@@ -205,25 +214,35 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ update
     def _step_fn(self, use_old: bool, arrays, ref_logp):
-        """The jitted update, or the preflight's compiled one when the batch has the shape it was compiled for."""
-        key = (use_old, tuple((k, v.shape) for k, v in sorted(arrays.items())), ref_logp is None)
-        return self._aot_steps.get(key, self.train_steps[use_old])
+        """The update compiled before the first rollout for this batch's shape; the jitted one (which compiles
+        now, with a warning) only for a shape outside `update_shapes`, which the layouts never produce."""
+        key = (use_old, batch_key(arrays, ref_logp))
+        step = self._aot_steps.get(key)
+        if step is None:
+            self._warn_missed("update", key)
+            return self.train_steps[use_old]
+        return step
+
+    def _ref_fn(self, arrays):
+        fn = self._aot_ref.get(batch_key(arrays))
+        if fn is None:
+            self._warn_missed("reference log-probs", batch_key(arrays))
+            return self.logprob_fn
+        return fn
+
+    def _warn_missed(self, what: str, key) -> None:
+        if key not in self._missed_shapes and (self._aot_steps or self._aot_ref):  # (update() before train(): quiet)
+            self._missed_shapes.add(key)
+            log.warning("%s shape %s was not compiled ahead of time: compiling it now", what, key)
 
     def update_arrays(self, rb) -> dict[str, np.ndarray]:
         """The host arrays of the update batch in the layout rollout.update_padding asks for."""
         r = self.cfg.rollout
         if r.update_padding == "pack":
             return packed_arrays(rb, n_micro=micro_batch_count(self.cfg, rb.num_sequences),
-                                 groups=batch_divisor(self.mesh), choose_shape=self._packed_shape)
+                                 groups=batch_divisor(self.mesh), choose_shape=self._choose_packed,
+                                 width=r.max_prompt_len + r.max_new_tokens)
         return bucketed_arrays(rb) if r.update_padding == "bucket" else rb.arrays()
-
-    def _packed_shape(self, rows: int, slots: int) -> tuple[int, int]:
-        """(rows, slots) of a packed update (`reuse_or_bucket` over the shapes used so far), remembered for
-        later steps. The set is saved with each checkpoint: the shape changes the float summation order, and
-        a resumed run must match the uninterrupted one."""
-        shape = reuse_or_bucket(rows, slots, self._packed_shapes)
-        self._packed_shapes.add(shape)
-        return shape
 
     def update(self, rb) -> dict[str, float]:
         host = self.update_arrays(rb)
@@ -231,7 +250,7 @@ class GRPOTrainer:
             arrays = {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in host.items()}
             ref_logp = None
             if self.cfg.algo.beta != 0.0:
-                ref_logp = self.logprob_fn(self.ref_trainable, self.rest, arrays)
+                ref_logp = self._ref_fn(arrays)(self.ref_trainable, self.rest, arrays)
                 ref_logp = jax.device_put(ref_logp, batch_sharding(self.mesh, 2))
             t0 = time.perf_counter()
             metrics = {}
@@ -282,40 +301,67 @@ class GRPOTrainer:
                                        self.model_cfg.max_position_embeddings, self.cfg.algo.reward_timeout_s))
         return out
 
-    # ------------------------------------------------------------------ pre-flight
+    # ------------------------------------------------------------------ ahead-of-time compiles and pre-flight
+    def compile_updates(self) -> dict[str, float]:
+        """Compile the update for every shape of `update_shapes` (and the reference log-probs when algo.beta != 0)
+        now, before the first rollout: jax.jit(...).lower(...).compile() on abstract batches, the programs kept
+        and run by `update`. Later steps compile no update. JAX's persistent cache (run.compile_cache) turns a
+        rerun's compiles into loads. Returns {program name: per-device bytes} of the largest shape."""
+        cfg = self.cfg
+        # the first update of a batch; with mu > 1 and recomputed old log-probs, the later ones divide by them
+        variants = [self._first_uses_old] + ([True] if not self._first_uses_old and cfg.algo.num_iterations > 1
+                                              else [])
+        jobs = [(shape, "update", use_old) for shape in self.update_shapes for use_old in variants]
+        if cfg.algo.beta != 0.0:
+            jobs += [(shape, "reference", None) for shape in self.update_shapes]
+        bar = progress_bar(len(jobs), 0, enabled=cfg.run.progress, desc="compiling update", unit="program")
+        mem: dict[str, int] = {}
+        t_all = time.perf_counter()
+        try:
+            for i, (shape, what, use_old) in enumerate(jobs, start=1):
+                batch, ref = abstract_update(cfg, shape, self.mesh)
+                log.info("compiling %s %d/%d: %s", what, i, len(jobs), shape.label())
+                bar.set_postfix_str(shape.label())
+                if what == "update":
+                    compiled, secs = lower_compile(self.train_steps[use_old], self.trainable, self.rest,
+                                                   self.opt_state, batch, ref, mesh=self.mesh)
+                    self._aot_steps[(use_old, batch_key(batch, ref))] = compiled
+                    name = "train_step"
+                else:
+                    compiled, secs = lower_compile(self.logprob_fn, self.ref_trainable, self.rest, batch,
+                                                   mesh=self.mesh)
+                    self._aot_ref[batch_key(batch)] = compiled
+                    name = "reference_logprobs"
+                if name not in mem:  # the first of each is the largest shape
+                    mem[name] = memory_report(compiled)["total"]
+                log.debug("compiled %s %d/%d in %.1f s", what, i, len(jobs), secs)
+                bar.update(1)
+        finally:
+            bar.close()
+        log.info("compiled %d update programs in %.1f s (%d shapes)", len(jobs), time.perf_counter() - t_all,
+                 len(self.update_shapes))
+        return mem
+
     def preflight(self) -> dict | None:
-        """Compile the update and the rollout now and raise (naming sizes) when either needs more memory per
-        device than it has, before any slice time goes into rollouts. The compiled update is kept and used."""
+        """Compile every update shape (`compile_updates`); on accelerators (run.preflight) also compile
+        `preflight_programs` (the rollout) and raise (naming sizes) when any needs more memory per device than it
+        has, before any slice time goes into rollouts."""
+        mem = self.compile_updates()
         r = self.cfg.run
         on_accel = self.mesh.devices.flat[0].platform != "cpu"
         if r.preflight == "off" or (r.preflight == "auto" and not on_accel):
             return None
-
-        cfg = self.cfg
-        batch = aot.abstract_batch(cfg, self.mesh)
-        s, n = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens
-        ref = (jax.ShapeDtypeStruct((s, n), jnp.float32, sharding=batch_sharding(self.mesh, 2))
-               if cfg.algo.beta != 0.0 else None)
-        use_old = self._first_uses_old
-        with jax.set_mesh(self.mesh):
-            step = self.train_steps[use_old].lower(self.trainable, self.rest, self.opt_state, batch, ref).compile()
-        rows = generation_chunk(cfg.rollout.generation_batch, s, batch_divisor(self.mesh))
-        rollout, _ = aot.compile_generate(self.graphdef, self.states(), self.mesh, batch=rows,
-                                          prompt_len=cfg.rollout.max_prompt_len, max_new=n,
-                                          sampling=SamplingConfig(temperature=cfg.rollout.temperature,
-                                                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k))
-        mem = {"train_step": aot.memory_report(step)["total"], "rollout": aot.memory_report(rollout)["total"]}
-        aot.check_budget(mem, self.mesh.devices.flat[0], r.hbm_limit_gib, log=log.info)
-        # used for every full-width batch (always with rollout.update_padding=max): no second compile
-        self._aot_steps[(use_old, tuple((k, v.shape) for k, v in sorted(batch.items())), ref is None)] = step
+        mem = {"train_step": mem["train_step"]}
+        if self.preflight_programs is not None:
+            mem.update(self.preflight_programs(self.cfg, self.graphdef, self.states(), self.mesh))
+        check_budget(mem, self.mesh.devices.flat[0], r.hbm_limit_gib, log=log.info)
         return mem
 
     # ------------------------------------------------------------------ checkpoints
     def save(self):
+        # (the packed shape of a batch depends on the batch alone, so a resumed run matches an uninterrupted one)
         self.ckpt.save(self.step, {"trainable": self.trainable, "rest": self.rest, "opt": self.opt_state},
-                       {"step": self.step, "data": self.pipeline.get_state(),
-                        # which packed shapes later steps reuse decides their float summation order
-                        "packed_shapes": sorted(self._packed_shapes)})
+                       {"step": self.step, "data": self.pipeline.get_state()})
         self.logs.sync(force=True)  # URL run dir: the logs there are never behind the newest checkpoint
 
     def maybe_restore(self) -> bool:
@@ -327,7 +373,6 @@ class GRPOTrainer:
                                                     "opt": self.opt_state})
         self.trainable, self.rest, self.opt_state = tree["trainable"], tree["rest"], tree["opt"]
         self.pipeline.set_state(meta["data"])
-        self._packed_shapes = {tuple(x) for x in meta.get("packed_shapes", [])}
         self.step = int(meta["step"])
         self.logs.truncate_after(self.step)
         log.info("resumed from step %d (%s)", self.step, self.ckpt.directory)

@@ -1,0 +1,167 @@
+"""The update's shapes, known before step 1, and what compiling them ahead of time needs.
+
+A GRPO batch's real size varies from step to step (prompt and completion lengths), so the update's layout
+(`rollout.update_padding`) rounds it to one of a fixed set of shapes that the config alone decides:
+
+* pack: `rollout.update_shapes` packed shapes of rows x (max_prompt_len + max_new_tokens) columns and
+  completion slots per device group (`batch.packed_ladder`), from the worst case down in steps of sqrt(2);
+* bucket: every (prompt bucket, completion bucket) pair of powers of two from 16 (`batch.pow2_buckets`);
+* max: the one shape max_prompt_len + max_new_tokens.
+
+`update_shapes` lists them and `abstract_update` gives each as ShapeDtypeStructs with the batch sharding, so
+the trainer compiles every one (`jax.jit(...).lower(...).compile()`) before its first rollout and the
+`--compile-only` preflight (`lrmq.aot`) compiles the same set for hardware it does not have. The memory
+budget helpers (`memory_report`, `check_budget`, `PreflightError`) live here too: the trainer's preflight
+and `lrmq.aot` share them without the trainer importing `lrmq.aot` (a layer above it; `lrmq.train` hands the
+trainer aot's rollout compile as a callable).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from lrmq.configlib import ConfigError
+from lrmq.rl.batch import ladder_choice, packed_ladder, pow2_buckets
+from lrmq.rl.config import TrainConfig
+from lrmq.rl.step import micro_batch_count
+from lrmq.sharding import batch_sharding
+
+GIB = 1024 ** 3
+# HBM per chip by device kind (public Cloud TPU specs), for topologies compiled without the hardware.
+HBM_BYTES = {"TPU v4": 32 * GIB, "TPU v5 lite": 16 * GIB, "TPU v5": 95 * GIB, "TPU v6 lite": 32 * GIB}
+# Leave this share of HBM free: runtime buffers, fragmentation, and host transfers are not in the report.
+HEADROOM = 0.10
+
+
+# ----------------------------------------------------------------------------- the update's shapes
+@dataclass(frozen=True)
+class UpdateShape:
+    """One shape of the update batch. pack: `rows` and `slots` per device group (micro-batch x data shard),
+    `width` columns; bucket / max: `prompt` + `completion` columns for every sequence."""
+
+    layout: str  # "pack" | "bucket" | "max"
+    width: int
+    rows: int = 0
+    slots: int = 0
+    prompt: int = 0
+    completion: int = 0
+
+    def label(self) -> str:
+        if self.layout == "pack":
+            return f"{self.rows} rows x {self.width}, {self.slots} slots per group"
+        return f"{self.prompt} + {self.completion} columns"
+
+
+def _geometry(cfg: TrainConfig, groups: int) -> tuple[int, int, int]:
+    """(sequences S, micro-batches, sequences per micro-batch and device group)."""
+    s = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    n_micro = micro_batch_count(cfg, s)
+    return s, n_micro, s // n_micro // groups
+
+
+def update_shapes(cfg: TrainConfig, groups: int) -> list[UpdateShape]:
+    """Every shape an update of this config can have on `groups` (data x fsdp) device groups, largest first
+    (the first is the worst case: the memory the preflight checks)."""
+    r = cfg.rollout
+    n = r.max_new_tokens
+    if r.update_padding == "pack":
+        _, _, k_loc = _geometry(cfg, groups)
+        width = r.max_prompt_len + n
+        return [UpdateShape("pack", width, rows=rows, slots=slots)
+                for rows, slots in packed_ladder(k_loc, k_loc * n, r.update_shapes)]
+    if r.update_padding == "bucket":
+        pairs = [(p, c) for p in pow2_buckets(r.max_prompt_len) for c in pow2_buckets(n)]
+        return [UpdateShape("bucket", p + c, prompt=p, completion=c) for p, c in sorted(pairs, reverse=True)]
+    return [UpdateShape("max", r.max_prompt_len + n, prompt=r.max_prompt_len, completion=n)]
+
+
+def packed_chooser(shapes: list[UpdateShape]):
+    """`packed_arrays`' choose_shape over the config's packed shapes."""
+    return ladder_choice([(s.rows, s.slots) for s in shapes if s.layout == "pack"])
+
+
+def _sds(shape, dtype, sharding):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh) -> tuple[dict, jax.ShapeDtypeStruct | None]:
+    """(the update batch, the reference log-probs or None when algo.beta = 0) of `shape` as ShapeDtypeStructs
+    with the batch sharding: what `jax.jit(step).lower` takes for the batch the trainer will pass."""
+    groups = mesh.shape["data"] * mesh.shape["fsdp"]
+    s, n_micro, _ = _geometry(cfg, groups)
+    n = cfg.rollout.max_new_tokens
+    sh = lambda nd: batch_sharding(mesh, nd)
+    per_seq = {"completion_mask": _sds((s, n), jnp.float32, sh(2)), "old_logp": _sds((s, n), jnp.float32, sh(2)),
+               "advantages": _sds((s,), jnp.float32, sh(1))}
+    if shape.layout == "pack":
+        rows = {k: _sds((n_micro * groups * shape.rows, shape.width), jnp.int32, sh(2))
+                for k in ("tokens", "positions", "segments")}
+        idx = {k: _sds((groups * n_micro, shape.slots), jnp.int32, sh(2)) for k in ("src", "target", "dest")}
+        batch = {**rows, **idx, **per_seq}
+        ref_cols = n
+    else:
+        c = shape.completion
+        batch = {"tokens": _sds((s, shape.width), jnp.int32, sh(2)), "mask": _sds((s, shape.width), jnp.int32, sh(2)),
+                 "completion": _sds((s, c), jnp.int32, sh(2)), "completion_mask": _sds((s, c), jnp.float32, sh(2)),
+                 "old_logp": _sds((s, c), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}
+        ref_cols = c
+    ref = _sds((s, ref_cols), jnp.float32, sh(2)) if cfg.algo.beta != 0.0 else None
+    return batch, ref
+
+
+def batch_key(batch: dict, ref=None) -> tuple:
+    """What a compiled update is looked up by: the batch's array shapes and the reference's (or None)."""
+    return (tuple((k, tuple(v.shape)) for k, v in sorted(batch.items())),
+            None if ref is None else tuple(ref.shape))
+
+
+# ----------------------------------------------------------------------------- compiles and memory
+def lower_compile(fn, *args, mesh) -> tuple[object, float]:
+    """(compiled, seconds) of `fn.lower(*args).compile()` under `mesh` (JAX's persistent cache applies)."""
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def hbm_bytes(device) -> int | None:
+    """Usable memory of one device: the runtime's own limit on real hardware, else the spec table."""
+    try:
+        stats = device.memory_stats()
+        if stats and stats.get("bytes_limit"):
+            return int(stats["bytes_limit"])
+    except Exception:  # topology devices and CPUs have no runtime stats
+        pass
+    return HBM_BYTES.get(getattr(device, "device_kind", ""))
+
+
+def memory_report(compiled) -> dict:
+    """Per-device bytes of a compiled program (what XLA allocates for one chip's share)."""
+    ma = compiled.memory_analysis()
+    arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+    alias, tmp = int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes)
+    code = int(getattr(ma, "generated_code_size_in_bytes", 0))
+    return {"arguments": arg, "outputs": out, "aliased": alias, "temporaries": tmp, "code": code,
+            "total": arg + out - alias + tmp + code}
+
+
+class PreflightError(ConfigError):
+    """The update or the rollout needs more memory per device than the device has (lrmq.train exits 3)."""
+
+
+def check_budget(mem: dict[str, int], device, hbm_limit_gib: float = 0.0, log=print) -> None:
+    """Raise PreflightError naming every program of `mem` (name -> bytes per device) over the allowed memory:
+    `hbm_limit_gib`, or the device's HBM minus HEADROOM (no limit when it is unknown)."""
+    limit = hbm_limit_gib * GIB if hbm_limit_gib else (hbm_bytes(device) or 0) * (1 - HEADROOM)
+    gib = lambda b: f"{b / GIB:.2f} GiB"
+    log("preflight: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()) + f" per device (limit {gib(limit)})")
+    over = {k: v for k, v in mem.items() if limit and v > limit}
+    if over:
+        raise PreflightError(
+            "preflight: " + ", ".join(f"{k} needs {gib(v)}" for k, v in over.items()) +
+            f" per device, more than the {gib(limit)} allowed; nothing was run. Find a micro-batch that fits "
+            f"with `python -m lrmq.train --config CONFIG --compile-only` (or lower rollout.prompts_per_step)")
