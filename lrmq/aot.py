@@ -11,6 +11,7 @@ accelerators the trainer also refuses to start when the update or the rollout do
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError
-from lrmq.generation.engine import Generator, generation_chunk
+from lrmq.generation.engine import Engine, EngineConfig
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
@@ -154,35 +155,41 @@ def _compile(fn, *args, mesh) -> tuple[object, float]:
     return lower_compile(fn, *args, mesh=mesh)
 
 
-def compile_generate(graphdef, state, mesh, *, batch: int, prompt_len: int, max_new: int,
-                     sampling: SamplingConfig):
-    """(compiled, seconds) of generation: prefill of `batch` left-padded prompts + decode loop."""
-    gen = Generator(None, eos_ids=(0,), pad_id=0, mesh=mesh, graphdef=graphdef)
-    fn = gen._fn(max_new, sampling)
-    tokens = _sds((batch, prompt_len), jnp.int32, batch_sharding(mesh, 2))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, P()))
-    return _compile(fn, state, tokens, tokens, key, mesh=mesh)
+def compile_generate(graphdef, state, mesh, *, model_cfg: ModelConfig, engine: EngineConfig, requests: int,
+                     prompt_len: int, max_new: int, sampling: SamplingConfig,
+                     programs: tuple[str, ...] = ("prefill", "decode")) -> dict[str, tuple[object, float]]:
+    """{"prefill" | "decode": (compiled, seconds)} of the generation engine's programs for `requests` sequences
+    of `prompt_len` + `max_new` tokens (`Engine.abstract_calls`: the largest prefill, one decode call)."""
+    eng = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=model_cfg, config=engine, mesh=mesh)
+    calls = eng.abstract_calls(state, n_requests=requests, prompt_len=prompt_len, max_new=max_new,
+                               sampling=sampling, mesh=mesh)
+    out = {}
+    for name in programs:
+        fn, args = calls[name]
+        out[name] = _compile(fn, *args, mesh=mesh)
+    return out
 
 
-def compile_rollout(run: AbstractRun):
-    """(compiled, seconds) of one rollout: prefill + decode of every sequence of a step at once."""
-    r = run.cfg.rollout
-    rows = generation_chunk(r.generation_batch, r.prompts_per_step * r.group_size, batch_divisor(run.mesh))
-    return compile_generate(run.graphdef, (run.trainable, run.rest), run.mesh, batch=rows, prompt_len=r.max_prompt_len,
-                            max_new=r.max_new_tokens,
+def _rollout_programs(cfg: TrainConfig, graphdef, state, mesh, model_cfg: ModelConfig, programs=("prefill", "decode")):
+    r = cfg.rollout
+    return compile_generate(graphdef, state, mesh, model_cfg=model_cfg, engine=r.engine_config(),
+                            requests=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len,
+                            max_new=r.max_new_tokens, programs=programs,
                             sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
 
 
+def compile_rollout(run: AbstractRun, program: str = "decode") -> tuple[object, float]:
+    """(compiled, seconds) of one of the rollout engine's programs ("prefill" | "decode") for the run's config."""
+    return _rollout_programs(run.cfg, run.graphdef, (run.trainable, run.rest), run.mesh, run.model_cfg,
+                             (program,))[program]
+
+
 def rollout_memory(cfg: TrainConfig, graphdef, state, mesh) -> dict[str, int]:
-    """{"rollout": per-device bytes} of the rollout the trainer will run, compiled now: the trainer's preflight
-    (`GRPOTrainer(preflight_programs=...)`, wired by lrmq.train) checks it against the budget with the update."""
-    r = cfg.rollout
-    rows = generation_chunk(r.generation_batch, r.prompts_per_step * r.group_size, batch_divisor(mesh))
-    compiled, _ = compile_generate(graphdef, state, mesh, batch=rows, prompt_len=r.max_prompt_len,
-                                   max_new=r.max_new_tokens,
-                                   sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
-    return {"rollout": memory_report(compiled)["total"]}
+    """{"rollout prefill" | "rollout decode": per-device bytes} of the rollout engine's programs, compiled now:
+    the trainer's preflight (`GRPOTrainer(preflight_programs=...)`, wired by lrmq.train) checks them against
+    the budget with the update."""
+    programs = _rollout_programs(cfg, graphdef, state, mesh, model_config(cfg))
+    return {f"rollout {name}": memory_report(compiled)["total"] for name, (compiled, _) in programs.items()}
 
 
 def abstract_model(mcfg: ModelConfig, mesh, pack: str | None = None):
@@ -230,20 +237,56 @@ class FitReport:
         return "\n".join(lines)
 
 
-def program_report(name: str, compiled, secs: float, device) -> FitReport:
-    """The FitReport of one compiled program against `device`'s HBM minus HEADROOM (fits when HBM is unknown)."""
+def program_report(programs: dict[str, tuple[object, float]], device) -> FitReport:
+    """The FitReport of compiled programs {name: (compiled, seconds)} against `device`'s HBM minus HEADROOM
+    (fits when HBM is unknown)."""
     hbm = hbm_bytes(device)
-    report = FitReport([{"name": name, "memory": memory_report(compiled), "flops": _flops(compiled),
-                         "seconds": secs}], hbm, True)
-    report.fits = not hbm or report.rows[0]["memory"]["total"] <= hbm * (1 - HEADROOM)
-    return report
+    rows = [{"name": name, "memory": memory_report(c), "flops": _flops(c), "seconds": secs}
+            for name, (c, secs) in programs.items()]
+    return FitReport(rows, hbm, not hbm or all(r["memory"]["total"] <= hbm * (1 - HEADROOM) for r in rows))
 
 
 def fit_line(report: FitReport) -> str:
-    """'fits: X GiB per device of Y GiB usable' (or 'does not fit: ...') for a one-program report."""
-    total = report.rows[0]["memory"]["total"] / GIB
+    """'fits: X GiB per device of Y GiB usable' (or 'does not fit: ...') for the report's largest program."""
+    total = max(r["memory"]["total"] for r in report.rows) / GIB
     return (f"{'fits' if report.fits else 'does not fit'}: {total:.2f} GiB per device"
             + (f" of {report.hbm * (1 - HEADROOM) / GIB:.1f} GiB usable" if report.hbm else ""))
+
+
+def check_generate(graphdef, state, mesh, *, engine: EngineConfig, requests: int, slots_option: str, log=print,
+                   **kw) -> tuple[FitReport | None, str]:
+    """Compile the engine's programs (`compile_generate`) and check them against HBM: (report, verdict line).
+    A program the compiler refuses (RESOURCE_EXHAUSTED) or one past the budget does not fit; then fewer
+    decode slots are tried (bisecting over powers of two), and the verdict names the largest count that fits (as `slots_option`,
+    the command's name for it). Never raises for memory: the line says what to change."""
+    def attempt(cfg):
+        try:
+            return program_report(compile_generate(graphdef, state, mesh, engine=cfg, requests=requests, **kw),
+                                  mesh.devices.flat[0]), None
+        except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program past HBM
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return None, str(e).splitlines()[0][:200]
+
+    report, err = attempt(engine)
+    if report is not None and report.fits:
+        return report, fit_line(report)
+    slots = engine.slots or min(requests, 256)
+    why = fit_line(report) if report is not None else f"does not fit: the compiler ran out of device memory ({err})"
+    # bisect over power-of-two multiples of the data-parallel divisor below `slots`: the largest that fits
+    counts = [batch_divisor(mesh) << k for k in range(64) if batch_divisor(mesh) << k < slots]
+    lo, hi, best = 0, len(counts), None  # counts[hi:] do not fit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        log(f"trying {counts[mid]} decode slots")
+        smaller, _ = attempt(dataclasses.replace(engine, slots=counts[mid], pages=0))
+        if smaller is not None and smaller.fits:
+            lo, best = mid + 1, (counts[mid], smaller)
+        else:
+            hi = mid
+    if best is not None:
+        return report, f"{why}; {slots_option}={best[0]} fits ({fit_line(best[1])})"
+    return report, f"{why}; no slot count fits: use more devices, pack the weights, or fewer new tokens"
 
 
 def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_updates: bool = True,
@@ -260,7 +303,9 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
     run = abstract_run(cfg, mesh)
     shapes = update_shapes(cfg, batch_divisor(mesh))
     n = len(shapes)
-    programs = [("train_step", lambda: compile_train_step(run, shape=shapes[0])), ("rollout", lambda: compile_rollout(run))]
+    programs = [("train_step", lambda: compile_train_step(run, shape=shapes[0])),
+                ("rollout prefill", lambda: compile_rollout(run, "prefill")),
+                ("rollout decode", lambda: compile_rollout(run, "decode"))]
     if all_updates:
         programs += [(f"train_step {i}/{n}", lambda sh=sh: compile_train_step(run, shape=sh))
                      for i, sh in enumerate(shapes[1:], start=2)]

@@ -21,10 +21,10 @@ from lrmq.configlib import ConfigError
 from lrmq.evals.benchmarks import BENCHMARKS, EvalDataError, default_data_dir, load_items, resolve_suite
 from lrmq.evals.config import EvalConfig, eval_config
 from lrmq.evals.runner import (COMPLETIONS, RESULTS, TABLE, EvalError, markdown_table, open_writer, read_records,
+                               sampling_config,
                                run_suite, score_records, summarize_records)
 from lrmq.atomic import atomic_write_text
-from lrmq.generation.engine import Generator
-from lrmq.generation.sampling import SamplingConfig
+from lrmq.generation.engine import Engine
 from lrmq.model.config import ModelConfig
 from lrmq.model.presets import preset_config
 from lrmq.quant.lora import DEFAULT_TARGETS, apply_lora
@@ -109,7 +109,7 @@ def check_run_dir(cfg: EvalConfig, overwrite: bool) -> None:
 
 def load_eval_model(cfg: EvalConfig):
     """(model, tokenizer, mesh): with several devices the weights are sharded on the default mesh and
-    the Generator splits each batch over its data axes."""
+    the engine splits its decode slots over the data axes."""
     ckpt = resolve_checkpoint(cfg.checkpoint)
     mesh = make_mesh(None) if jax.device_count() > 1 else None
     model = load_model(ckpt, mesh=mesh, dtype=cfg.dtype)
@@ -147,8 +147,9 @@ def rescore(cfg: EvalConfig) -> dict:
 
 
 def compile_only(cfg: EvalConfig, args) -> int:
-    """--compile-only: one generate call of the suite's protocol (batch_size rows, --prompt-len, the decode
-    length: segment_tokens or max_new_tokens, capped by the model's positions) compiled for the target."""
+    """--compile-only: the generation engine's programs (the largest prefill and a decode call of
+    generation.batch_size slots, --prompt-len + max_new_tokens capped by the model's positions) compiled for
+    the target; a program that does not fit gets the verdict line, exit 3, and the slot count that fits."""
     if not (cfg.checkpoint or args.shapes):
         raise ConfigError("--compile-only needs --checkpoint or --shapes")
     mcfg = (preset_config(args.shapes, dtype=cfg.dtype) if args.shapes
@@ -158,27 +159,20 @@ def compile_only(cfg: EvalConfig, args) -> int:
     if args.prompt_len >= positions:
         raise ConfigError(f"--prompt-len {args.prompt_len} leaves no room for new tokens in the model's "
                           f"{positions} positions")
-    new = min(g.segment_tokens or g.max_new_tokens, g.max_new_tokens, positions - args.prompt_len)
+    new = min(g.max_new_tokens, positions - args.prompt_len)
     devices = list(aot.topology_devices(args.topology)) if args.topology else None
     mesh = make_mesh(None, devices=devices)
     graphdef, state = aot.abstract_model(mcfg, mesh, pack=args.pack)
-    sampling = SamplingConfig(greedy=g.greedy, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
-    try:
-        compiled, secs = aot.compile_generate(graphdef, state, mesh, batch=g.batch_size, prompt_len=args.prompt_len,
-                                              max_new=new, sampling=sampling)
-    except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program past HBM
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        print(f"does not fit: the compiler ran out of device memory ({str(e).splitlines()[0][:300]}); lower "
-              "generation.batch_size or generation.segment_tokens")
-        return 3
-    report = aot.program_report("generate", compiled, secs, mesh.devices.flat[0])
-    print(f"target: {args.topology or 'local devices'} ({mesh.devices.size} devices); suite {cfg.suite}: batch "
-          f"{g.batch_size}, prompt {args.prompt_len} + {new} new tokens per generate call; weights "
-          f"{args.pack or mcfg.param_dtype}")
-    print(report.table())
-    print(aot.fit_line(report) + ("" if report.fits else "; lower generation.batch_size or generation.segment_tokens"))
-    return 0 if report.fits else 3
+    print(f"target: {args.topology or 'local devices'} ({mesh.devices.size} devices); suite {cfg.suite}: "
+          f"{g.batch_size} decode slots, prompt {args.prompt_len} + {new} new tokens; weights "
+          f"{args.pack or mcfg.param_dtype}", flush=True)
+    report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg, engine=g.engine_config(),
+                                      requests=g.batch_size, prompt_len=args.prompt_len, max_new=new,
+                                      sampling=sampling_config(g), slots_option="generation.batch_size")
+    if report is not None:
+        print(report.table())
+    print(line)
+    return 0 if report is not None and report.fits else 3
 
 
 def main(argv=None) -> int:
@@ -216,10 +210,10 @@ def _main(args) -> int:
         raise EvalDataError("\n".join(errors))
     check_run_dir(cfg, args.overwrite)
     model, tok, mesh = load_eval_model(cfg)
-    generator = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=mesh)
+    engine = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=cfg.generation.engine_config(), mesh=mesh)
     writer = open_writer(cfg.out_dir) if cfg.tensorboard else None
     try:
-        results = run_suite(model, tok, items, cfg.generation, suite=suite, generator=generator,
+        results = run_suite(model, tok, items, cfg.generation, suite=suite, engine=engine,
                             out_dir=cfg.out_dir, pass_k=cfg.pass_k,
                             timeout_s=cfg.timeout_s, progress=cfg.progress, writer=writer, meta=run_meta(cfg))
     finally:

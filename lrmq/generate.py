@@ -21,7 +21,7 @@ from lrmq import aot, compile_cache
 from lrmq.checkpoint.load import load_model, load_tokenizer, read_model_config
 from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms
 from lrmq.data.text import read_documents
-from lrmq.generation.engine import Generator
+from lrmq.generation.engine import Engine, EngineConfig
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.model.presets import preset_config
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     aot.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:2x4")
     aot.add_argument("--shapes", default=None, help="architecture preset (lrmq/model/presets.py) instead of "
                                                       "--checkpoint's config.json")
-    aot.add_argument("--batch", type=number(int, ge=1), default=8, help="sequences per generate call")
+    aot.add_argument("--batch", type=number(int, ge=1), default=8, help="decode slots: sequences decoded at once")
     aot.add_argument("--prompt-len", type=number(int, ge=1), default=512, help="left-padded prompt length")
     aot.add_argument("--pack", choices=["int4", "int8", "nf4"], default=None,
                      help="compile with every linear packed in this format (the Pallas kernels serve them)")
@@ -80,16 +80,16 @@ def compile_only(args) -> int:
     mesh = make_mesh(None, devices=devices)
     graphdef, state = aot.abstract_model(mcfg, mesh, pack=args.pack)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    compiled, secs = aot.compile_generate(graphdef, state, mesh, batch=args.batch, prompt_len=args.prompt_len,
-                                          max_new=args.max_new_tokens, sampling=sampling)
-    report = aot.program_report("generate", compiled, secs, mesh.devices.flat[0])
-    kernels = "Pallas TPU kernels" if "tpu_custom_call" in compiled.as_text() else "no custom kernels"
-    print(f"target: {args.topology or 'local devices'} ({len(mesh.devices.flat)} devices); batch {args.batch}, "
-          f"prompt {args.prompt_len} + {args.max_new_tokens} new tokens; weights {args.pack or mcfg.param_dtype} "
-          f"({kernels})")
-    print(report.table())
-    print(aot.fit_line(report))
-    return 0 if report.fits else 3
+    print(f"target: {args.topology or 'local devices'} ({len(mesh.devices.flat)} devices); {args.batch} decode "
+          f"slots, prompt {args.prompt_len} + {args.max_new_tokens} new tokens; weights {args.pack or mcfg.param_dtype}",
+          flush=True)
+    report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg, engine=EngineConfig(slots=args.batch),
+                                      requests=args.batch, prompt_len=args.prompt_len, max_new=args.max_new_tokens,
+                                      sampling=sampling, slots_option="--batch")
+    if report is not None:
+        print(report.table())
+    print(line)
+    return 0 if report is not None and report.fits else 3
 
 
 def main(argv=None) -> int:
@@ -115,7 +115,7 @@ def generate(args) -> int:
     check_position_limit(model.cfg, len(ids[longest]) + args.max_new_tokens,
                          f"prompt {longest + 1} ({len(ids[longest])} tokens) + --max-new-tokens "
                          f"({args.max_new_tokens})")
-    gen = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
+    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig())
     t0 = time.perf_counter()
     res = gen.generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     dt = time.perf_counter() - t0

@@ -62,13 +62,18 @@ def make_mesh(cfg: MeshConfig | tuple[int, int, int] | None = None, devices=None
     return Mesh(dev, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh) -> P:
+# The decode layout: weights whole over the data axes (gathered once per rollout, not once per token as
+# FSDP shards would be), still split over "tensor" where the training layout splits them.
+DECODE_RULES = {**RULES, "embed": None}
+
+
+def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh, rules=None) -> P:
     """PartitionSpec for logical axes; an axis whose size the mesh axis does not divide stays replicated."""
     if not axes:
         return P()
     out, used = [], set()
     for name, dim in zip(axes, shape):
-        target = RULES.get(name) if name else None
+        target = (rules or RULES).get(name) if name else None
         if target is None:
             out.append(None)
             continue
@@ -83,20 +88,41 @@ def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...],
     return P(*out)
 
 
-def state_shardings(state, mesh: Mesh):
-    """NamedShardings for every leaf of an nnx State (from each Variable's logical axes)."""
+def state_shardings(state, mesh: Mesh, rules=None, *, stacked: bool = False):
+    """NamedShardings for every leaf of an nnx State (from each Variable's logical axes; `rules` default RULES).
+    stacked: the leaves carry a leading layer axis (`lrmq.model.decoder.layer_runs`), kept whole."""
+    return _map_variables(state, lambda axes, v: _leaf_sharding(axes, v, mesh, rules, stacked))
 
+
+def constrain_state(state, mesh: Mesh, rules=None, *, stacked: bool = False):
+    """`state` (inside jit) with every array constrained to its `state_shardings` sharding, Variables kept."""
+    def one(axes, v):
+        return jax.lax.with_sharding_constraint(v, _leaf_sharding(axes, v, mesh, rules, stacked))
+
+    return jax.tree.map(lambda var: var.replace(_map_variables(var, one)) if isinstance(var, nnx.Variable) else var,
+                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _map_variables(tree, fn):
+    """fn(logical axes or None, array) over every array of `tree`, a Variable's arrays getting its axes."""
     def one(var):
         axes = var.get_metadata().get(LOGICAL_AXES_KEY) if isinstance(var, nnx.Variable) else None
         value = var.get_value() if isinstance(var, nnx.Variable) else var
-        return jax.tree.map(lambda v: NamedSharding(mesh, logical_to_spec(axes if _matches(axes, v) else None,
-                                                                          getattr(v, "shape", ()), mesh)), value)
+        return jax.tree.map(lambda v: fn(axes, v), value)
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if isinstance(tree, nnx.Variable):
+        return one(tree)
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _matches(axes, v) -> bool:
-    return axes is not None and hasattr(v, "ndim") and len(axes) == v.ndim
+def _leaf_sharding(axes, v, mesh: Mesh, rules, stacked: bool) -> NamedSharding:
+    shape = getattr(v, "shape", ())[int(stacked):]
+    inner = logical_to_spec(axes if _matches(axes, shape) else None, shape, mesh, rules)
+    return NamedSharding(mesh, P(None, *inner) if stacked else inner)
+
+
+def _matches(axes, shape) -> bool:
+    return axes is not None and len(axes) == len(shape)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

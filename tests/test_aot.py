@@ -103,24 +103,14 @@ def test_trainer_preflight_then_trains_with_the_compiled_step(tmp_path):
     assert m["completion/length_mean"] > 0  # both generate calls of 8 sequences produced completions
 
 
-def test_generation_chunk_sizes():
-    from lrmq.generation.engine import generation_chunk
-
-    assert generation_chunk(0, 64, 8) == 64  # 0: everything at once
-    assert generation_chunk(100, 64, 8) == 64
-    assert generation_chunk(16, 64, 8) == 16
-    assert generation_chunk(20, 64, 8) == 16  # rounded down to the data-parallel divisor, dividing 64
-    assert generation_chunk(24, 48, 8) == 24
-    assert generation_chunk(3, 64, 8) == 8  # never below one row per data-parallel device
-
-
 def test_generate_compile_only(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lrmq.generate", "--compile-only", "--checkpoint",
                         os.path.join(REPO_ROOT, "lrmq", "assets", "tiny"), "--topology", "v5e:2x4", "--batch", "16",
                         "--prompt-len", "64", "--max-new-tokens", "32"], cwd=REPO_ROOT, env=ENV, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "| generate |" in r.stdout and "fits:" in r.stdout and "v5e:2x4 (8 devices)" in r.stdout
+    assert "| decode |" in r.stdout and "| prefill |" in r.stdout and "fits:" in r.stdout
+    assert "v5e:2x4 (8 devices)" in r.stdout
 
 
 @pytest.mark.parametrize("quant", [{"mode": "qlora", "base_format": "nf4"}, {"mode": "qlora", "base_format": "int4",
@@ -156,13 +146,16 @@ def test_update_layouts_compile_for_a_multichip_slice(tmp_path, layout):
 
 def test_evaluate_compile_only_for_a_tpu_topology(capsys):
     """`lrmq.evaluate --compile-only`: the suite's generate call compiled for a TPU slice without weights;
-    too large a batch for the chip's HBM exits 3 naming the knob to lower."""
+    too many decode slots for the chip's HBM exits 3 with the verdict line naming the slot count that fits."""
     from lrmq.evaluate import main
 
     assert main(["--checkpoint", "tiny", "--suite", "quantlrm", "--compile-only", "--topology", "v5e:2x2",
                  "--prompt-len", "64", "generation.batch_size=8"]) == 0
     out = capsys.readouterr().out
-    assert "target: v5e:2x2 (4 devices); suite quantlrm: batch 8, prompt 64 + 192 new tokens" in out and "fits:" in out
+    assert "target: v5e:2x2 (4 devices); suite quantlrm: 8 decode slots, prompt 64 + 192 new tokens" in out
+    assert "| prefill |" in out and "| decode |" in out and "fits:" in out
     assert main(["--checkpoint", "tiny", "--suite", "quantlrm", "--compile-only", "--topology", "v5e:2x2",
                  "--prompt-len", "64", "generation.batch_size=1048576"]) == 3  # a 64 GiB KV cache per chip
-    assert "does not fit" in capsys.readouterr().out
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("does not fit") and "; generation.batch_size=" in line and line.endswith(")")
+    assert "Traceback" not in line

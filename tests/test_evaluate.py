@@ -128,11 +128,12 @@ def int4_checkpoint(tmp_path_factory):
     return out
 
 
-def test_quantlrm_packed_int4_segmented(int4_checkpoint, tmp_path):
+def test_quantlrm_packed_int4(int4_checkpoint, tmp_path):
     out = tmp_path / "q"
-    # the tiny model has 256 positions, less than FOLIO's prompt: allow more (the error case is tested below)
-    assert _run(out, "--limit", "1", "generation.max_positions=1024", "generation.segment_tokens=6",
-                checkpoint=int4_checkpoint, suite="quantlrm") == 0
+    # the tiny model has 256 positions, less than FOLIO's prompt: allow more (the error case is tested below);
+    # 2 slots of 4-token pages for the 4 sequences: slots are reused as sequences finish
+    assert _run(out, "--limit", "1", "generation.max_positions=1024", "generation.batch_size=2",
+                "generation.page_size=4", checkpoint=int4_checkpoint, suite="quantlrm") == 0
     res = _results(out)
     assert set(res["benchmarks"]) == {"aime120", "folio", "temporal_sequences", "gpqa_diamond"}
     assert res["headline"]["how"] == "average" and res["config"]["generation"]["top_p"] == 0.95
@@ -162,26 +163,19 @@ def test_qlora_adapter_unmerged(int4_checkpoint, tmp_path):
     assert _run(tmp_path / "o", "--limit", "1", f"adapter={adapter}", checkpoint=int4_checkpoint, suite="amc") == 0
 
 
-def test_segmented_greedy_equals_one_call():
-    """Segments (rows leave the batch, the rest re-prefill) give the same greedy tokens as one call."""
+def test_run_suite_streams_records_from_a_state_and_engine(tmp_path):
+    """The trainer's path: a state + its Engine, in memory, scalars to its writer; records are written as each
+    sequence finishes, equal to a run with one decode slot."""
+    from flax import nnx
+
     from lrmq.checkpoint.load import load_model
-    from lrmq.evals.runner import generate_rows
-    from lrmq.generation.engine import Generator
-    from lrmq.generation.sampling import SamplingConfig
+    from lrmq.evals.runner import run_suite
+    from lrmq.generation.engine import Engine, EngineConfig
     from lrmq.tokenizer import Tokenizer
 
-    import jax
-
     model, tok = load_model(TINY_MODEL_DIR), Tokenizer.from_dir(TINY_MODEL_DIR)
-    gen = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
-    prompts = [tok.encode(p) for p in ("Compute 12+7*3-5. Answer:", "Compute 3+4. Answer:", "Compute 9*9-1. Answer:")]
-    kw = dict(max_new=16, sampling=SamplingConfig(greedy=True), key=jax.random.key(0))
-    one = generate_rows(gen, model, prompts, **kw)
-    seg = generate_rows(gen, model, prompts, segment_tokens=8, **kw)
-    assert one == seg
-    assert any(stopped for _, stopped in one)  # the tiny model finishes arithmetic with EOS
+    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
 
-    # the trainer's path: a state + its Generator, in memory, scalars to its writer
     from flax import nnx
 
     from lrmq.evals.runner import run_suite
@@ -198,9 +192,18 @@ def test_segmented_greedy_equals_one_call():
 
     items = bm.load_items(bm.BENCHMARKS["amc"], FIXTURES, limit=2)
     w = Writer()
-    res = run_suite(nnx.state(model), tok, items, GenerationSection(max_new_tokens=8), generator=gen,
-                    max_positions=model.cfg.max_position_embeddings, writer=w, step=10, tb_prefix="bench")
+    res = run_suite(nnx.state(model), tok, items, GenerationSection(max_new_tokens=8, samples=2), engine=gen,
+                    max_positions=model.cfg.max_position_embeddings, writer=w, step=10, tb_prefix="bench",
+                    out_dir=str(tmp_path / "a"))
     assert res["benchmarks"]["amc"]["n_problems"] == 2 and w.s["bench/amc/accuracy"][1] == 10
+    one_slot = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig(slots=1, page_size=4))
+    run_suite(nnx.state(model), tok, items, GenerationSection(max_new_tokens=8, samples=2), engine=one_slot,
+              max_positions=model.cfg.max_position_embeddings, out_dir=str(tmp_path / "b"))
+    key = lambda r: (r["item_id"], r["sample"])  # noqa: E731
+    a = sorted((json.loads(l) for l in _lines(tmp_path / "a")), key=key)
+    b = sorted((json.loads(l) for l in _lines(tmp_path / "b")), key=key)
+    assert len(a) == 4 and [r["completion"] for r in a] == [r["completion"] for r in b]
+    assert gen.stats["prefilled_prompts"] == 2  # each item's two samples share its prompt
 
 
 def test_cli_on_two_devices(tmp_path):
@@ -212,7 +215,7 @@ def test_cli_on_two_devices(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
     out = tmp_path / "mesh"
-    # 3 items, batch 3: the Generator pads the rows to the 2 data-parallel devices
+    # 3 items, 3 slots: the engine rounds the slots up to the 2 data-parallel devices
     p = subprocess.run([sys.executable, "-m", "lrmq.evaluate", "--checkpoint", "tiny", "--suite", "amc", "--out",
                         str(out), "--data-dir", FIXTURES, "progress=false", "generation.max_new_tokens=8",
                         "generation.batch_size=3", "tensorboard=false"], env=env, capture_output=True, text=True,

@@ -144,13 +144,11 @@ class Suite:
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("paper1", ("aime24", "amc", "math500", "minerva", "olympiadbench"),
-          {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 512, "samples": 1, "greedy": False,
-           "segment_tokens": 0},
+          {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 512, "samples": 1, "greedy": False},
           "pooled", "reward",
           "Paper 1: mean reward {0, 0.1, 1.1} pooled over the problems of five math benchmarks"),
     Suite("quantlrm", ("aime120", "folio", "temporal_sequences", "gpqa_diamond"),
-          {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "max_new_tokens": 32768, "samples": 1, "greedy": False,
-           "segment_tokens": 4096},
+          {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "max_new_tokens": 32768, "samples": 1, "greedy": False},
           "average", "accuracy",
           "QuantLRM: accuracy on four reasoning benchmarks and their unweighted average"),
 ]}

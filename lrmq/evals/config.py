@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 
 from lrmq.configlib import ConfigError, apply_overrides, config_from_dict, opt
 from lrmq.evals.benchmarks import EVAL_PROMPTS, resolve_suite
+from lrmq.generation.engine import EngineConfig
 
 
 @dataclass
@@ -19,10 +20,13 @@ class GenerationSection:
     top_k: int = opt(0, "top-k sampling (0 = off)")
     greedy: bool = opt(False, "argmax decoding (paper 1's STE-model protocol)")
     samples: int = opt(1, "K completions per problem: pass@1 is their mean, pass@k unbiased")
-    batch_size: int = opt(32, "sequences per generate call; requests are sorted by prompt length first")
-    segment_tokens: int = opt(0, "decode in segments of this many tokens; rows that finished leave the batch "
-                                 "between segments and the rest is re-prefilled (0 = one call to max_new_tokens)")
-    seed: int = opt(0, "sampling seed; batch b uses fold_in(key(seed), b), so reruns and resumes repeat")
+    batch_size: int = opt(32, "decode slots of the generation engine: sequences decoded at once, the next waiting "
+                              "one taking a slot as soon as a sequence stops")
+    page_size: int = opt(16, "tokens per page of the engine's paged KV cache")
+    kv_pages: int = opt(0, "pages of the engine's KV pool (0 = enough that no sequence is ever preempted; fewer "
+                           "pages hold less memory and recompute a preempted sequence later)")
+    seed: int = opt(0, "sampling seed; sequence i (item x sample, in order) uses fold_in(key(seed), i), so "
+                       "reruns and resumes repeat")
     max_positions: int = opt(0, "prompt + completion limit (0 = the model's max_position_embeddings)")
     length_policy: str = opt("cap", "when prompt + max_new_tokens passes max_positions: cap the new tokens "
                                     "(warning) or error", names=("cap", "error"), kind="length policy")
@@ -30,8 +34,11 @@ class GenerationSection:
     def validate(self):
         if self.samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
             raise ValueError("samples, batch_size and max_new_tokens must be >= 1")
-        if self.segment_tokens < 0 or self.max_positions < 0:
-            raise ValueError("segment_tokens and max_positions must be >= 0")
+        if self.page_size < 1 or self.kv_pages < 0 or self.max_positions < 0:
+            raise ValueError("page_size must be >= 1, kv_pages and max_positions >= 0")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(slots=self.batch_size, page_size=self.page_size, pages=self.kv_pages)
 
 
 @dataclass

@@ -4,16 +4,13 @@
 
     results = run_suite(model, tokenizer, items, gen_cfg, out_dir=..., generator=..., state=...)
 
-* Requests (item x sample) are sorted by prompt length and cut into batches of `batch_size`; the
-  `Generator` left-pads each batch to a power-of-two bucket, so short prompts never wait at long ones'
-  length. A batch is padded to a power-of-two row count (fewer compiles).
-* Batch b samples with ``fold_in(key(seed), b)``: the plan depends only on the items and the config,
+* Requests (item x sample) go to the generation engine (`lrmq.generation.engine`) all at once: it decodes
+  `batch_size` of them at a time over a paged KV cache, and a finished sequence's slot goes to the next
+  one at once, so a 32k-token completion holds nobody else back. An item's samples share its prompt's pages.
+* Request i samples with ``fold_in(key(seed), i)``: the tokens depend only on the items and the config,
   so a rerun, or a resume after a kill, produces the same tokens.
-* With ``segment_tokens``, decoding runs in segments: rows that stopped leave the batch between
-  segments and the others continue from a re-prefill of prompt + tokens so far, so a 32k-token
-  completion does not hold the whole batch (and its KV cache) at its length.
-* Records go to ``out_dir/completions.jsonl`` one line per (item, sample), appended and fsynced after
-  each batch; a restarted run skips the recorded ones (a truncated last line is dropped).
+* Records go to ``out_dir/completions.jsonl`` one line per (item, sample), appended and fsynced as each
+  sequence finishes; a restarted run skips the recorded ones (a truncated last line is dropped).
   ``results.json`` and ``results.md`` are written atomically at the end.
 """
 
@@ -36,7 +33,7 @@ from lrmq.evals.benchmarks import BENCHMARKS, Item, Suite
 from lrmq.evals.config import GenerationSection
 from lrmq.evals.metrics import average_of, summarize
 from lrmq.evals.scorers import score
-from lrmq.generation.engine import Generator
+from lrmq.generation.engine import Engine, sequence_keys
 from lrmq.generation.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -69,19 +66,6 @@ def sampling_config(gen: GenerationSection) -> SamplingConfig:
                           top_p=gen.top_p, top_k=gen.top_k)
 
 
-def plan_batches(requests: Sequence[Request], batch_size: int) -> list[list[int]]:
-    """Indices of `requests` sorted by prompt length (stable), cut into batches of `batch_size`."""
-    order = sorted(range(len(requests)), key=lambda i: (len(requests[i].ids), i))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def _pow2_rows(n: int, cap: int) -> int:
-    r = 1
-    while r < n:
-        r *= 2
-    return max(n, min(r, cap))
-
-
 def max_new_for(prompt_lens: Sequence[int], gen: GenerationSection, max_positions: int, what: str) -> int:
     """New tokens for a batch under the length policy: min(max_new_tokens, max_positions - longest prompt)."""
     longest = max(prompt_lens)
@@ -97,34 +81,6 @@ def max_new_for(prompt_lens: Sequence[int], gen: GenerationSection, max_position
                             f"generation.length_policy=cap to cap the new tokens)")
         return room
     return gen.max_new_tokens
-
-
-def generate_rows(generator: Generator, state, prompts: Sequence[Sequence[int]], *, max_new: int,
-                  sampling: SamplingConfig, key, segment_tokens: int = 0, row_cap: int = 0) -> list[tuple[list[int], bool]]:
-    """Completions (token ids without the stop token, stopped?) for `prompts`, segmented when asked."""
-    n = len(prompts)
-    eos = set(generator.eos)
-    outs: list[list[int]] = [[] for _ in range(n)]
-    stopped = [False] * n
-    active = list(range(n))
-    seg = segment_tokens if 0 < segment_tokens < max_new else max_new
-    round_ = 0
-    while active:
-        steps = min(seg, max_new - len(outs[active[0]]))
-        batch = [list(prompts[i]) + outs[i] for i in active]
-        rows = _pow2_rows(len(batch), row_cap or len(batch))
-        batch += [batch[0]] * (rows - len(batch))
-        res = generator.generate(state, batch, max_new_tokens=steps, sampling=sampling,
-                                 seed=jax.random.fold_in(key, round_) if seg < max_new else key)
-        for j, i in enumerate(active):
-            toks = [int(t) for t in res.tokens[j, :int(res.lengths[j])]]
-            if toks and toks[-1] in eos:
-                stopped[i] = True
-                toks = toks[:-1]
-            outs[i].extend(toks)
-        active = [i for i in active if not stopped[i] and len(outs[i]) < max_new]
-        round_ += 1
-    return [(outs[i], stopped[i]) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------- records
@@ -272,22 +228,22 @@ def build_requests(items: Sequence[Item], tokenizer, samples: int) -> list[Reque
 
 
 def run_suite(model_or_state, tokenizer, items: Sequence[Item], gen: GenerationSection, *,
-              suite: Optional[Suite] = None, generator: Optional[Generator] = None, max_positions: int = 0,
+              suite: Optional[Suite] = None, engine: Optional[Engine] = None, max_positions: int = 0,
               out_dir: Optional[str] = None, pass_k: Sequence[int] = (1,), timeout_s: float = 1.0,
               progress: bool = False, writer=None, step: int = 0, tb_prefix: str = "eval",
               meta: Optional[dict] = None) -> dict:
     """Generate, score and summarize `items` (any benchmarks of `BENCHMARKS`); returns the results dict.
 
-    model_or_state: a `Decoder`, or a state with `generator` built for its graphdef (a trainer passes its
-    rollout Generator and the current policy state). max_positions: 0 = gen.max_positions, else the
+    model_or_state: a `Decoder`, or a state with `engine` built for its graphdef (a trainer passes its
+    rollout Engine and the current policy state). max_positions: 0 = gen.max_positions, else the
     model's `max_position_embeddings` (needed when a state is passed). out_dir: resumable records and
     results files (None = in memory only); meta: extra keys for results.json (config, checkpoint). writer: a tensorboardX-like writer (`add_scalar`, `flush`).
     """
     is_model = isinstance(model_or_state, nnx.Module)
-    if generator is None:
+    if engine is None:
         if not is_model:
-            raise ValueError("run_suite: pass generator= (built for the state's graphdef) with a state")
-        generator = Generator(model_or_state, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+            raise ValueError("run_suite: pass engine= (built for the state's graphdef) with a state")
+        engine = Engine(model_or_state, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, config=gen.engine_config())
     state = nnx.state(model_or_state) if is_model else model_or_state
     max_pos = gen.max_positions or max_positions or (model_or_state.cfg.max_position_embeddings if is_model else 0)
     if not max_pos:
@@ -295,52 +251,48 @@ def run_suite(model_or_state, tokenizer, items: Sequence[Item], gen: GenerationS
     benchmarks = list(dict.fromkeys(it.benchmark for it in items))
     sampling = sampling_config(gen)
     requests = build_requests(items, tokenizer, gen.samples)
-    batches = plan_batches(requests, gen.batch_size)
     path = os.path.join(out_dir, COMPLETIONS) if out_dir else None
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
     wanted = {r.key for r in requests}
     records = [r for r in (read_records(path) if path else []) if (r["benchmark"], r["item_id"], r["sample"]) in wanted]
     done = {(r["benchmark"], r["item_id"], r["sample"]) for r in records}
-    todo_batches = [(b, idx) for b, idx in enumerate(batches) if any(requests[i].key not in done for i in idx)]
-    n_todo = sum(1 for r in requests if r.key not in done)
+    todo = [r for r in requests if r.key not in done]
+    n_todo = len(todo)
     if done:
         log.info("resuming: %d of %d sequences already recorded", len(requests) - n_todo, len(requests))
     from tqdm.auto import tqdm
 
     bar = tqdm(total=n_todo, disable=not progress, desc="eval", unit="seq", dynamic_ncols=True)
-    base_key = jax.random.key(gen.seed)
-    capped = False
+    budgets = [max_new_for([len(r.ids)], gen, max_pos, f"{r.item.benchmark} item {r.item.id}") for r in todo]
+    if todo and min(budgets) < gen.max_new_tokens:
+        log.warning("generation.max_new_tokens %d capped to %d (and similar) so prompt + completion stay within "
+                    "the model's %d positions; completions that reach the cap count as truncated",
+                    gen.max_new_tokens, min(budgets), max_pos)
+    keys = sequence_keys(jax.random.key(gen.seed), len(requests))
+    eos = set(engine.eos)
     t0, new_tokens = time.perf_counter(), 0
-    for b, idx in todo_batches:
-        reqs = [requests[i] for i in idx]
-        lens = [len(r.ids) for r in reqs]
-        max_new = max_new_for(lens, gen, max_pos, f"{reqs[-1].item.benchmark} item {reqs[-1].item.id}")
-        if max_new < gen.max_new_tokens and not capped:
-            capped = True
-            log.warning("generation.max_new_tokens %d capped to %d (and similar) so prompt + completion stay within "
-                        "the model's %d positions; completions that reach the cap count as truncated",
-                        gen.max_new_tokens, max_new, max_pos)
-        outs = generate_rows(generator, state, [r.ids for r in reqs], max_new=max_new, sampling=sampling,
-                             key=jax.random.fold_in(base_key, b), segment_tokens=gen.segment_tokens,
-                             row_cap=gen.batch_size)
-        new = []
-        for r, (toks, stopped) in zip(reqs, outs):
-            if r.key in done:
-                continue
-            new.append({"benchmark": r.item.benchmark, "item_id": r.item.id, "sample": r.sample,
-                        "prompt": r.item.prompt, "completion": tokenizer.decode(toks), "answer": r.item.answer,
-                        "prompt_tokens": len(r.ids), "completion_tokens": len(toks), "truncated": not stopped,
-                        "max_new_tokens": max_new})
-            new_tokens += len(toks)
-        new = score_records(new, timeout_s=timeout_s)
+
+    def finished(j: int, toks: list[int], _logprobs) -> None:  # as each sequence stops: score, record, report
+        nonlocal new_tokens
+        r = todo[j]
+        stopped = bool(toks) and toks[-1] in eos
+        toks = toks[:-1] if stopped else toks
+        rec = {"benchmark": r.item.benchmark, "item_id": r.item.id, "sample": r.sample, "prompt": r.item.prompt,
+               "completion": tokenizer.decode(toks), "answer": r.item.answer, "prompt_tokens": len(r.ids),
+               "completion_tokens": len(toks), "truncated": not stopped, "max_new_tokens": budgets[j]}
+        new = score_records([rec], timeout_s=timeout_s)
         if path:
             _append(path, new)
         records.extend(new)
-        done.update((r["benchmark"], r["item_id"], r["sample"]) for r in new)
-        bar.update(len(new))
-        if progress and records:
-            bar.set_postfix(acc=f"{np.mean([r['correct'] for r in records]):.3f}", refresh=False)
+        new_tokens += len(toks)
+        bar.update(1)
+        if progress:
+            bar.set_postfix(acc=f"{np.mean([x['correct'] for x in records]):.3f}", refresh=False)
+
+    if todo:
+        engine.generate(state, [r.ids for r in todo], max_new_tokens=budgets, sampling=sampling,
+                        keys=keys[[r.index for r in todo]], on_finish=finished)
     bar.close()
     seconds = time.perf_counter() - t0
     # pass@K of the K samples is always reported, besides the asked-for k <= K

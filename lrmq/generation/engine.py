@@ -13,7 +13,9 @@ one prefill compile per (rows, prompt length) bucket, never one per step.
 * Token t of a sequence is sampled with `fold_in(key_of_sequence, t)`: results do not depend on the
   slot, the pages, the batch composition or the order in which the scheduler admits requests.
 * The host schedules, the device decodes: one call runs up to `sync_steps` decode steps in a
-  `lax.while_loop`, returning early when a row finishes while requests wait. Pages are reserved
+  `lax.while_loop`, returning early when a row finishes while requests wait (its slot is refilled), or,
+  with nobody waiting, when half the rows are idle: the live rows then move to the front and decode in a
+  program of fewer rows (powers of two), so a long tail runs at the cost of its own rows. Pages are reserved
   `sync_steps` tokens ahead; when the pool runs out the youngest slot is preempted and recomputed later
   (same key, so the same tokens).
 * Before a call the layers are stacked once into their decode layout (`layer_runs`); the loop body scans
@@ -35,10 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.generation.paged import NULL_PAGE, PagedCache, pages_for, pool_shape
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.model.decoder import Decoder, layer_runs
+from lrmq.sharding import DECODE_RULES, batch_divisor, batch_sharding, constrain_state, host_array
 
 
 @dataclass
@@ -128,6 +132,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # own pages (from the prompt's partly filled one on)
+    admitted: int = 0  # admission order (the youngest is preempted first)
 
 
 # ----------------------------------------------------------------------------- device programs
@@ -146,7 +151,7 @@ def _prefill_fn(graphdef, state, pool, tokens, positions, page_table, *, engine:
     return cache.pool
 
 
-def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, gen, max_new, live, keys, stop_early,
+def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, gen, max_new, live, keys, stop_below,
                *, engine: EngineConfig, sampling: SamplingConfig, eos: tuple[int, ...], pad_id: int, impl: str,
                layout):
     model = _merge(graphdef, state)
@@ -158,12 +163,12 @@ def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, 
     out_tok = jnp.full((s, steps), pad_id, jnp.int32)
     out_lp = jnp.zeros((s, steps), jnp.float32)
 
-    def cond(c):
-        i, _, _, _, _, live, _, _, finished = c
-        return (i < steps) & jnp.any(live) & ~(stop_early & finished)
+    def cond(c):  # up to sync_steps; back to the host once fewer than stop_below rows are live
+        i, _, _, _, _, live, _, _ = c
+        return (i < steps) & jnp.any(live) & (jnp.sum(live) >= stop_below)
 
     def body(c):
-        i, pool, tok, pos, gen, live, out_tok, out_lp, finished = c
+        i, pool, tok, pos, gen, live, out_tok, out_lp = c
         cache = PagedCache(pool, page_table, live, mode="decode", block_pages=engine.block_pages, impl=impl)
         h, cache = model.hidden_runs(runs, tok[:, None], pos[:, None], cache)
         logits = model.logits(h)[:, 0]
@@ -174,11 +179,18 @@ def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, 
         out_lp = out_lp.at[:, i].set(jnp.where(live, lp, 0.0))
         gen = gen + live.astype(jnp.int32)
         done = live & (jnp.isin(nxt, eos_arr) | (gen >= max_new))
-        return (i + 1, cache.pool, nxt, pos + 1, gen, live & ~done, out_tok, out_lp, finished | jnp.any(done))
+        return i + 1, cache.pool, nxt, pos + 1, gen, live & ~done, out_tok, out_lp
 
-    init = (jnp.int32(0), pool, tok, pos, gen, live, out_tok, out_lp, jnp.bool_(False))
-    _, pool, _, _, gen, live, out_tok, out_lp, _ = jax.lax.while_loop(cond, body, init)
+    init = (jnp.int32(0), pool, tok, pos, gen, live, out_tok, out_lp)
+    _, pool, _, _, gen, live, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
     return pool, out_tok, out_lp, gen, live
+
+
+def decode_layout(mesh):
+    """runs -> runs with the stacked weights constrained to `DECODE_RULES` (whole over the data axes, split
+    over "tensor"): inside the jitted call this gathers FSDP shards once, before the decode loop."""
+    return lambda runs: [run.replace(state=constrain_state(run.state, mesh, DECODE_RULES, stacked=True))
+                         for run in runs]
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -188,7 +200,7 @@ class Engine:
     """Compiled prefill/decode programs for a model; reuse it across calls (rollouts, evaluation)."""
 
     def __init__(self, model: Decoder | None, *, eos_ids: Sequence[int], pad_id: int, config: EngineConfig = EngineConfig(),
-                 graphdef=None, model_cfg=None, impl: str = "xla", layout=None):
+                 graphdef=None, model_cfg=None, mesh=None, impl: str = "xla"):
         if not eos_ids:
             raise ValueError("eos_ids is empty: generation needs at least one stop token")
         # graphdef: pass the one from an `nnx.split(model, filter, ...)` to generate from split states
@@ -198,8 +210,9 @@ class Engine:
         self.pad_id = int(pad_id)
         self.config = config
         self.impl = impl
-        # layout(runs) -> runs: the decode layout of the stacked layer weights (identity: as they are)
-        self.layout = layout or (lambda runs: runs)
+        # on a mesh: slots split over the data axes, weights in the decode layout (`decode_layout`)
+        self.slot_multiple = batch_divisor(mesh) if mesh is not None else 1
+        self.layout = decode_layout(mesh) if mesh is not None else (lambda runs: runs)
         self._prefill = jax.jit(partial(_prefill_fn, self.graphdef, engine=config, layout=self.layout),
                                 donate_argnums=(1,))
         self._decode: dict = {}
@@ -217,6 +230,7 @@ class Engine:
         """(slots, pages, page-table width) for a call; the width covers the longest prompt's bucket."""
         c = self.config
         slots = c.slots or min(n_requests, 256)
+        slots = -(-slots // self.slot_multiple) * self.slot_multiple
         prompt = bucket_length(longest_prompt)
         own = pages_for(max_new + c.sync_steps, c.page_size) + 2  # from the prompt's partial page on
         width = pages_for(prompt, c.page_size) + own
@@ -224,12 +238,40 @@ class Engine:
         pages = c.pages or 1 + slots * (own + pages_for(prompt, c.page_size))
         return slots, pages, width
 
+    def abstract_calls(self, state, *, n_requests: int, prompt_len: int, max_new: int, sampling: SamplingConfig,
+                       mesh=None) -> dict[str, tuple]:
+        """{"prefill" | "decode": (jitted fn, abstract args)} of a call with these sizes (the largest prefill:
+        every slot's prompt at once), for ahead-of-time compiles and memory checks."""
+        slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
+        cfg, ps = self.model_cfg, self.config.page_size
+
+        def sds(shape, dtype, lead_batch=False):
+            sh = None
+            if mesh is not None:
+                sh = batch_sharding(mesh, len(shape)) if lead_batch else NamedSharding(mesh, P())
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+        pool = sds(pool_shape(cfg, pages, ps), jnp.dtype(cfg.dtype))
+        rows, length = 1 << (slots - 1).bit_length(), bucket_length(prompt_len)
+        key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+        per_slot = lambda dtype: sds((slots,), dtype, True)
+        return {
+            "prefill": (self._prefill, (state, pool, sds((rows, length), jnp.int32, True),
+                                        sds((rows, length), jnp.int32, True),
+                                        sds((rows, pages_for(length, ps)), jnp.int32, True))),
+            "decode": (self._decode_for(sampling), (
+                state, pool, sds((slots, width), jnp.int32, True), per_slot(jnp.int32), per_slot(jnp.int32),
+                per_slot(jnp.int32), per_slot(jnp.int32), per_slot(jnp.int32), per_slot(jnp.int32), per_slot(bool),
+                sds((slots, *key.shape), key.dtype, True), sds((), jnp.int32))),
+        }
+
     # ------------------------------------------------------------------ generation
     def generate(self, state, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
                  sampling: SamplingConfig = SamplingConfig(), seed: int | jax.Array = 0,
-                 keys: np.ndarray | None = None) -> GenerationResult:
+                 keys: np.ndarray | None = None, on_finish=None) -> GenerationResult:
         """Complete every prompt. keys: raw per-sequence key data [N, ...] (default: `sequence_keys` of
-        the seed's key); max_new_tokens: one budget, or one per prompt."""
+        the seed's key); max_new_tokens: one budget, or one per prompt; on_finish(i, tokens, logprobs): called
+        as sequence i stops (records can be written while the others still decode)."""
         state = nnx.state(state) if isinstance(state, nnx.Module) else state
         n = len(prompts)
         if n == 0:
@@ -245,7 +287,7 @@ class Engine:
         seqs = [_Seq(i, tuple(int(t) for t in p), budgets[i], keys[i]) for i, p in enumerate(prompts)]
         width_new = max(budgets)
         slots, pages, width = self.sizes(n, max(len(s.prompt) for s in seqs), width_new)
-        self._run(state, seqs, slots, pages, width, sampling)
+        self._run(state, seqs, slots, pages, width, sampling, on_finish)
         tokens = np.full((n, width_new), self.pad_id, np.int32)
         logprobs = np.zeros((n, width_new), np.float32)
         lengths = np.zeros(n, np.int32)
@@ -255,7 +297,8 @@ class Engine:
             lengths[s.index] = len(s.tokens)
         return GenerationResult(tokens, logprobs, lengths)
 
-    def _run(self, state, seqs: list[_Seq], n_slots: int, n_pages: int, width: int, sampling: SamplingConfig):
+    def _run(self, state, seqs: list[_Seq], n_slots: int, n_pages: int, width: int, sampling: SamplingConfig,
+             on_finish=None):
         c, cfg = self.config, self.model_cfg
         ps = c.page_size
         pool = jnp.zeros(pool_shape(cfg, n_pages, ps), jnp.dtype(cfg.dtype))
@@ -263,7 +306,6 @@ class Engine:
         prompts: dict[tuple[int, ...], _Prompt] = {}
         queue: deque[_Seq] = deque(seqs)
         slot_seq: list[_Seq | None] = [None] * n_slots
-        admitted_at = np.zeros(n_slots, np.int64)  # admission order (the youngest is preempted first)
         clock = 0
         decode = self._decode_for(sampling)
         key_shape = np.asarray(seqs[0].key).shape
@@ -310,13 +352,15 @@ class Engine:
                 if (len(s.prompt) - 1) % ps:  # the prompt's partly filled page becomes this sample's own
                     copy_src[slot], copy_dst[slot] = pr.pages[n_prompt_pages], own[0]
                 slot_seq[slot] = s
-                admitted_at[slot] = clock = clock + 1
+                clock += 1
+                s.admitted = clock
             if to_prefill:
                 pool = self._prefill_prompts(state, pool, to_prefill)
             # reserve pages sync_steps ahead; preempt the youngest slots when the pool runs dry
-            for slot in np.argsort(admitted_at):
+            for slot in sorted((j for j in range(n_slots) if slot_seq[j] is not None),
+                               key=lambda j: slot_seq[j].admitted):
                 s = slot_seq[slot]
-                if s is None:
+                if s is None:  # preempted for an older one in this pass
                     continue
                 need = pages_for(len(s.prompt) + len(s.tokens) + c.sync_steps, ps) - (len(s.prompt) - 1) // ps
                 while len(s.pages) < need:
@@ -325,7 +369,7 @@ class Engine:
                         s.pages += got
                         continue
                     victim = int(max((j for j in range(n_slots) if slot_seq[j] is not None),
-                                     key=lambda j: admitted_at[j]))
+                                     key=lambda j: slot_seq[j].admitted))
                     v = slot_seq[victim]
                     v.tokens, v.logprobs = [], []
                     free_seq(victim)
@@ -341,13 +385,26 @@ class Engine:
                                        f"of {len(queue[0].prompt)} prompt tokens plus {c.sync_steps} decode steps; "
                                        f"raise engine pages")
                 continue
-            table = np.zeros((n_slots, width), np.int32)
-            tok = np.zeros(n_slots, np.int32)
-            pos = np.zeros(n_slots, np.int32)
-            gen = np.zeros(n_slots, np.int32)
-            max_new = np.ones(n_slots, np.int32)
-            keys = np.zeros((n_slots, *key_shape), np.asarray(seqs[0].key).dtype)
-            for slot, s in enumerate(slot_seq):
+            rows, n_live = n_slots, int(live.sum())
+            # back to the host when a row finishes while requests wait (it takes the slot), else when half the
+            # rows are idle (fewer rows then decode)
+            stop_below = n_live
+            if not queue:  # nobody waits: move the live rows to the front and decode only as many rows as they
+                # need (a power of two), so the tail of long sequences does not pay for idle slots
+                order = sorted(range(n_slots), key=lambda j: slot_seq[j] is None)
+                slot_seq = [slot_seq[j] for j in order]
+                copy_src, copy_dst = copy_src[order], copy_dst[order]
+                rows = min(n_slots, max(self.slot_multiple, 1 << (n_live - 1).bit_length()))
+                live = np.arange(rows) < n_live
+                stop_below = rows // 2 + 1 if rows > self.slot_multiple else 0
+            table = np.zeros((rows, width), np.int32)
+            tok = np.zeros(rows, np.int32)
+            pos = np.zeros(rows, np.int32)
+            gen = np.zeros(rows, np.int32)
+            max_new = np.ones(rows, np.int32)
+            keys = np.zeros((rows, *key_shape), np.asarray(seqs[0].key).dtype)
+            copy_src, copy_dst = copy_src[:rows], copy_dst[:rows]
+            for slot, s in enumerate(slot_seq[:rows]):
                 if s is None:
                     continue
                 shared = prompts[s.prompt].pages[:(len(s.prompt) - 1) // ps]
@@ -357,11 +414,11 @@ class Engine:
                 pos[slot] = len(s.prompt) - 1 + len(s.tokens)
                 gen[slot], max_new[slot], keys[slot] = len(s.tokens), s.max_new, s.key
             pool, out_tok, out_lp, new_gen, still = decode(
-                state, pool, table, copy_src, copy_dst, tok, pos, gen, max_new, live, keys, np.bool_(bool(queue)))
-            out_tok, out_lp, new_gen, still = jax.device_get((out_tok, out_lp, new_gen, still))
+                state, pool, table, copy_src, copy_dst, tok, pos, gen, max_new, live, keys, np.int32(stop_below))
+            out_tok, out_lp, new_gen, still = (host_array(x) for x in (out_tok, out_lp, new_gen, still))
             self.stats["decode_calls"] += 1
             self.stats["steps"] += int((new_gen - gen).max())
-            for slot, s in enumerate(slot_seq):
+            for slot, s in enumerate(slot_seq[:rows]):
                 if s is None:
                     continue
                 k = int(new_gen[slot] - gen[slot])
@@ -369,6 +426,8 @@ class Engine:
                 s.logprobs += out_lp[slot, :k].tolist()
                 if not still[slot]:
                     free_seq(slot)
+                    if on_finish is not None:
+                        on_finish(s.index, s.tokens, s.logprobs)
 
     def _prefill_prompts(self, state, pool, prompts: list[_Prompt]):
         """Write the first len - 1 tokens of each prompt into its pages (one call per row/length bucket)."""

@@ -24,31 +24,6 @@ REMAT_POLICIES = {
 }
 
 
-@struct.dataclass
-class KVCache:
-    """Preallocated per-layer keys/values [B, KVH, S, D] and the position held by each slot (-1 = empty).
-
-    Heads-major so the decode-time attention dots read the cache in place: with [B, S, KVH, D] XLA:CPU
-    transposed every layer's whole K and V cache on every decode step.
-    """
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    pos: jax.Array  # [B, S] int32
-
-    @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
-        dtype = dtype or jnp.dtype(cfg.dtype)
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   pos=jnp.full((batch, max_len), -1, jnp.int32))
-
-    @property
-    def max_len(self) -> int:
-        return self.pos.shape[1]
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, scale_in_f32: bool, param_dtype):
         self.scale = param(jnp.ones((dim,), param_dtype), (None,))
@@ -90,7 +65,9 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(v) for v in inv)  # static python data, not a parameter
         self.rope_scale = scale
 
-    def __call__(self, x, positions, cache_kv=None, cache_pos=None, index=None, segments=None):
+    def __call__(self, x, positions, cache=None, segments=None):
+        """cache: None (training / scoring) or a paged cache (`lrmq.generation.paged.PagedCache`): this
+        forward's keys and values are written to it; a decoding cache also answers the attention."""
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -103,17 +80,13 @@ class Attention(nnx.Module):
         cos, sin = rope_cos_sin(positions, np.asarray(self.inv_freq, np.float32), self.rope_scale, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if cache_kv is None:  # training / scoring: keys are this sequence
-            keys, values, k_pos, new_kv = k, v, positions, None
-        else:
-            ck, cv = cache_kv  # [B, KVH, S, D]
-            ck = jax.lax.dynamic_update_slice(ck, k.swapaxes(1, 2).astype(ck.dtype), (0, 0, index, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v.swapaxes(1, 2).astype(cv.dtype), (0, 0, index, 0))
-            out = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, cache_pos, self.window,
-                         kv_heads_first=True)
-            return self.o_proj(out.reshape(b, t, -1)), (ck, cv)
-        out = attention(q, keys, values, positions, k_pos, self.window, segments=segments)  # blockwise, no [T, S] scores
-        return self.o_proj(out.reshape(b, t, -1)), new_kv
+        if cache is not None:
+            cache = cache.write(k, v, positions)
+            if cache.decoding:
+                return self.o_proj(cache.attend(q, positions, self.window).reshape(b, t, -1)), cache
+        # training, scoring and prefill: the keys are this forward's own
+        out = attention(q, k, v, positions, positions, self.window, segments=segments)  # blockwise, no [T, S] scores
+        return self.o_proj(out.reshape(b, t, -1)), cache
 
 
 def attend(q, k, v, q_pos, k_pos, window, *, kv_heads_first: bool = False, segments=None):
@@ -167,14 +140,14 @@ class DecoderLayer(nnx.Module):
             self.attn_norm = _norm(cfg, cfg.hidden_size)
             self.mlp_norm = _norm(cfg, cfg.hidden_size)
 
-    def __call__(self, x, positions, cache_kv=None, cache_pos=None, index=None, segments=None):
+    def __call__(self, x, positions, cache=None, segments=None):
         if self.post_norm:
-            a, new_kv = self.attn(x, positions, cache_kv, cache_pos, index, segments)
+            a, cache = self.attn(x, positions, cache, segments)
             x = x + self.attn_out_norm(a)
-            return x + self.mlp_out_norm(self.mlp(x)), new_kv
-        a, new_kv = self.attn(self.attn_norm(x), positions, cache_kv, cache_pos, index, segments)
+            return x + self.mlp_out_norm(self.mlp(x)), cache
+        a, cache = self.attn(self.attn_norm(x), positions, cache, segments)
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), new_kv
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class Embed(nnx.Module):
@@ -197,41 +170,50 @@ class Decoder(nnx.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, axes=("embed", "vocab"),
                                   dtype=dt, param_dtype=pdt, rngs=rngs)
 
-    def hidden(self, tokens, positions, cache: KVCache | None = None, index=None, *, remat: str = "none",
-               scan: bool = False, segments=None):
-        """Final-norm hidden states [B, T, D] (and the updated cache).
+    def hidden(self, tokens, positions, cache=None, *, remat: str = "none", scan: bool = False, segments=None):
+        """Final-norm hidden states [B, T, D] (and the updated cache, None without one).
 
+        cache: a paged cache (`lrmq.generation.paged.PagedCache`) for prefill and decoding; the layers then
+        run as `lax.scan`s over their stacked weights (see `layer_runs`).
         remat: "none" | "full" | "dots" (REMAT_POLICIES): recompute each layer in the backward pass
         instead of keeping its activations (training without a cache only).
         scan: run runs of identical layers as one `lax.scan` over their stacked states (training without
         a cache only): the program holds one layer body instead of num_layers copies, so deep models
         compile in a fraction of the time, for one transient copy of the stacked weights.
         segments: [B, T] ids of sequences packed into one row (training without a cache only; see `attend`)."""
-        dt = jnp.dtype(self.cfg.dtype)
-        x = constrain_batch(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(dt))
-        new_k, new_v, cache_pos = [], [], None
-        if cache is not None:
-            cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions.astype(jnp.int32), (0, index))
         if (remat != "none" or scan or segments is not None) and cache is not None:
             raise ValueError("remat, scan and segments apply to training forwards, not to cached decoding")
+        if cache is not None:
+            return self.hidden_runs(layer_runs(self.layers), tokens, positions, cache)
+        x = self.embed_tokens(tokens)
         policy = REMAT_POLICIES[remat] if remat != "none" else None
         if scan:
             x = _scan_layers(list(self.layers), x, positions, policy, segments)
             return self.final_norm(x), None
         run = _remat_layer(policy) if policy is not None else None
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             if run is not None:
                 x = constrain_batch(run(layer, x, positions, segments))
                 continue
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, new_kv = layer(x, positions, kv, cache_pos, index, segments)
-            x = constrain_batch(x)
-            if cache is not None:
-                new_k.append(new_kv[0])
-                new_v.append(new_kv[1])
-        x = self.final_norm(x)
-        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), pos=cache_pos)
-        return x, new_cache
+            x = constrain_batch(layer(x, positions, None, segments)[0])
+        return self.final_norm(x), None
+
+    def hidden_runs(self, runs, tokens, positions, cache):
+        """`hidden` with a cache over layers already stacked by `layer_runs` (a decode loop stacks, and
+        lays out, its weights once, outside the loop)."""
+        x = self.embed_tokens(tokens)
+        for run in runs:
+            def body(carry, xs, graphdef=run.graphdef):
+                x, cache = carry
+                state, index = xs
+                y, cache = nnx.merge(graphdef, state)(x, positions, cache.at_layer(index))
+                return (constrain_batch(y), cache), None
+
+            (x, cache), _ = jax.lax.scan(body, (x, cache), (run.state, run.start + jnp.arange(run.size)))
+        return self.final_norm(x), cache
+
+    def embed_tokens(self, tokens):
+        return constrain_batch(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype)))
 
     def logits(self, h):
         if self.lm_head is None:
@@ -239,10 +221,10 @@ class Decoder(nnx.Module):
             return jnp.einsum("btd,vd->btv", h, w)
         return self.lm_head(h)
 
-    def __call__(self, tokens, positions=None, cache: KVCache | None = None, index=None):
+    def __call__(self, tokens, positions=None, cache=None):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        h, new_cache = self.hidden(tokens, positions, cache, index)
+        h, new_cache = self.hidden(tokens, positions, cache)
         logits = self.logits(h)
         return logits if cache is None else (logits, new_cache)
 
@@ -267,30 +249,44 @@ def _remat_layer(policy):
     return run
 
 
-def _scan_layers(layers, x, positions, policy, segments=None):
-    """Apply `layers` in order, each maximal run of layers with equal graphdefs (same structure and
-    static attributes: Olmo-3's sliding/full pattern splits runs) as one `lax.scan` over the run's
-    stacked states; `policy` rematerialises each step like `_remat_layer`."""
-    splits = [nnx.split(layer) for layer in layers]
-    i = 0
-    while i < len(layers):
-        j = i + 1
-        while j < len(layers) and splits[j][0] == splits[i][0]:
-            j += 1
-        graphdef = splits[i][0]
+@struct.dataclass
+class LayerRun:
+    """A maximal run of consecutive layers with equal graphdefs (same structure and static attributes:
+    Olmo-3's sliding/full pattern splits runs), their states stacked on a leading axis."""
 
-        def body(x, state, graphdef=graphdef):
+    graphdef: nnx.GraphDef = struct.field(pytree_node=False)
+    state: nnx.State
+    start: int = struct.field(pytree_node=False)
+    size: int = struct.field(pytree_node=False)
+
+
+def layer_runs(layers) -> list[LayerRun]:
+    splits = [nnx.split(layer) for layer in layers]
+    runs, i = [], 0
+    while i < len(splits):
+        j = i + 1
+        while j < len(splits) and splits[j][0] == splits[i][0]:
+            j += 1
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(state for _, state in splits[i:j]))
+        runs.append(LayerRun(splits[i][0], stacked, i, j - i))
+        i = j
+    return runs
+
+
+def _scan_layers(layers, x, positions, policy, segments=None):
+    """Apply `layers` in order, each run of `layer_runs` as one `lax.scan` over the run's stacked
+    states; `policy` rematerialises each step like `_remat_layer`."""
+    for run in layer_runs(layers):
+        def body(x, state, graphdef=run.graphdef):
             inner = nnx.merge(graphdef, state)
             y = constrain_batch(inner(x, positions, segments=segments)[0])
             return y, nnx.state(inner, nnx.RngState)
 
         if policy is not None:
             body = jax.checkpoint(body, policy=policy)
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(state for _, state in splits[i:j]))
-        x, rng_states = jax.lax.scan(body, x, stacked)
-        for k, layer in enumerate(layers[i:j]):  # RNG counters advanced inside (e.g. dropout streams)
+        x, rng_states = jax.lax.scan(body, x, run.state)
+        for k, layer in enumerate(layers[run.start:run.start + run.size]):  # RNG counters advanced inside
             nnx.update(layer, jax.tree.map(lambda a, k=k: a[k], rng_states))
-        i = j
     return x
 
 

@@ -14,7 +14,7 @@ Schemes (`QuantSection.qat_scheme`):
 Gradients go straight through to the float master weights (AQT's STE; our stop_gradient STE).
 
 **Rollouts use the same quantized forward.** The dot_general is a static attribute of the module, so it
-lives in the graphdef that both the jitted train step and the `Generator` merge: sampling, log-probs
+lives in the graphdef that both the jitted train step and the generation `Engine` merge: sampling, log-probs
 and the update all see exactly the quantized policy (as paper 1, whose vLLM-free HF generate ran the
 fake-quantized `QuantizedLinear`s). No separate serving graph exists to drift from it.
 

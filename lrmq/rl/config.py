@@ -11,6 +11,7 @@ from typing import Literal
 
 from lrmq.configlib import ConfigError, check_data_parallel_batch, opt
 from lrmq.data.prompts import PROMPT_TEMPLATES
+from lrmq.generation.engine import EngineConfig
 from lrmq.model.presets import PRESETS
 from lrmq.rl.advantages import ADVANTAGES
 from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -80,8 +81,18 @@ class RolloutSection:
                                 "from the worst case (one sequence per row, every completion at full length) down "
                                 "in steps of sqrt(2); a batch uses the smallest that holds it (1 = always the "
                                 "worst case: one compile, the most padding)", ge=1)
-    generation_batch: int = opt(0, "sequences per generate call (0 = all prompts x group of a step at once); "
-                                   "the KV cache scales with it", ge=0)
+    generation_batch: int = opt(0, "decode slots of the rollout engine: sequences decoded at once, the next "
+                                   "waiting one taking a slot as soon as a sequence stops (0 = all prompts x "
+                                   "group of a step)", ge=0)
+    page_size: int = opt(16, "tokens per page of the rollout engine's paged KV cache", ge=1)
+    kv_pages: int = opt(0, "pages of the rollout engine's KV pool (0 = enough that no sequence is ever preempted; "
+                           "fewer pages hold less memory and recompute a preempted sequence later)", ge=0)
+    sync_steps: int = opt(64, "decode steps per device call of the rollout engine at most (it returns early "
+                              "when a sequence stops while others wait)", ge=1)
+
+    def engine_config(self):
+        return EngineConfig(slots=self.generation_batch, page_size=self.page_size, pages=self.kv_pages,
+                            sync_steps=self.sync_steps)
 
 
 @dataclass

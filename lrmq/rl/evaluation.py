@@ -22,11 +22,11 @@ class SuiteEval:
         data_dir = os.path.expanduser(run.eval_data_dir) if run.eval_data_dir else default_data_dir()
         self.items = [it for name in names for it in load_items(BENCHMARKS[name], data_dir, limit=run.eval_suite_limit)]
 
-    def __call__(self, states, tokenizer, generator, max_positions: int, timeout_s: float) -> dict[str, float]:
+    def __call__(self, states, tokenizer, engine, max_positions: int, timeout_s: float) -> dict[str, float]:
         """eval/SUITE/BENCHMARK/{accuracy,reward} and the suite's headline, on the policy `states`."""
         gen = GenerationSection(**self.suite.generation)
         gen.batch_size = max(1, min(len(self.items), 32))
-        res = run_suite(states, tokenizer, self.items, gen, suite=self.suite, generator=generator,
+        res = run_suite(states, tokenizer, self.items, gen, suite=self.suite, engine=engine,
                         max_positions=max_positions, timeout_s=timeout_s)
         name = self.suite.name
         out = {f"eval/{name}/{b}/{k}": float(v[k]) for b, v in res["benchmarks"].items()

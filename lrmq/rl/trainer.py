@@ -23,7 +23,7 @@ from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
 from lrmq.data.pipeline import PromptPipeline
 from lrmq.data.prompts import format_prompt
-from lrmq.generation.engine import Generator, bucket_length, generation_chunk, left_pad
+from lrmq.generation.engine import Engine, bucket_length, left_pad, sequence_keys
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.quant.training import export_float_model, trainable_filter
@@ -40,7 +40,7 @@ from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_m
 from lrmq.rl.setup import build_model, load_datasets
 from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step,
                           micro_batch_count, uses_rollout_logprobs)
-from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, host_array, make_mesh
+from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, make_mesh
 from lrmq.tokenizer import Tokenizer
 
 log = logging.getLogger("lrmq.train")
@@ -102,8 +102,8 @@ class GRPOTrainer:
         self.last_completions: list[dict] = []
         self.failed_reward_batches = 0  # consecutive
         self.reward_failed = False
-        self.generator = Generator(model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, mesh=self.mesh,
-                                   graphdef=self.graphdef)
+        self.engine = Engine(None, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, graphdef=self.graphdef,
+                             model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh)
 
         # run.eval_suite's items are loaded now: missing benchmark data fails before any compute
         self.suite_eval = SuiteEval(cfg.run) if cfg.run.eval_suite else None
@@ -150,20 +150,13 @@ class GRPOTrainer:
         return tokens, mask, truncated
 
     def _generate(self, tokens, mask, key, sampling: SamplingConfig, max_new: int):
-        """Generate in chunks of rollout.generation_batch rows (the KV cache of every sequence of a step at
-        once can outgrow HBM); each chunk gets its own key, so results do not depend on device count."""
-        sh = batch_sharding(self.mesh)
-        n = tokens.shape[0]
-        size = generation_chunk(self.cfg.rollout.generation_batch, n, batch_divisor(self.mesh))
-        parts = []
-        for i, start in enumerate(range(0, n, size)):
-            sl = slice(start, start + size)
-            with jax.set_mesh(self.mesh):
-                out = self.generator.generate_padded(
-                    self.states(), jax.device_put(tokens[sl], sh), jax.device_put(mask[sl], sh),
-                    key if size >= n else jax.random.fold_in(key, i), max_new_tokens=max_new, sampling=sampling)
-            parts.append([host_array(x) for x in out])
-        return [np.concatenate(xs) for xs in zip(*parts)] if len(parts) > 1 else parts[0]
+        """Complete every (left-padded) prompt row through the engine; sequence i samples with
+        `fold_in(key, i)`, so results depend neither on rollout.generation_batch nor on the devices."""
+        prompts = [row[m > 0].tolist() for row, m in zip(tokens, mask)]
+        with jax.set_mesh(self.mesh):
+            out = self.engine.generate(self.states(), prompts, max_new_tokens=max_new, sampling=sampling,
+                                       keys=sequence_keys(key, len(prompts)))
+        return out.tokens, out.logprobs, out.lengths
 
     def rollout(self, batch: dict[str, list], key) -> tuple[Any, dict[str, float]]:
         r, a = self.cfg.rollout, self.cfg.algo
@@ -297,7 +290,7 @@ class GRPOTrainer:
             out[f"eval/{name}_format_rate"] = float(np.mean(info["formatted"]))
         out["eval/accuracy"] = out["eval/sampled_accuracy"]
         if self.suite_eval is not None:
-            out.update(self.suite_eval(self.states(), self.tokenizer, self.generator,
+            out.update(self.suite_eval(self.states(), self.tokenizer, self.engine,
                                        self.model_cfg.max_position_embeddings, self.cfg.algo.reward_timeout_s))
         return out
 

@@ -36,7 +36,7 @@ from lrmq.checkpoint.load import load_model, resolve_checkpoint
 from lrmq.cli import ArgumentParser, number, run_main, select_platforms
 from lrmq.configlib import load_config
 from lrmq.data.prompts import format_prompt
-from lrmq.generation.engine import Generator
+from lrmq.generation.engine import Engine
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.quant.qat import apply_qat
 from lrmq.quant.training import pack_linears, param_bytes, trainable_filter, tree_bytes
@@ -62,7 +62,7 @@ def evaluate_heldout(model, tok: Tokenizer, cfg: TrainConfig, *, size: int, samp
     ids = [truncate_left(tok.encode(format_prompt(cfg.data.template, x["problem"], tok)), r.max_prompt_len)
            for x in rows]
     answers = [str(x["answer"]) for x in rows]
-    gen = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
+    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=r.engine_config())
     state = nnx.state(model)
     key = jax.random.key(seed + 7919)
     modes = [("greedy", SamplingConfig(greedy=True), 1)] if greedy else []
@@ -72,7 +72,7 @@ def evaluate_heldout(model, tok: Tokenizer, cfg: TrainConfig, *, size: int, samp
         correct, rewards, formatted, lengths = [], [], [], []
         for k in range(k_max):
             res = gen.generate(state, ids, max_new_tokens=r.max_new_tokens, sampling=sampling,
-                               seed=key if k == 0 else jax.random.fold_in(key, k), prompt_bucket=r.max_prompt_len)
+                               seed=key if k == 0 else jax.random.fold_in(key, k))
             texts = [tok.decode(res.tokens[i, :int(res.lengths[i])].tolist()) for i in range(len(rows))]
             rew, info = score_completions(texts, answers, cfg.algo.reward, timeout_s=cfg.algo.reward_timeout_s)
             correct.append(np.asarray(info["correct"], np.float64))
