@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lrmq.generation.paged import NULL_PAGE, PagedCache, pages_for, pool_shape
+from lrmq.generation.paged import NULL_PAGE, PagedCache, new_pool, pages_for, pool_sharding, pool_shape
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.model.decoder import Decoder, layer_runs
 from lrmq.sharding import DECODE_RULES, batch_divisor, batch_sharding, constrain_state, host_array
@@ -144,7 +144,7 @@ def _merge(graphdef, state) -> Decoder:
 
 def _prefill_fn(graphdef, state, pool, tokens, positions, page_table, *, engine: EngineConfig, layout):
     model = _merge(graphdef, state)
-    runs = layout(layer_runs(model.layers))
+    runs = layout(model)
     cache = PagedCache(pool, page_table, jnp.ones(tokens.shape[:1], bool), mode="prefill",
                        block_pages=engine.block_pages)
     _, cache = model.hidden_runs(runs, tokens, positions, cache)
@@ -155,7 +155,7 @@ def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, 
                *, engine: EngineConfig, sampling: SamplingConfig, eos: tuple[int, ...], pad_id: int, impl: str,
                layout):
     model = _merge(graphdef, state)
-    runs = layout(layer_runs(model.layers))  # once per call: the loop below reads these
+    runs = layout(model)  # once per call: the loop below reads these (and the embedding / lm head)
     pool = pool.at[:, copy_dst].set(pool[:, copy_src])  # copy-on-write of shared prompts' last pages
     keys = jax.random.wrap_key_data(keys)
     eos_arr = jnp.asarray(eos, jnp.int32)
@@ -187,10 +187,37 @@ def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, 
 
 
 def decode_layout(mesh):
-    """runs -> runs with the stacked weights constrained to `DECODE_RULES` (whole over the data axes, split
-    over "tensor"): inside the jitted call this gathers FSDP shards once, before the decode loop."""
-    return lambda runs: [run.replace(state=constrain_state(run.state, mesh, DECODE_RULES, stacked=True))
-                         for run in runs]
+    """model -> its stacked layer runs, every weight constrained to `DECODE_RULES` (whole over the data axes,
+    split over "tensor"): inside the jitted call this gathers FSDP shards once, before the decode loop. The
+    embedding, final norm and lm head (outside the runs) are laid out in place, or XLA gathers them per step."""
+    def layout(model):
+        for part in (model.embed, model.final_norm, model.lm_head):
+            if part is not None:
+                nnx.update(part, constrain_state(nnx.state(part), mesh, DECODE_RULES))
+        return [run.replace(state=constrain_state(run.state, mesh, DECODE_RULES, stacked=True))
+                for run in layer_runs(model.layers)]
+
+    return layout
+
+
+class _OnMesh:
+    """A jitted program traced, run and lowered under `jax.set_mesh(mesh)`: the paged cache's kernels (shard_map
+    over the pool's KV heads) and the activation constraints read the mesh in effect when it is traced."""
+
+    def __init__(self, fn, mesh):
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args)
+
+    def lower(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args)
+
+
+def _on_mesh(fn, mesh):
+    return fn if mesh is None else _OnMesh(fn, mesh)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -200,7 +227,7 @@ class Engine:
     """Compiled prefill/decode programs for a model; reuse it across calls (rollouts, evaluation)."""
 
     def __init__(self, model: Decoder | None, *, eos_ids: Sequence[int], pad_id: int, config: EngineConfig = EngineConfig(),
-                 graphdef=None, model_cfg=None, mesh=None, impl: str = "xla"):
+                 graphdef=None, model_cfg=None, mesh=None, impl: str = "auto"):
         if not eos_ids:
             raise ValueError("eos_ids is empty: generation needs at least one stop token")
         # graphdef: pass the one from an `nnx.split(model, filter, ...)` to generate from split states
@@ -209,20 +236,21 @@ class Engine:
         self.eos = tuple(int(e) for e in eos_ids)
         self.pad_id = int(pad_id)
         self.config = config
-        self.impl = impl
+        self.impl = impl  # decode attention (`paged.DECODE_ATTENTION`; "auto": the TPU kernel on TPU, else XLA)
+        self.mesh = mesh
         # on a mesh: slots split over the data axes, weights in the decode layout (`decode_layout`)
         self.slot_multiple = batch_divisor(mesh) if mesh is not None else 1
-        self.layout = decode_layout(mesh) if mesh is not None else (lambda runs: runs)
-        self._prefill = jax.jit(partial(_prefill_fn, self.graphdef, engine=config, layout=self.layout),
-                                donate_argnums=(1,))
+        self.layout = decode_layout(mesh) if mesh is not None else (lambda model: layer_runs(model.layers))
+        self._prefill = _on_mesh(jax.jit(partial(_prefill_fn, self.graphdef, engine=config, layout=self.layout),
+                                         donate_argnums=(1,)), mesh)
         self._decode: dict = {}
         self.stats: dict[str, int] = {}
 
     def _decode_for(self, sampling: SamplingConfig):
         if sampling not in self._decode:
-            self._decode[sampling] = jax.jit(
+            self._decode[sampling] = _on_mesh(jax.jit(
                 partial(_decode_fn, self.graphdef, engine=self.config, sampling=sampling, eos=self.eos,
-                        pad_id=self.pad_id, impl=self.impl, layout=self.layout), donate_argnums=(1,))
+                        pad_id=self.pad_id, impl=self.impl, layout=self.layout), donate_argnums=(1,)), self.mesh)
         return self._decode[sampling]
 
     # ------------------------------------------------------------------ sizing
@@ -251,7 +279,7 @@ class Engine:
                 sh = batch_sharding(mesh, len(shape)) if lead_batch else NamedSharding(mesh, P())
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
-        pool = sds(pool_shape(cfg, pages, ps), jnp.dtype(cfg.dtype))
+        pool = jax.ShapeDtypeStruct(pool_shape(cfg, pages, ps), jnp.dtype(cfg.dtype), sharding=pool_sharding(mesh, cfg))
         rows, length = 1 << (slots - 1).bit_length(), bucket_length(prompt_len)
         key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         per_slot = lambda dtype: sds((slots,), dtype, True)
@@ -301,7 +329,7 @@ class Engine:
              on_finish=None):
         c, cfg = self.config, self.model_cfg
         ps = c.page_size
-        pool = jnp.zeros(pool_shape(cfg, n_pages, ps), jnp.dtype(cfg.dtype))
+        pool = new_pool(cfg, n_pages, ps, self.mesh)
         alloc = PagePool(n_pages)
         prompts: dict[tuple[int, ...], _Prompt] = {}
         queue: deque[_Seq] = deque(seqs)

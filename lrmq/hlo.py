@@ -1,0 +1,166 @@
+"""Reading compiled HLO text (`compiled.as_text()`): computations, while loops, and the collectives a loop runs.
+
+Used to prove layouts from ahead-of-time compiles (no device needed): e.g. that the generation engine's
+decode loop gathers no weights per token (tests/test_paged_tpu.py) and how many bytes its collectives move
+per decode step (benchmarks/decode_tpu.py). The parser reads the text format XLA prints for compiled
+modules (`%name (params) -> type {` ... `}` per computation, one instruction per line); it is deliberately
+small and fails loudly (ValueError) rather than guessing when the text does not look like that.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "ragged-all-to-all")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1}
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_CALLEES = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations|called_computations)="
+                      r"(\{[^}]*\}|%[\w.\-]+)")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+
+
+@dataclass
+class Instruction:
+    name: str
+    op: str  # e.g. "all-gather", "all-gather-start", "while", "fusion"
+    type: str  # the result type as printed (may be a tuple)
+    line: str
+
+    @property
+    def callees(self) -> list[str]:
+        out = []
+        for m in _CALLEES.finditer(self.line):
+            out += [n.strip().lstrip("%") for n in m.group(1).strip("{}").split(",") if n.strip()]
+        return out
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(rf"\b{key}=(%[\w.\-]+)", self.line)
+        return m.group(1).lstrip("%") if m else None
+
+
+def array_bytes(type_text: str) -> list[int]:
+    """Bytes of every array in a printed type ("bf16[2,8]{1,0:T(8,128)}", or a tuple of them)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype not in _BYTES:
+            continue
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        out.append(int(n * _BYTES[dtype]))
+    return out
+
+
+def array_shapes(type_text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in dims.split(",") if d) for dtype, dims in _ARRAY.findall(type_text)
+            if dtype in _BYTES]
+
+
+class Module:
+    """The computations of a compiled module's text."""
+
+    def __init__(self, text: str):
+        self.computations: dict[str, list[Instruction]] = {}
+        self.entry: str | None = None
+        current = None
+        for line in text.splitlines():
+            if current is None:
+                m = _HEADER.match(line)
+                if m:
+                    current = m.group(2)
+                    self.computations[current] = []
+                    if m.group(1):
+                        self.entry = current
+                continue
+            if line.strip() == "}":
+                current = None
+                continue
+            m = _INSTR.match(line)
+            if m:
+                self.computations[current].append(Instruction(m.group(2), m.group(4), m.group(3), line))
+        if self.entry is None:
+            raise ValueError("no ENTRY computation in this HLO text")
+
+    def whiles(self, computation: str | None = None) -> list[Instruction]:
+        return [i for i in self.computations[computation or self.entry] if i.op == "while"]
+
+    def reachable(self, root: str) -> set[str]:
+        """`root` and every computation it calls, transitively."""
+        seen, todo = set(), [root]
+        while todo:
+            c = todo.pop()
+            if c in seen or c not in self.computations:
+                continue
+            seen.add(c)
+            for ins in self.computations[c]:
+                todo += ins.callees
+        return seen
+
+    def trip_count(self, loop: Instruction) -> int | None:
+        """A while loop's trip count when its condition compares the counter with a constant (lax.scan /
+        fori_loop with static bounds), else None."""
+        cond = self.computations.get(loop.attr("condition") or "", [])
+        consts = {i.name: int(m.group(1)) for i in cond
+                  if i.op == "constant" and (m := re.search(r"constant\((-?\d+)\)", i.line))}
+        for ins in cond:
+            if ins.op == "compare" and "direction=LT" in ins.line:
+                for name in re.findall(r"%([\w.\-]+)", ins.line.split("compare(", 1)[1].split(")")[0]):
+                    if name in consts:
+                        return consts[name]
+        return None
+
+    def collectives(self, root: str, multiplier: int = 1) -> list[dict]:
+        """Every collective `root` runs, with nested while loops' bodies counted `trip_count` times (1 when the
+        count is unknown, flagged): [{"op", "name", "computation", "bytes" (result), "operand_bytes",
+        "group", "times", "shapes"}]."""
+        out = []
+        for ins in self.computations.get(root, []):
+            base = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
+            if base in COLLECTIVES:
+                out.append(_collective(ins, base, root, multiplier))
+            elif ins.op == "while":
+                trips = self.trip_count(ins)
+                for part in ("body", "condition"):
+                    for sub in self.collectives(ins.attr(part), multiplier * (trips or 1)):
+                        sub["unknown_trips"] = sub.get("unknown_trips", False) or trips is None
+                        out.append(sub)
+            else:
+                for callee in ins.callees:
+                    out += self.collectives(callee, multiplier)
+        return out
+
+
+def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = {k.strip("'"): int(v) for k, v in (kv.split("=") for kv in m.group(1).split(","))}
+        return math.prod(sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip())
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([^}]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    return 1
+
+
+def _collective(ins: Instruction, base: str, computation: str, times: int) -> dict:
+    sizes = array_bytes(ins.type)
+    shapes = array_shapes(ins.type)
+    result = max(sizes) if sizes else 0  # async starts print (operand, result) tuples: the larger one
+    group = _group_size(ins.line)
+    operand = {"all-gather": result // max(group, 1), "reduce-scatter": result * group}.get(base, result)
+    return {"op": base, "name": ins.name, "computation": computation, "bytes": result, "operand_bytes": operand,
+            "group": group, "times": times, "shapes": shapes}
+
+
+def decode_loop(module: Module) -> Instruction:
+    """The outermost while loop of the entry computation with the most computations under it (the generation
+    engine's decode loop: its body holds the layer scans and attention)."""
+    loops = module.whiles()
+    if not loops:
+        raise ValueError("the entry computation has no while loop")
+    return max(loops, key=lambda w: len(module.reachable(w.attr("body"))))

@@ -1,0 +1,238 @@
+"""The paged KV cache on TPU, without a TPU (libtpu compiles ahead of time; lrmq.generation.paged).
+
+* "tpu" decode attention (JAX's ragged paged attention kernel) called the way the engine calls it equals the
+  "xla" path on the same pool and page table: uneven lengths, an idle slot (zeros, no NaN), a sliding window,
+  GQA, the page offset of a later layer, f32 and bf16. Neither of Pallas's interpret modes runs this kernel on
+  CPU in jax 0.10.2, so the kernel is swapped for its own reference (`ref_ragged_paged_attention`), which
+  also checks the arguments with the kernel's static and dynamic validators.
+* "auto" follows the compile target; the block sizes follow the generation.
+* The engine's prefill and decode programs compile for v5e, v5p and v6e with the kernel in them.
+* On an 8-chip v5e slice with FSDP-sharded weights the decode loop gathers no weight per token (the stacked
+  weights, embedding and lm head are gathered once per call, before the loop), and each chip holds 1/8 of
+  the KV pool (KV heads split over the data axes); without the embedding / lm head layout the check fails.
+* On 8 CPU devices the engine with the pool split over KV heads gives the single-device tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from lrmq.generation import paged  # noqa: E402
+
+# A tiny Qwen3 the kernel takes (head_dim 128) with 8 KV heads (one per chip of a v5e:2x4), weights far larger
+# than any decode activation of 16 slots: a weight gathered per step cannot pass for an activation.
+TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+            max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+def _require_libtpu():
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        if sys.version_info < (3, 12):
+            raise
+        pytest.skip("libtpu is not installed (the test extra pins it for Python < 3.12 only)")
+
+
+# ----------------------------------------------------------------------------------- numerics (CPU)
+def _reference_kernel(width):
+    rpa = paged._rpa_module()
+
+    def kernel(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, num_kv_pages_per_block, num_queries_per_block,
+               vmem_limit_bytes, **kw):
+        blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block,
+                      vmem_limit_bytes=vmem_limit_bytes)
+        rpa.static_validate_inputs(q, pages, kv_lens, table, cu_q_lens, num_seqs, **kw, **blocks)
+        rpa.dynamic_validate_inputs(q, pages, kv_lens, table, cu_q_lens, num_seqs, **kw)
+        assert num_kv_pages_per_block <= width and num_queries_per_block <= q.shape[0]
+        return rpa.ref_ragged_paged_attention(q, pages, kv_lens, table, cu_q_lens, num_seqs, **kw)
+
+    return kernel
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_decode_attention_equals_xla(monkeypatch, window, dtype):
+    rng = np.random.default_rng(0)
+    s, h, kvh, d, ps, width, layers = 5, 8, 2, 128, 4, 8, 2  # GQA: 4 query heads per KV head
+    lengths = np.array([1, 7, 23, 0, 32], np.int32)  # slot 3 idle; slot 4 fills its table
+    pages = 1 + s * width
+    table = rng.permutation(np.arange(1, pages)).reshape(s, width).astype(np.int32)
+    table[3] = paged.NULL_PAGE
+    pool = rng.normal(size=(layers, pages, ps, 2 * kvh, d)).astype(np.float32)
+    q = rng.normal(size=(s, h, d)).astype(np.float32)
+    monkeypatch.setattr(paged, "_tpu_kernel", lambda: _reference_kernel(width))
+    for layer in range(layers):  # the later layer reads its pages through the offset table
+        args = (jnp.asarray(q, dtype), jnp.asarray(pool, dtype), layer, jnp.asarray(table), jnp.asarray(lengths),
+                window)
+        want = np.asarray(paged.decode_attention_xla(*args, block_pages=2), np.float32)
+        got = np.asarray(paged.decode_attention_tpu(*args), np.float32)
+        assert np.all(np.isfinite(got)) and np.all(got[3] == 0)
+        np.testing.assert_allclose(got, want, atol=2e-6 if dtype == jnp.float32 else 2e-2)
+
+
+def test_auto_follows_the_compile_target():
+    shape = (2, 9, 16, 16, 128)  # [L, P, page_size, 2 * KVH, D]
+    assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "xla"  # this CPU host
+    with pk.target("tpu", "TPU v5 lite"):
+        assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "tpu"
+        assert paged.resolve_impl("auto", 16, shape[:-1] + (32,), jnp.bfloat16) == "xla"  # head_dim 32
+        assert paged.resolve_impl("xla", 16, shape, jnp.bfloat16) == "xla"
+    with pk.target("gpu"):
+        assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "xla"
+    with pytest.raises(ValueError, match="splash"):
+        paged.resolve_impl("splash", 16, shape, jnp.bfloat16)
+
+
+def test_tpu_block_sizes_follow_the_generation():
+    small = dict(q_heads=16, pool_shape=(28, 999, 16, 16, 128), dtype=jnp.bfloat16, width=72, slots=256)
+    for kind, vmem in (("TPU v5 lite", 96), ("TPU v5", 48), ("TPU v6 lite", 96)):
+        assert paged.tpu_block_sizes(kind, **small) == (16, 32, vmem << 20)  # 16 pages of 16 tokens
+    assert paged.tpu_block_sizes("TPU v5 lite", **dict(small, width=8, slots=4))[:2] == (8, 4)
+    big = dict(small, pool_shape=(28, 99, 256, 16, 128))  # 1 MiB pages: VMEM decides
+    assert paged.tpu_block_sizes("TPU v5", **big)[0] == 6 and paged.tpu_block_sizes("TPU v6 lite", **big)[0] == 12
+
+
+def test_pool_heads_split_over_the_largest_dividing_axes():
+    from jax.sharding import AbstractMesh
+
+    mesh = lambda d, f, t: AbstractMesh((d, f, t), ("data", "fsdp", "tensor"))  # noqa: E731
+    assert paged.kv_head_axes(mesh(1, 8, 1), 8) == ("fsdp",)
+    assert paged.kv_head_axes(mesh(4, 8, 1), 8) == ("fsdp",)  # v5p-64: 32 chips, 8 KV heads
+    assert paged.kv_head_axes(mesh(2, 2, 2), 8) == ("tensor", "data", "fsdp")
+    assert paged.kv_head_axes(mesh(2, 4, 1), 2) == ("data",)
+    assert paged.kv_head_axes(mesh(1, 8, 1), 2) == ()  # no axis divides: the pool stays whole
+    assert paged.pool_spec(mesh(2, 2, 2), 8) == jax.sharding.PartitionSpec(
+        None, None, None, ("tensor", "data", "fsdp"), None)
+
+
+# ----------------------------------------------------------------------------- TPU compiles (libtpu)
+def _compile(topology, mesh_shape, *, slots=16):
+    from lrmq import aot
+    from lrmq.generation.engine import EngineConfig
+    from lrmq.generation.sampling import SamplingConfig
+    from lrmq.model.config import ModelConfig
+    from lrmq.sharding import MeshConfig, make_mesh
+
+    cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")
+    devices = list(aot.topology_devices(topology))[:int(np.prod(mesh_shape))]
+    mesh = make_mesh(MeshConfig(*mesh_shape), devices=devices)
+    graphdef, state = aot.abstract_model(cfg, mesh)
+    return aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=slots, prompt_len=64, max_new=64,
+                                engine=EngineConfig(slots=slots, sync_steps=4), sampling=SamplingConfig()), state
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v5p", "v6e"])
+def test_engine_programs_compile_with_the_kernel(gen):
+    _require_libtpu()
+    topology = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}[gen]
+    programs, _ = _compile(topology, (1, 1, 1), slots=8)
+    assert "ragged_paged_attention" in programs["decode"][0].as_text()
+    assert all("tpu_custom_call" in c.as_text() for c, _ in programs.values())  # prefill: splash attention
+
+
+def _weight_collectives_in_loop(compiled, state):
+    """(collectives in the decode loop at least as large as the smallest weight matrix, all-gathers outside it
+    whose result is a whole stacked weight [layers, ...])."""
+    from lrmq.hlo import Module, decode_loop
+
+    leaves = [x for x in jax.tree.leaves(state) if len(x.shape) >= 2]
+    smallest = min(x.size * x.dtype.itemsize for x in leaves)
+    stacked = {(TINY["num_hidden_layers"], *x.shape) for x in leaves}
+    module = Module(compiled.as_text())
+    loop = decode_loop(module)
+    inside = [c for part in ("body", "condition") for c in module.collectives(loop.attr(part))]
+    heavy = [c for c in inside if c["bytes"] >= smallest]
+    outside = [c for c in module.collectives(module.entry) if c["computation"] == module.entry
+               and c["op"] == "all-gather" and any(s in stacked for s in c["shapes"])]
+    return heavy, outside, inside
+
+
+def test_decode_on_a_slice_gathers_weights_once_per_call_and_splits_the_pool(monkeypatch):
+    """v5e:2x4, mesh fsdp=8 (the paper-1 recipes' layout): the Mosaic kernel under shard_map, no weight-sized
+    collective in the decode loop, the stacked weights gathered before it, each chip 1/8 of the pool."""
+    _require_libtpu()
+    from jax.sharding import PartitionSpec as P
+
+    from lrmq.aot import memory_report
+    from lrmq.generation import engine
+
+    programs, state = _compile("v5e:2x4", (1, 8, 1))
+    decode = programs["decode"][0]
+    assert "ragged_paged_attention" in decode.as_text()
+    heavy, outside, inside = _weight_collectives_in_loop(decode, state)
+    assert not heavy, heavy
+    assert outside, "expected the stacked weights' all-gathers before the loop"
+    assert inside and all(c["bytes"] < 64 << 10 for c in inside)  # activations of 16 slots only
+    # the pool: KV heads over fsdp; arguments = its 1/8 + the weights' FSDP shards + per-slot inputs
+    pool = jax.tree.leaves(decode.args_info)[len(jax.tree.leaves(state))]
+    assert decode.input_shardings[0][1].spec == P(None, None, None, "fsdp", None)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    pool_bytes = int(np.prod(pool.shape)) * pool.dtype.itemsize
+    assert memory_report(decode)["arguments"] < (pool_bytes + weights) / 8 + (1 << 20)
+
+    # the check has teeth: lay out the layer runs only (not the embedding / lm head) and the lm head is
+    # gathered in the loop, every step
+    monkeypatch.setattr(engine, "decode_layout", _runs_only_layout)
+    programs, state = _compile("v5e:2x4", (1, 8, 1))
+    heavy, _, _ = _weight_collectives_in_loop(programs["decode"][0], state)
+    assert heavy, "a per-step lm head gather should have been found"
+
+
+def _runs_only_layout(mesh):
+    from lrmq.generation.engine import DECODE_RULES, constrain_state, layer_runs
+
+    return lambda model: [run.replace(state=constrain_state(run.state, mesh, DECODE_RULES, stacked=True))
+                          for run in layer_runs(model.layers)]
+
+
+# ------------------------------------------------------------------- 8 CPU devices (numerics, sharded)
+def test_sharded_engine_matches_one_device(multi_device_run):
+    out = multi_device_run("test_paged_tpu.py", "sharded-engine", n_devices=8, timeout=900)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _sharded_engine() -> None:
+    from lrmq.checkpoint.load import load_model
+    from lrmq.generation.engine import Engine, EngineConfig
+    from lrmq.generation.sampling import SamplingConfig
+    from lrmq.sharding import make_mesh, shard_model
+
+    assert len(jax.devices()) == 8
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lrmq", "assets", "tiny")
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [5, 6, 7], [20, 21, 22, 23, 24]] * 2
+    config = EngineConfig(slots=8, page_size=4, sync_steps=8)
+    sampling = SamplingConfig(temperature=1.0)
+
+    def run(mesh):
+        model = load_model(tiny)
+        if mesh is not None:
+            with jax.set_mesh(mesh):
+                model = shard_model(model, mesh)
+        eng = Engine(model, eos_ids=[271], pad_id=0, config=config, mesh=mesh)
+        return eng.generate(model, prompts, max_new_tokens=[12, 30, 7, 30, 20] * 2, sampling=sampling, seed=3)
+
+    ref = run(None)
+    for shape in ((2, 4, 1), (2, 2, 2)):  # KV heads (2) over data; over tensor (rows over data x fsdp)
+        mesh = make_mesh(shape)
+        got = run(mesh)
+        np.testing.assert_array_equal(got.lengths, ref.lengths, err_msg=str(shape))
+        np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=str(shape))
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4, err_msg=str(shape))
+        print(shape, "pool heads over", paged.kv_head_axes(mesh, 2))
+    print("OK")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["sharded-engine"]:
+        _sharded_engine()
