@@ -15,7 +15,9 @@ scales) and the :class:`lrmq.ptq.result.PTQResult` whose ``packed`` maps ``layer
 * ``compressed_tensors`` -- ``pack-quantized`` (2..8 bit, densely packed as compressed-tensors 0.19+
   reads it): ``.weight_packed``, ``.weight_scale`` (model dtype), ``.weight_zero_point`` (asymmetric),
   ``.weight_shape``; ``quantization_config`` with ``ignore: [lm_head, <unquantized Linears>]`` (lm_head
-  even when tied: transformers builds it as an ``nn.Linear``).
+  even when tied: transformers builds it as an ``nn.Linear``). Tensor for tensor what llmcompressor /
+  compressed-tensors write for the same quantized values (tests/test_exports_consumers.py,
+  benchmarks/ct_export_vs_llmcompressor.py).
 
 Embeddings, norms, biases and lm_head are written as in ``save_hf_model``.
 """
