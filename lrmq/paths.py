@@ -120,17 +120,19 @@ def first_existing(path: str) -> str:
     return p
 
 
-def check_dir_path(path, what: str = "directory") -> None:
+def check_dir_path(path, what: str | None = None) -> None:
     """A local path where a directory is (or will be) made: raises NotADirectoryError with a sentence when
-    it, or a directory it would be made in, is a file. URLs are not checked."""
+    it, or a directory it would be made in, is a file. `what` names it ("--out", "outputs.dir"). URLs are
+    not checked."""
     path = os.fspath(path)
     if is_url(path):
         return
+    name = f"{what} {path}" if what else path
     if os.path.exists(path) and not os.path.isdir(path):
-        raise NotADirectoryError(f"{what} {path} is a file, not a directory; remove it or choose another path")
+        raise NotADirectoryError(f"{name} is a file where a directory belongs; remove it or choose another path")
     found = first_existing(path)
     if found != os.path.abspath(path) and not os.path.isdir(found):
-        raise NotADirectoryError(f"{what} {path} cannot be made: {found} is a file, not a directory")
+        raise NotADirectoryError(f"{name} cannot be made: {found} is a file, not a directory")
 
 
 def check_file_path(path, what: str = "output file") -> None:
@@ -140,7 +142,8 @@ def check_file_path(path, what: str = "output file") -> None:
     if is_url(path):
         return
     if os.path.isdir(path):
-        raise IsADirectoryError(f"{what} {path} is a directory, not a file; remove it or choose another path")
+        raise IsADirectoryError(f"{what} {path} is a directory where a file belongs; remove it or choose another "
+                                "path")
     parent = os.path.dirname(os.path.abspath(path))
     found = first_existing(parent)
     if not os.path.isdir(found):

@@ -108,7 +108,8 @@ class Tokenizer:
         path = os.fspath(path)
         tj = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tj):
-            what = "directory does not exist" if not os.path.isdir(path) else "no tokenizer.json in it"
+            what = ("is a file, expected a checkpoint or tokenizer directory" if os.path.isfile(path)
+                    else "directory does not exist" if not os.path.isdir(path) else "no tokenizer.json in it")
             raise FileNotFoundError(f"tokenizer directory {path!r}: {what}")
         text = paths.decode_utf8(paths.read_bytes(tj, "tokenizer file"), tj)
         try:
@@ -118,10 +119,11 @@ class Tokenizer:
             raise paths.FileFormatError(f"{tj}: not a tokenizers file ({first})") from None
 
         cfg_path = os.path.join(path, "tokenizer_config.json")
-        cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+        # exists, not isfile: a directory where a tokenizer file belongs is reported, not skipped
+        cfg = _read_json(cfg_path) if os.path.exists(cfg_path) else {}
         special = {k: _token_str(cfg.get(k)) for k in _SPECIAL_NAMES}
         special_map_path = os.path.join(path, "special_tokens_map.json")  # older saves keep them here
-        if os.path.isfile(special_map_path):
+        if os.path.exists(special_map_path):
             for k, v in _read_json(special_map_path).items():
                 if k in _SPECIAL_NAMES and special.get(k) is None:
                     special[k] = _token_str(v)
@@ -131,15 +133,15 @@ class Tokenizer:
         template_source = cfg_path
         jinja_path = os.path.join(path, "chat_template.jinja")
         ct_json = os.path.join(path, "chat_template.json")
-        if os.path.isfile(jinja_path):
+        if os.path.exists(jinja_path):
             template = paths.decode_utf8(paths.read_bytes(jinja_path, "chat template"), jinja_path)
             template_source = jinja_path
-        elif os.path.isfile(ct_json):
+        elif os.path.exists(ct_json):
             template = _pick_template(_read_json(ct_json).get("chat_template"), ct_json)
             template_source = ct_json
 
         gen_path = os.path.join(path, "generation_config.json")
-        gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+        gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
 
         out = cls(
             tok,
@@ -241,6 +243,9 @@ class Tokenizer:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(f"{self.name}: tokenizer has no chat template (tokenizer_config.json/chat_template.jinja)")
+        if not template.strip():
+            raise ValueError(f"{self.chat_template_source if chat_template is None else 'chat template'}: the chat "
+                             "template is empty")
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise TypeError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")

@@ -19,16 +19,20 @@ from safetensors.numpy import load_file, save_file
 
 from lrmq import atomic
 from lrmq import convert as convert_cli
+from lrmq import evaluate as evaluate_cli
 from lrmq import generate as generate_cli
 from lrmq import perplexity as perplexity_cli
 from lrmq import quantize as quantize_cli
+from lrmq import study as study_cli
+from lrmq import train as train_cli
 from lrmq.checkpoint.load import TINY_MODEL_DIR
 from lrmq.data import synthetic as synthetic_cli
 from lrmq.ptq import pseudo_ft as pseudo_ft_cli
 
 CLIS = {"convert": convert_cli.main, "generate": generate_cli.main, "perplexity": perplexity_cli.main,
         "quantize": quantize_cli.main, "ptq.pseudo_ft": pseudo_ft_cli.main,
-        "data.synthetic": synthetic_cli.main}
+        "data.synthetic": synthetic_cli.main, "evaluate": evaluate_cli.main, "train": train_cli.main,
+        "study": study_cli.main}
 
 
 def _tree_sums(root: str) -> dict[str, str]:
@@ -299,3 +303,241 @@ def test_perplexity_default_window_is_the_model_limit(env, capsys):
 def test_disk_full_message_gives_the_bytes(tmp_path):
     e = atomic.disk_full_error(str(tmp_path / "x.json"), needed=12345)
     assert "(it needs 12,345 bytes; " in str(e) and "bytes are free there)" in str(e) and str(tmp_path) in str(e)
+
+
+# ----------------------------------------------------------------------------- every file a command reads
+# Malformed, truncated and empty variants of each kind of input (checkpoint files, text inputs, YAML configs,
+# benchmark data, prompt datasets) and outputs that exist as the wrong kind of thing. Each row once ended in
+# a library's traceback, or in a message without the file (issue 26, item 3): now one line naming the file
+# (and the line where the file has lines).
+
+def _write(path, data) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if data == "DIR":
+        os.makedirs(path)
+    else:
+        with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+    return str(path)
+
+
+def _ckpt_variant(root, name: str, rel: str, data) -> str:
+    d = os.path.join(root, name)
+    shutil.copytree(TINY_MODEL_DIR, d)
+    p = os.path.join(d, rel)
+    if os.path.exists(p):
+        os.remove(p)
+    if data is not None:
+        _write(p, data)
+    return d
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("broken"))
+    b = {"root": root}
+    bad_utf8 = b'{"a": 1,\n "b": "\xff"}\n'
+    b["cfg_list"] = _ckpt_variant(root, "cfg_list", "config.json", "[1, 2]")
+    b["cfg_utf8"] = _ckpt_variant(root, "cfg_utf8", "config.json", bad_utf8)
+    b["cfg_dir"] = _ckpt_variant(root, "cfg_dir", "config.json", "DIR")
+    cfg = json.load(open(os.path.join(TINY_MODEL_DIR, "config.json")))
+    b["cfg_type"] = _ckpt_variant(root, "cfg_type", "config.json", json.dumps({**cfg, "hidden_size": "64"}))
+    b["tok_empty"] = _ckpt_variant(root, "tok_empty", "tokenizer.json", "")
+    b["tok_trunc"] = _ckpt_variant(root, "tok_trunc", "tokenizer.json",
+                                   open(os.path.join(TINY_MODEL_DIR, "tokenizer.json")).read()[:100])
+    b["tokcfg_list"] = _ckpt_variant(root, "tokcfg_list", "tokenizer_config.json", "[]")
+    b["gencfg_list"] = _ckpt_variant(root, "gencfg_list", "generation_config.json", "[1]")
+    b["special_list"] = _ckpt_variant(root, "special_list", "special_tokens_map.json", "[1]")
+    b["jinja_syntax"] = _ckpt_variant(root, "jinja_syntax", "chat_template.jinja",
+                                      "{% for m in messages %}\n{{ m['content'] }}\n")
+    b["jinja_raise"] = _ckpt_variant(root, "jinja_raise", "chat_template.jinja", "{{ raise_exception('no system') }}")
+    b["index_list"] = _ckpt_variant(root, "index_list", "model.safetensors.index.json", "[]")
+    b["index_utf8"] = _ckpt_variant(root, "index_utf8", "model.safetensors.index.json", bad_utf8)
+    # an lrmq checkpoint and broken copies of it
+    lr = os.path.join(root, "lrmq")
+    assert convert_cli.main(["--to", "lrmq", TINY_MODEL_DIR, lr]) == 0
+    for name, rel, data in (("state_list", "lrmq_state.json", "[]"), ("state_trunc", "lrmq_state.json", '{"varia'),
+                            ("params_file", "params", "")):
+        d = os.path.join(root, name)
+        shutil.copytree(lr, d)
+        p = os.path.join(d, rel)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        _write(p, data)
+        b[name] = d
+    d = os.path.join(root, "params_damaged")
+    shutil.copytree(lr, d)
+    for dirpath, _, files in os.walk(os.path.join(d, "params", "ocdbt.process_0", "d")):
+        for f in files:
+            with open(os.path.join(dirpath, f), "r+b") as fh:
+                fh.truncate(16)
+    b["params_damaged"] = d
+    # text inputs
+    b["txt_empty"] = _write(os.path.join(root, "t", "empty.txt"), "\n \n")
+    b["txt_utf8"] = _write(os.path.join(root, "t", "latin1.txt"), b"one line\ncaf\xe9\n")
+    b["txt_dir"] = _write(os.path.join(root, "t", "dir.txt"), "DIR")
+    b["readme"] = _write(os.path.join(root, "t", "README.md"), "# Title\n\n" + "1 + 1 = 2. " * 300)
+    b["jsonl_bad"] = _write(os.path.join(root, "t", "bad.jsonl"), '{"text": "a", "prompt": "a"}\n{"text": \n')
+    b["jsonl_list"] = _write(os.path.join(root, "t", "list.jsonl"), '["a"]\n')
+    b["json_bad"] = _write(os.path.join(root, "t", "bad.json"), '[{"prompt": "a"},\n {"prompt": }]')
+    b["parquet_bad"] = _write(os.path.join(root, "t", "bad.parquet"), "not parquet")
+    b["unknown"] = _write(os.path.join(root, "t", "weights.safetensors"), b"\x00\x01")
+    # YAML configs
+    b["yaml_bad"] = _write(os.path.join(root, "y", "bad.yaml"), "model: tiny\nmethod: [rtn\n")
+    b["yaml_tab"] = _write(os.path.join(root, "y", "tab.yaml"), "generation:\n\tsamples: 2\n")
+    b["yaml_dup"] = _write(os.path.join(root, "y", "dup.yaml"), "run:\n  steps: 1\nrun:\n  steps: 2\n")
+    b["yaml_utf8"] = _write(os.path.join(root, "y", "latin1.yaml"), b"model: tiny\nmethod: rtn \xe9\n")
+    b["yaml_dir"] = _write(os.path.join(root, "y", "dir.yaml"), "DIR")
+    # benchmark data and prompt datasets
+    b["evdata_json"] = os.path.dirname(_write(os.path.join(root, "ev_json", "amc.json"), '[{"problem": "1+1"},\n {'))
+    b["evdata_utf8"] = os.path.dirname(_write(os.path.join(root, "ev_utf8", "amc.jsonl"),
+                                              b'{"problem": "1", "answer": "1"}\n\xff\n'))
+    b["evdata_list"] = os.path.dirname(_write(os.path.join(root, "ev_list", "amc.jsonl"), '["1+1", "2"]\n'))
+    b["train_bad"] = _write(os.path.join(root, "d", "train.jsonl"),
+                            '{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", \n')
+    b["adapter_empty"] = _write(os.path.join(root, "adapter", "adapter_config.json"), "")
+    b["adapter"] = os.path.dirname(b["adapter_empty"])
+    b["short"] = _write(os.path.join(root, "t", "short.txt"), "1 + 1 = 2.")
+    b["ptq_yaml"] = _write(os.path.join(root, "y", "awq.yaml"), "model: tiny\nmethod: awq\n")
+    b["file"] = _write(os.path.join(root, "a_file"), "x")
+    b["text"] = _write(os.path.join(root, "text.txt"), " ".join(f"{i} + {i} = {2 * i}." for i in range(300)))
+    return b
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES_EVALS = os.path.join(REPO, "tests", "fixtures", "evals")
+EVAL = ["--suite", "amc", "--limit", "1", "progress=false", "generation.max_new_tokens=2"]
+STUDY_QUICK = os.path.join(REPO, "configs", "study", "quick.yaml")
+TRAIN = ["--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), "run.progress=false"]
+
+# (id, cli, argv with {placeholders} from `broken` / {out}, text the error line must contain)
+BROKEN = [
+    # checkpoint files
+    ("config.json-a-list", "generate", ["--checkpoint", "{cfg_list}", "--prompt", "1"],
+     "cfg_list/config.json: expected a mapping (JSON object), found a list"),
+    ("config.json-not-utf8", "convert", ["--to", "lrmq", "{cfg_utf8}", "{out}"],
+     "cfg_utf8/config.json line 2: not UTF-8 text (byte 0xff at column 8)"),
+    ("config.json-a-directory", "perplexity", ["--checkpoint", "{cfg_dir}", "--text-file", "{text}"],
+     "cfg_dir/config.json: is a directory"),
+    ("config.json-wrong-type", "quantize", ["--checkpoint", "{cfg_type}", "--method", "rtn", "--out", "{out}"],
+     "config.json: hidden_size must be a positive integer, found '64'"),
+    ("checkpoint-is-a-file", "generate", ["--checkpoint", "{text}", "--prompt", "1"], "text.txt': is a file"),
+    ("tokenizer.json-empty", "generate", ["--checkpoint", "{tok_empty}", "--prompt", "1"],
+     "tok_empty/tokenizer.json: not a tokenizers file (EOF while parsing"),
+    ("tokenizer.json-truncated", "perplexity", ["--checkpoint", "{tok_trunc}", "--text-file", "{text}"],
+     "tok_trunc/tokenizer.json: not a tokenizers file ("),
+    ("tokenizer_config.json-a-list", "generate", ["--checkpoint", "{tokcfg_list}", "--prompt", "1"],
+     "tokcfg_list/tokenizer_config.json: expected a mapping"),
+    ("generation_config.json-a-list", "generate", ["--checkpoint", "{gencfg_list}", "--prompt", "1"],
+     "gencfg_list/generation_config.json: expected a mapping"),
+    ("special_tokens_map.json-a-list", "perplexity", ["--checkpoint", "{special_list}", "--text-file", "{text}"],
+     "special_list/special_tokens_map.json: expected a mapping"),
+    ("chat-template-syntax", "generate", ["--checkpoint", "{jinja_syntax}", "--prompt", "1", "--chat"],
+     "jinja_syntax/chat_template.jinja line 2: chat template error (Unexpected end of template"),
+    ("chat-template-raises", "generate", ["--checkpoint", "{jinja_raise}", "--prompt", "1", "--chat"],
+     "jinja_raise/chat_template.jinja: chat template error (no system)"),
+    ("index.json-a-list", "convert", ["--to", "lrmq", "{index_list}", "{out}"],
+     "index_list/model.safetensors.index.json: expected a mapping"),
+    ("index.json-not-utf8", "generate", ["--checkpoint", "{index_utf8}", "--prompt", "1"],
+     "index_utf8/model.safetensors.index.json line 2: not UTF-8"),
+    ("lrmq_state.json-a-list", "generate", ["--checkpoint", "{state_list}", "--prompt", "1"],
+     "state_list/lrmq_state.json: expected a mapping"),
+    ("lrmq_state.json-truncated", "convert", ["--to", "hf", "{state_trunc}", "{out}"],
+     "state_trunc/lrmq_state.json line 1: not valid JSON"),
+    ("lrmq-params-a-file", "convert", ["--to", "hf", "{params_file}", "{out}"],
+     "params_file: incomplete lrmq checkpoint, missing params/ (a file is there)"),
+    ("lrmq-params-damaged", "generate", ["--checkpoint", "{params_damaged}", "--prompt", "1"],
+     "params_damaged/params: cannot restore ("),
+    # text inputs: the option, the file, the line
+    ("text-file-empty", "perplexity", ["--checkpoint", "tiny", "--text-file", "{txt_empty}"],
+     "--text-file {txt_empty}: the file has no text"),
+    ("text-file-not-utf8", "perplexity", ["--checkpoint", "tiny", "--text-file", "{txt_utf8}"],
+     "--text-file {txt_utf8} line 2: not UTF-8 text (byte 0xe9 at column 4)"),
+    ("text-file-a-directory", "perplexity", ["--checkpoint", "tiny", "--text-file", "{txt_dir}"],
+     "--text-file {txt_dir}: is a directory, expected a file"),
+    ("text-file-bad-jsonl", "perplexity", ["--checkpoint", "tiny", "--text-file", "{jsonl_bad}"],
+     "--text-file {jsonl_bad} line 2: not valid JSON"),
+    ("text-file-unknown-type", "perplexity", ["--checkpoint", "tiny", "--text-file", "{unknown}"],
+     "--text-file {unknown}: unsupported file type '.safetensors'"),
+    ("text-file-shorter-than-a-window", "perplexity", ["--checkpoint", "tiny", "--text-file", "{short}", "--window",
+                                                       "64"], "--text-file {short}: 10 tokens are fewer than one window of 64 (--window)"),
+    ("tokenizer-option-broken", "perplexity", ["--checkpoint", "tiny", "--text-file", "{readme}", "--tokenizer",
+                                               "{tok_trunc}"], "tok_trunc/tokenizer.json: not a tokenizers file"),
+    ("prompts-file-bad-json", "generate", ["--checkpoint", "tiny", "--prompts-file", "{json_bad}"],
+     "--prompts-file {json_bad} line 2: not valid JSON"),
+    ("prompts-file-records-not-objects", "generate", ["--checkpoint", "tiny", "--prompts-file", "{jsonl_list}"],
+     "--prompts-file {jsonl_list} line 1: expected a JSON object with a 'prompt' field, found a list"),
+    ("prompts-file-not-parquet", "generate", ["--checkpoint", "tiny", "--prompts-file", "{parquet_bad}"],
+     "--prompts-file {parquet_bad}: not a readable Parquet file"),
+    ("calibration-bad-jsonl", "quantize", ["--checkpoint", "tiny", "--method", "gptq", "--calibration", "{jsonl_bad}",
+                                           "--out", "{out}"], "--calibration {jsonl_bad} line 2: not valid JSON"),
+    ("calibration-not-utf8", "quantize", ["--checkpoint", "tiny", "--method", "awq", "--calibration", "{txt_utf8}",
+                                          "--out", "{out}"], "--calibration {txt_utf8} line 2: not UTF-8"),
+    ("calibration.path-bad-jsonl", "quantize", ["--config", "{ptq_yaml}", "calibration.path={jsonl_bad}",
+                                                "calibration.block_size=64", "outputs.dir={out}"],
+     "calibration.path {jsonl_bad} line 2: not valid JSON"),
+    ("train-data-bad-jsonl", "train", [*TRAIN, "data.train_files=[{train_bad}]", "run.out_dir={out}"],
+     "data.train_files {train_bad} line 2: not valid JSON"),
+    # YAML configs
+    ("quantize-config-duplicate-key", "quantize", ["--config", "{yaml_dup}", "--print-config"],
+     "dup.yaml line 3 column 1: invalid YAML (key 'run' is given twice (first on line 1))"),
+    ("quantize-config-not-utf8", "quantize", ["--config", "{yaml_utf8}", "--print-config"],
+     "latin1.yaml line 2: not UTF-8 text (byte 0xe9 at column 13)"),
+    ("evaluate-config-bad-yaml", "evaluate", ["--config", "{yaml_bad}", "--print-config"],
+     "bad.yaml line 3 column 1: invalid YAML"),
+    ("evaluate-config-tab", "evaluate", ["--config", "{yaml_tab}", "--print-config"],
+     "tab.yaml line 2 column 1: invalid YAML (while scanning for the next token: found character '\\t'"),
+    ("train-config-a-directory", "train", ["--config", "{yaml_dir}", "--print-config"],
+     "dir.yaml: is a directory, expected a config file"),
+    ("train-config-not-utf8", "train", ["--config", "{yaml_utf8}", "--print-config"], "latin1.yaml line 2: not UTF-8"),
+    ("study-config-duplicate-key", "study", ["--config", "{yaml_dup}", "--list"], "key 'run' is given twice"),
+    # benchmark data, adapters
+    ("evaluate-data-bad-json", "evaluate", ["--checkpoint", "tiny", "--data-dir", "{evdata_json}", *EVAL,
+                                            "--out", "{out}"], "amc.json line 2: not valid JSON"),
+    ("evaluate-data-not-utf8", "evaluate", ["--checkpoint", "tiny", "--data-dir", "{evdata_utf8}", *EVAL,
+                                            "--out", "{out}"], "amc.jsonl line 2: not UTF-8"),
+    ("evaluate-data-not-objects", "evaluate", ["--checkpoint", "tiny", "--data-dir", "{evdata_list}", *EVAL,
+                                               "--out", "{out}"], "amc.jsonl line 1: expected a JSON object"),
+    ("evaluate-adapter-config-empty", "evaluate", ["--checkpoint", "tiny", "--data-dir", FIXTURES_EVALS, *EVAL,
+                                                   "adapter={adapter}", "--out", "{out}"],
+     "adapter/adapter_config.json: empty adapter config"),
+    # outputs that exist as the wrong kind of thing
+    ("quantize-out-is-a-file", "quantize", ["--checkpoint", "tiny", "--method", "rtn", "--out", "{file}",
+                                            "--overwrite"], "--out {file} is a file where a directory belongs"),
+    ("quantize-out-under-a-file", "quantize", ["--checkpoint", "tiny", "--method", "rtn", "--out", "{file}/q"],
+     "--out {file}/q cannot be made: {file} is a file, not a directory"),
+    ("convert-dst-is-a-file", "convert", ["--to", "lrmq", "tiny", "{file}", "--overwrite"],
+     "DST {file} is a file where a directory belongs"),
+    ("evaluate-out-is-a-file", "evaluate", ["--checkpoint", "tiny", "--data-dir", FIXTURES_EVALS, *EVAL, "--out",
+                                            "{file}"], "run directory (--out) {file} is a file where a directory belongs"),
+    ("train-report-is-a-directory", "train", [*TRAIN, "--compile-only", "--report", "{root}"],
+     "--report {root} is a directory where a file belongs"),
+    ("train-run-dir-is-a-file", "train", [*TRAIN, "run.out_dir={file}"], "{file} is a file where a directory belongs"),
+    ("study-out-dir-is-a-file", "study", ["--config", STUDY_QUICK, "out_dir={file}", "--no-progress"],
+     "study directory (out_dir) {file} is a file where a directory belongs"),
+]
+
+
+@pytest.mark.parametrize("row", BROKEN, ids=[r[0] for r in BROKEN])
+def test_broken_input_is_one_line(row, broken, tmp_path, capsys):
+    """Exit status 2 and the whole of stderr one line `lrmq.NAME: error: ...` naming the file (and line): no
+    traceback (raised here, it fails the test), no second line; nothing written (a training run dir excepted:
+    the run dir and its lock come first)."""
+    _, cli, argv, needle = row
+    out = str(tmp_path / "out")
+    argv = [_fill(a, broken, out) for a in argv]
+    needle = _fill(needle, broken, out)
+    capsys.readouterr()
+    try:
+        rc = CLIS[cli](argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err)
+    lines = [l for l in err.splitlines() if l.strip()]
+    if cli == "train":  # its start-up logs come first
+        lines = [l for l in lines if l.startswith("lrmq.train: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"lrmq.{cli}: error: "), err
+    assert needle in lines[0], (needle, err)
+    assert "calibration file" not in lines[0] or cli == "quantize", err
+    if cli != "train":
+        assert not os.path.exists(out)

@@ -112,35 +112,67 @@ def test_every_command_selects_platforms_first():
             f"{name}.main does not start with select_platforms(): {ast.unparse(first)}"
 
 
-def _run_cli(module: str, *args: str, cwd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], env=_env_without_platforms(), cwd=cwd,
-                          capture_output=True, text=True, timeout=600)
-
-
 @pytest.mark.skipif(cli.tpu_present(), reason="this machine may have a TPU: JAX is meant to start it")
 def test_commands_start_quietly_without_jax_platforms(tmp_path):
-    """Real work (each starts a JAX backend), with no JAX_PLATFORMS in the environment: no TPU-runtime lines.
-    The tiny model is named by its alias in every command."""
+    """Each command starts a JAX backend (real work, or a bad input found after the backend started), with no
+    JAX_PLATFORMS in the environment: no TPU-runtime lines. The tiny model is named by its alias everywhere.
+    The commands run side by side (each is mostly Python start-up and a small compile)."""
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"{i} + {i} = {2 * i}." for i in range(200)))
+    adapter = tmp_path / "adapter"  # a config and no weights: evaluate fails after loading the model
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
     fixtures = os.path.join(REPO, "tests", "fixtures", "evals")
+    # module -> (argv, exit status, text of stdout or of the error line)
     runs = {
-        "lrmq.generate": ["--checkpoint", "tiny", "--prompt", "1+1=", "--max-new-tokens", "2"],
-        "lrmq.perplexity": ["--checkpoint", "tiny", "--text-file", str(text), "--window", "16", "--max-windows", "1"],
-        "lrmq.convert": ["--to", "lrmq", "tiny", str(tmp_path / "converted")],
-        "lrmq.quantize": ["--checkpoint", "tiny", "--method", "rtn", "--group-size", "32", "--out",
-                          str(tmp_path / "rtn")],
-        "lrmq.evaluate": ["--checkpoint", "tiny", "--suite", "amc", "--data-dir", fixtures, "--limit", "1",
-                          "--out", str(tmp_path / "eval"), "progress=false", "generation.max_new_tokens=2"],
-        "lrmq.train": ["--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), f"run.out_dir={tmp_path / 'run'}",
-                       "run.steps=1", "run.eval_size=2", "run.export_hf=false", "run.progress=false",
-                       "data.synthetic_train_size=8", "data.synthetic_eval_size=2", "rollout.group_size=2",
-                       "rollout.prompts_per_step=2", "rollout.max_new_tokens=4"],
+        "lrmq.generate": (["--checkpoint", "tiny", "--prompt", "1+1=", "--max-new-tokens", "2"], 0, ""),
+        "lrmq.perplexity": (["--checkpoint", "tiny", "--text-file", str(text), "--window", "16", "--max-windows",
+                             "1"], 0, '"windows": 1'),
+        "lrmq.convert": (["--to", "lrmq", "tiny", str(tmp_path / "converted")], 0, "wrote lrmq checkpoint"),
+        "lrmq.quantize": (["--checkpoint", "tiny", "--method", "rtn", "--group-size", "32", "--out",
+                           str(tmp_path / "rtn")], 0, ""),
+        "lrmq.evaluate": (["--checkpoint", "tiny", "--suite", "amc", "--data-dir", fixtures, "--limit", "1",
+                           "--out", str(tmp_path / "eval"), "progress=false", f"adapter={adapter}"], 2,
+                          "adapter_model.safetensors: no adapter weights"),
+        "lrmq.train": (["--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), f"run.out_dir={tmp_path / 'run'}",
+                        "mesh.data=2", "run.progress=false"], 2, "does not divide 1 devices"),
     }
-    for module, args in runs.items():
-        p = _run_cli(module, *args, cwd=str(tmp_path))
-        assert p.returncode == 0, (module, p.stderr[-3000:])
-        noise = [l for l in p.stderr.splitlines() if any(n in l for n in TPU_NOISE)]
+    procs = {m: subprocess.Popen([sys.executable, "-m", m, *argv], env=_env_without_platforms(), cwd=str(tmp_path),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for m, (argv, _, _) in runs.items()}
+    for module, p in procs.items():
+        out, err = p.communicate(timeout=600)
+        _, rc, needle = runs[module]
+        assert p.returncode == rc, (module, err[-3000:])
+        assert needle in (out if rc == 0 else err), (module, out[-2000:], err[-2000:])
+        noise = [l for l in err.splitlines() if any(n in l for n in TPU_NOISE)]
         assert not noise, (module, noise)
-        if module == "lrmq.perplexity":
-            assert json.loads(p.stdout)["windows"] == 1
+
+
+# ----------------------------------------------------------------------------- one word, one meaning (item 6)
+def test_checkpoint_alias_resolves_in_every_loader():
+    """"tiny" is the shipped model wherever a command takes a checkpoint, its tokenizer and config included."""
+    from lrmq.checkpoint.load import (TINY_MODEL_DIR, checkpoint_kind, load_tokenizer, read_model_config,
+                                      resolve_checkpoint)
+
+    assert resolve_checkpoint("tiny") == TINY_MODEL_DIR == resolve_checkpoint(TINY_MODEL_DIR)
+    assert checkpoint_kind("tiny") == "hf"
+    assert load_tokenizer("tiny").name == TINY_MODEL_DIR
+    assert read_model_config("tiny").max_position_embeddings == 256
+
+
+def test_text_inputs_are_named_by_their_option(tmp_path, capsys):
+    """perplexity reads a Markdown file as text, and its messages say --text-file (not "calibration file");
+    --tokenizer takes the alias too."""
+    from lrmq import perplexity
+
+    md = tmp_path / "README.md"
+    md.write_text("# Notes\n\n" + " ".join(f"{i} + {i} = {2 * i}." for i in range(100)))
+    assert perplexity.main(["--checkpoint", "tiny", "--tokenizer", "tiny", "--text-file", str(md), "--window", "32",
+                            "--max-windows", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["windows"] == 1
+    empty = tmp_path / "empty.md"
+    empty.write_text("\n")
+    assert perplexity.main(["--checkpoint", "tiny", "--text-file", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"lrmq.perplexity: error: --text-file {empty}: the file has no text\n", err

@@ -48,7 +48,9 @@ def checkpoint_kind(path: str) -> str:
         # looks like an lrmq checkpoint: say which of its files is missing or broken
         missing = [n + (" (a directory is there)" if os.path.isdir(os.path.join(path, n)) else "")
                    for n in (CONFIG_FILE, STATE_FILE) if not os.path.isfile(os.path.join(path, n))]
-        missing += [PARAMS_DIR + "/"] if not os.path.isdir(os.path.join(path, PARAMS_DIR)) else []
+        params = os.path.join(path, PARAMS_DIR)
+        if not os.path.isdir(params):
+            missing.append(PARAMS_DIR + "/" + (" (a file is there)" if os.path.exists(params) else ""))
         if missing:
             raise CheckpointError(f"{path}: incomplete lrmq checkpoint, missing {', '.join(missing)}")
         read_lrmq_config(path)  # raises naming config.json and what is wrong with it

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lrmq.data.prompts import _datasets, format_prompt, load_prompt_dataset
+from lrmq.data.prompts import format_prompt, load_prompt_dataset
 from lrmq.data.text import TextFileError, label, read_documents
 
 

@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from lrmq import paths
 from lrmq.atomic import atomic_write_text
 from lrmq.config_help import to_plain
 from lrmq.configlib import dump_config, load_config
@@ -107,6 +108,7 @@ class Study:
 
     def prepare(self) -> None:
         """The study dir's fixed files; a study dir of a different study refuses to be reused."""
+        paths.check_dir_path(self.out, "study directory (out_dir)")  # a file there: a sentence, not [Errno 17]
         os.makedirs(self.out, exist_ok=True)
         path = os.path.join(self.out, STUDY_CONFIG)
         text = dump_config(self.cfg)
