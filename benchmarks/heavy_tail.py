@@ -36,6 +36,8 @@ import common  # noqa: E402
 BASE = "659e9ba"  # main before the paged engine
 ARCH = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
             intermediate_size=2048, vocab_size=32000)
+SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             intermediate_size=768, vocab_size=8192)
 QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=128, vocab_size=512)
 
@@ -159,6 +161,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sequences", type=int, default=64)
     ap.add_argument("--slots", type=int, default=0, help="lrmq decode slots (0 = all sequences)")
     ap.add_argument("--contenders", default="lrmq,lrmq-static,hf")
+    ap.add_argument("--mean", type=int, default=0, help="mean completion length (default 512, --quick 48)")
+    ap.add_argument("--cap", type=int, default=0, help="completion length cap (default 4096, --quick 256)")
+    ap.add_argument("--small", action="store_true", help="a ~5M-parameter model (hidden 256, 4 layers)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
@@ -173,8 +178,9 @@ def main(argv=None) -> int:
             json.dump(out, f)
         return 0
 
-    arch = QUICK if args.quick else ARCH
+    arch = QUICK if args.quick else SMALL if args.small else ARCH
     mean, cap, prompt_len = (48, 256, 8) if args.quick else (512, 4096, 16)
+    mean, cap = args.mean or mean, args.cap or cap
     lengths = draw_lengths(args.sequences, mean, cap, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "model")
@@ -215,7 +221,8 @@ def main(argv=None) -> int:
         "benchmark": "heavy_tail", "machine": info, "commit": common.source_commit(), "base_commit": BASE,
         "model": {**arch, "params_approx": _params(arch)}, "sequences": args.sequences, "prompt_len": prompt_len,
         "lengths": lengths, "useful_tokens": useful, "mean_length": useful / len(lengths), "cap": cap,
-        "lrmq_slots": args.slots or args.sequences, "results": figures, "ratios": ratios})
+        "lrmq_slots": args.slots or args.sequences, "results": figures, "ratios": ratios,
+        "argv": sys.argv[1:]})
     return 0
 
 

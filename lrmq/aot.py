@@ -257,8 +257,8 @@ def check_generate(graphdef, state, mesh, *, engine: EngineConfig, requests: int
                    **kw) -> tuple[FitReport | None, str]:
     """Compile the engine's programs (`compile_generate`) and check them against HBM: (report, verdict line).
     A program the compiler refuses (RESOURCE_EXHAUSTED) or one past the budget does not fit; then fewer
-    decode slots are tried (bisecting over powers of two), and the verdict names the largest count that fits (as `slots_option`,
-    the command's name for it). Never raises for memory: the line says what to change."""
+    decode slots are tried (bisecting over powers of two), and the verdict names the largest count that fits
+    (as `slots_option`, the command's name for it). Never raises for memory: the line says what to change."""
     def attempt(cfg):
         try:
             return program_report(compile_generate(graphdef, state, mesh, engine=cfg, requests=requests, **kw),

@@ -76,7 +76,7 @@ def test_host_layouts_only_make_precompiled_shapes(tmp_path, layout, micro):
 
 def test_no_update_compiles_after_the_first_step(tmp_path):
     """20 steps of a demo-like run (the tiny model, arithmetic prompts, the default packed layout): every update
-    shape compiles before the first rollout, and no update program compiles after step 1. Compiles are
+    shape and the rollout engine's programs compile before the first rollout, and no program compiles after step 1. Compiles are
     counted from JAX's own compile events (`jax.monitoring`), cache hits included."""
     from lrmq.rl.trainer import GRPOTrainer
 
@@ -110,6 +110,9 @@ def test_no_update_compiles_after_the_first_step(tmp_path):
     assert not late, f"update compiles after step 1: {late}"
     assert not [e for e in events if e[2] and e[1] in UPDATE_PROGRAMS], "an update compiled after the first rollout"
     assert not trainer._missed_shapes
+    # nor anything else: the rollout engine's programs (every row bucket) compiled before the first rollout too
+    assert not [(step, name) for step, name, _ in events if step >= 1], "a program compiled after step 1"
+    assert any("decode" in name for name in before) and any("prefill" in name for name in before), before
     # the batches did take different shapes (else this would prove little)
     rows = [json.loads(line).get("perf/update_rows") for line in open(trainer.metrics_path)]
     assert len({r for r in rows if r}) > 1, rows

@@ -14,8 +14,9 @@ one prefill compile per (rows, prompt length) bucket, never one per step.
   slot, the pages, the batch composition or the order in which the scheduler admits requests.
 * The host schedules, the device decodes: one call runs up to `sync_steps` decode steps in a
   `lax.while_loop`, returning early when a row finishes while requests wait (its slot is refilled), or,
-  with nobody waiting, when half the rows are idle: the live rows then move to the front and decode in a
-  program of fewer rows (powers of two), so a long tail runs at the cost of its own rows. Pages are reserved
+  with nobody waiting, when the live rows fit a smaller row bucket (the slots, and the data-parallel divisor
+  times powers of 4 below them): they then move to the front and decode in that program, so a long tail
+  runs at the cost of its own rows. `warmup` compiles every bucket's programs ahead of a run. Pages are reserved
   `sync_steps` tokens ahead; when the pool runs out the youngest slot is preempted and recomputed later
   (same key, so the same tokens).
 * Before a call the layers are stacked once into their decode layout (`layer_runs`); the loop body scans
@@ -226,8 +227,8 @@ def _on_mesh(fn, mesh):
 class Engine:
     """Compiled prefill/decode programs for a model; reuse it across calls (rollouts, evaluation)."""
 
-    def __init__(self, model: Decoder | None, *, eos_ids: Sequence[int], pad_id: int, config: EngineConfig = EngineConfig(),
-                 graphdef=None, model_cfg=None, mesh=None, impl: str = "auto"):
+    def __init__(self, model: Decoder | None, *, eos_ids: Sequence[int], pad_id: int,
+                 config: EngineConfig = EngineConfig(), graphdef=None, model_cfg=None, mesh=None, impl: str = "auto"):
         if not eos_ids:
             raise ValueError("eos_ids is empty: generation needs at least one stop token")
         # graphdef: pass the one from an `nnx.split(model, filter, ...)` to generate from split states
@@ -266,6 +267,35 @@ class Engine:
         pages = c.pages or 1 + slots * (own + pages_for(prompt, c.page_size))
         return slots, pages, width
 
+    def row_buckets(self, slots: int) -> list[int]:
+        """Row counts the programs are compiled for, ascending: the slots, and the data-parallel divisor times
+        powers of 4 below them (fewer rows decode a tail; a handful of compiles, not one per count)."""
+        m, out = self.slot_multiple, {slots}
+        while m < slots:
+            out.add(m)
+            m *= 4
+        return sorted(out)
+
+    def _rows_for(self, n: int, slots: int) -> int:
+        return next(b for b in self.row_buckets(slots) if b >= n)
+
+    def warmup(self, state, *, n_requests: int, prompt_len: int, max_new: int, sampling: SamplingConfig):
+        """Compile every program a `generate(..., prompt_capacity=prompt_len)` call of these sizes can run (each
+        row bucket's prefill and decode), running them on idle inputs: later calls compile nothing."""
+        slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
+        cfg, ps = self.model_cfg, self.config.page_size
+        pool = new_pool(cfg, pages, ps, self.mesh)
+        length = bucket_length(prompt_len)
+        key = np.asarray(jax.random.key_data(jax.random.key(0)))
+        decode = self._decode_for(sampling)
+        for rows in self.row_buckets(slots):
+            z = np.zeros(rows, np.int32)
+            pool = self._prefill(state, pool, np.zeros((rows, length), np.int32), np.full((rows, length), -1, np.int32),
+                                 np.zeros((rows, pages_for(length, ps)), np.int32))
+            pool = decode(state, pool, np.zeros((rows, width), np.int32), z, z, z, z, z, z + 1, np.zeros(rows, bool),
+                          np.zeros((rows, *key.shape), key.dtype), np.int32(0))[0]
+        jax.block_until_ready(pool)
+
     def abstract_calls(self, state, *, n_requests: int, prompt_len: int, max_new: int, sampling: SamplingConfig,
                        mesh=None) -> dict[str, tuple]:
         """{"prefill" | "decode": (jitted fn, abstract args)} of a call with these sizes (the largest prefill:
@@ -280,7 +310,7 @@ class Engine:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
         pool = jax.ShapeDtypeStruct(pool_shape(cfg, pages, ps), jnp.dtype(cfg.dtype), sharding=pool_sharding(mesh, cfg))
-        rows, length = 1 << (slots - 1).bit_length(), bucket_length(prompt_len)
+        rows, length = slots, bucket_length(prompt_len)
         key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         per_slot = lambda dtype: sds((slots,), dtype, True)
         return {
@@ -296,10 +326,13 @@ class Engine:
     # ------------------------------------------------------------------ generation
     def generate(self, state, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
                  sampling: SamplingConfig = SamplingConfig(), seed: int | jax.Array = 0,
-                 keys: np.ndarray | None = None, on_finish=None) -> GenerationResult:
+                 keys: np.ndarray | None = None, on_finish=None, prompt_capacity: int = 0,
+                 new_capacity: int = 0) -> GenerationResult:
         """Complete every prompt. keys: raw per-sequence key data [N, ...] (default: `sequence_keys` of
         the seed's key); max_new_tokens: one budget, or one per prompt; on_finish(i, tokens, logprobs): called
-        as sequence i stops (records can be written while the others still decode)."""
+        as sequence i stops (records can be written while the others still decode); prompt_capacity: size the
+        programs for prompts this long (as `warmup` did) instead of the longest given; new_capacity: likewise for
+        completions (the page table covers it; what a step costs does not depend on it)."""
         state = nnx.state(state) if isinstance(state, nnx.Module) else state
         n = len(prompts)
         if n == 0:
@@ -314,7 +347,11 @@ class Engine:
             keys = sequence_keys(jax.random.key(seed) if isinstance(seed, int) else seed, n)
         seqs = [_Seq(i, tuple(int(t) for t in p), budgets[i], keys[i]) for i, p in enumerate(prompts)]
         width_new = max(budgets)
-        slots, pages, width = self.sizes(n, max(len(s.prompt) for s in seqs), width_new)
+        longest = max(len(s.prompt) for s in seqs)
+        if prompt_capacity and longest > prompt_capacity:
+            raise ValueError(f"a prompt has {longest} tokens, more than prompt_capacity {prompt_capacity}")
+        slots, pages, width = self.sizes(n, prompt_capacity or longest, max(width_new, new_capacity))
+        self._prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
         self._run(state, seqs, slots, pages, width, sampling, on_finish)
         tokens = np.full((n, width_new), self.pad_id, np.int32)
         logprobs = np.zeros((n, width_new), np.float32)
@@ -329,6 +366,7 @@ class Engine:
              on_finish=None):
         c, cfg = self.config, self.model_cfg
         ps = c.page_size
+        self._slots = n_slots
         pool = new_pool(cfg, n_pages, ps, self.mesh)
         alloc = PagePool(n_pages)
         prompts: dict[tuple[int, ...], _Prompt] = {}
@@ -414,17 +452,19 @@ class Engine:
                                        f"raise engine pages")
                 continue
             rows, n_live = n_slots, int(live.sum())
-            # back to the host when a row finishes while requests wait (it takes the slot), else when half the
-            # rows are idle (fewer rows then decode)
+            # back to the host when a row finishes while requests wait (it takes the slot), else when the live
+            # rows fit a smaller row bucket (which then decodes them)
             stop_below = n_live
             if not queue:  # nobody waits: move the live rows to the front and decode only as many rows as they
-                # need (a power of two), so the tail of long sequences does not pay for idle slots
+                # need (a row bucket), so the tail of long sequences does not pay for idle slots
                 order = sorted(range(n_slots), key=lambda j: slot_seq[j] is None)
                 slot_seq = [slot_seq[j] for j in order]
                 copy_src, copy_dst = copy_src[order], copy_dst[order]
-                rows = min(n_slots, max(self.slot_multiple, 1 << (n_live - 1).bit_length()))
+                buckets = self.row_buckets(n_slots)
+                rows = self._rows_for(n_live, n_slots)
                 live = np.arange(rows) < n_live
-                stop_below = rows // 2 + 1 if rows > self.slot_multiple else 0
+                smaller = [b for b in buckets if b < rows]
+                stop_below = smaller[-1] + 1 if smaller else 0
             table = np.zeros((rows, width), np.int32)
             tok = np.zeros(rows, np.int32)
             pos = np.zeros(rows, np.int32)
@@ -463,8 +503,8 @@ class Engine:
         todo = [p for p in prompts if len(p.ids) > 1]
         if not todo:
             return pool
-        length = bucket_length(max(len(p.ids) - 1 for p in todo))
-        rows = 1 << (len(todo) - 1).bit_length()
+        length = self._prefill_length or bucket_length(max(len(p.ids) - 1 for p in todo))
+        rows = self._rows_for(len(todo), self._slots)
         tokens = np.full((rows, length), self.pad_id, np.int32)
         positions = np.full((rows, length), -1, np.int32)
         table = np.zeros((rows, pages_for(length, ps)), np.int32)

@@ -58,9 +58,7 @@ def decode_attention_xla(q, pool, layer, page_table, lengths, window, *, block_p
 
     q [S, H, D]; pool [L, P, page_size, 2*KVH, D], read at `layer` only; page_table [S, max_pages] (a multiple of
     block_pages); lengths [S]: tokens visible to each slot (its query's position + 1; 0 = idle slot).
-    A `lax.switch` picks the program for the blocks the longest slot needs, rounded up to a power of two, whose
-    blocks are unrolled: cost follows the live length. (Not a while loop over blocks: XLA copies a loop's
-    loop-invariant operands into its state, which here would copy the whole pool on every step.)
+    The loop runs over the blocks the longest slot needs: cost follows the live length.
     """
     s, h, d = q.shape
     page_size, kvh = pool.shape[2], pool.shape[3] // 2
@@ -68,37 +66,29 @@ def decode_attention_xla(q, pool, layer, page_table, lengths, window, *, block_p
     span = block_pages * page_size
     qg = q.reshape(s, kvh, g, d).astype(jnp.float32) * (d ** -0.5)
     q_pos = (lengths - 1)[:, None]
-    total = page_table.shape[1] // block_pages
-    buckets = sorted({min(1 << i, total) for i in range(total.bit_length() + 1)})
+    n_blocks = (jnp.max(lengths) + span - 1) // span
 
-    def blocks(n):
-        def run(qg, pool, layer, page_table, q_pos):
-            m = jnp.full((s, kvh, g), _NEG, jnp.float32)
-            l = jnp.zeros((s, kvh, g), jnp.float32)
-            acc = jnp.zeros((s, kvh, g, d), jnp.float32)
-            for j in range(n):
-                pages = page_table[:, j * block_pages:(j + 1) * block_pages]
-                kv = pool[layer, pages].reshape(s, span, 2 * kvh, d).astype(jnp.float32)
-                k, v = kv[:, :, 0::2], kv[:, :, 1::2]
-                k_pos = j * span + jnp.arange(span, dtype=jnp.int32)[None, :]
-                visible = k_pos <= q_pos
-                if window is not None:
-                    visible &= (q_pos - k_pos) < window
-                scores = jnp.where(visible[:, None, None, :], jnp.einsum("skgd,stkd->skgt", qg, k), _NEG)
-                m_new = jnp.maximum(m, scores.max(-1))
-                p = jnp.where(visible[:, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
-                alpha = jnp.exp(m - m_new)
-                l = l * alpha + p.sum(-1)
-                acc = acc * alpha[..., None] + jnp.einsum("skgt,stkd->skgd", p, v)
-                m = m_new
-            return acc / jnp.maximum(l, 1e-30)[..., None]  # idle slots (l = 0) get zeros, not NaN
+    def body(j, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(page_table, j * block_pages, block_pages, axis=1)
+        kv = pool[layer, pages].reshape(s, span, 2 * kvh, d).astype(jnp.float32)
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]
+        k_pos = j * span + jnp.arange(span, dtype=jnp.int32)[None, :]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= (q_pos - k_pos) < window
+        scores = jnp.where(visible[:, None, None, :], jnp.einsum("skgd,stkd->skgt", qg, k), _NEG)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.where(visible[:, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("skgt,stkd->skgd", p, v)
+        return m_new, l, acc
 
-        return run
-
-    needed = (jnp.max(lengths) + span - 1) // span
-    branch = jnp.searchsorted(jnp.asarray(buckets), needed)
-    out = jax.lax.switch(jnp.minimum(branch, len(buckets) - 1), [blocks(n) for n in buckets],
-                         qg, pool, layer, page_table, q_pos)
+    init = (jnp.full((s, kvh, g), _NEG, jnp.float32), jnp.zeros((s, kvh, g), jnp.float32),
+            jnp.zeros((s, kvh, g, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # idle slots (l = 0) get zeros, not NaN
     return out.reshape(s, h, d).astype(q.dtype)
 
 

@@ -91,7 +91,8 @@ class RolloutSection:
                               "when a sequence stops while others wait)", ge=1)
 
     def engine_config(self):
-        return EngineConfig(slots=self.generation_batch, page_size=self.page_size, pages=self.kv_pages,
+        return EngineConfig(slots=self.generation_batch or self.prompts_per_step * self.group_size,
+                            page_size=self.page_size, pages=self.kv_pages,
                             sync_steps=self.sync_steps)
 
 

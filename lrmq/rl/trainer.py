@@ -155,7 +155,8 @@ class GRPOTrainer:
         prompts = [row[m > 0].tolist() for row, m in zip(tokens, mask)]
         with jax.set_mesh(self.mesh):
             out = self.engine.generate(self.states(), prompts, max_new_tokens=max_new, sampling=sampling,
-                                       keys=sequence_keys(key, len(prompts)))
+                                       keys=sequence_keys(key, len(prompts)),
+                                       prompt_capacity=self.cfg.rollout.max_prompt_len)
         return out.tokens, out.logprobs, out.lengths
 
     def rollout(self, batch: dict[str, list], key) -> tuple[Any, dict[str, float]]:
@@ -277,9 +278,7 @@ class GRPOTrainer:
         answers = [str(r["answer"]) for r in rows]
         r = self.cfg.rollout
         out: dict[str, float] = {}
-        modes = [("greedy", SamplingConfig(greedy=True))] if self.cfg.run.eval_greedy else []
-        modes.append(("sampled", SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)))
-        for name, sampling in modes:
+        for name, sampling in sorted(self._samplings().items()):
             comp, _, lengths = self._generate(tokens, mask, jax.random.key(self.cfg.run.seed + 7919), sampling,
                                               r.max_new_tokens)
             texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(rows))]
@@ -335,11 +334,31 @@ class GRPOTrainer:
                  len(self.update_shapes))
         return mem
 
+    def _samplings(self) -> dict[str, SamplingConfig]:
+        """The rollout's sampling, and greedy when held-out evaluation decodes greedily too."""
+        r = self.cfg.rollout
+        out = {"sampled": SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)}
+        if self.cfg.run.eval_greedy and self.cfg.run.eval_size:
+            out["greedy"] = SamplingConfig(greedy=True)
+        return out
+
+    def compile_rollouts(self) -> None:
+        """Compile the generation engine's programs (every row bucket's prefill and decode, per sampling) before
+        the first rollout (`Engine.warmup`): later rollouts and evaluations compile nothing."""
+        r = self.cfg.rollout
+        t0 = time.perf_counter()
+        for sampling in self._samplings().values():
+            with jax.set_mesh(self.mesh):
+                self.engine.warmup(self.states(), n_requests=r.prompts_per_step * r.group_size,
+                                   prompt_len=r.max_prompt_len, max_new=r.max_new_tokens, sampling=sampling)
+        log.info("compiled the rollout engine's programs in %.1f s", time.perf_counter() - t0)
+
     def preflight(self) -> dict | None:
         """Compile every update shape (`compile_updates`); on accelerators (run.preflight) also compile
         `preflight_programs` (the rollout) and raise (naming sizes) when any needs more memory per device than it
         has, before any slice time goes into rollouts."""
         mem = self.compile_updates()
+        self.compile_rollouts()
         r = self.cfg.run
         on_accel = self.mesh.devices.flat[0].platform != "cpu"
         if r.preflight == "off" or (r.preflight == "auto" and not on_accel):
