@@ -33,6 +33,8 @@ from lrmq.tokenizer import Tokenizer
 
 RUN_CONFIG = "eval_config.yaml"
 # Settings that change what a completion is: a run dir holding another value cannot be resumed.
+# what --rescore needs of each record of completions.jsonl
+_RECORD_KEYS = ("benchmark", "sample", "completion", "answer")
 _RUN_KEYS = ("checkpoint", "adapter", "suite", "prompt", "dtype", "generation")
 
 
@@ -135,6 +137,13 @@ def rescore(cfg: EvalConfig) -> dict:
     records = read_records(path, repair=False)
     if not records:
         raise EvalError(f"--rescore: {path} has no records")
+    for i, r in enumerate(records, 1):  # a file of another tool (or hand-edited): the record and field, not a KeyError
+        missing = [k for k in _RECORD_KEYS if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise EvalError(f"--rescore: {path} record {i} has no {missing[0]!r} field (the records of "
+                            "lrmq.evaluate have " + ", ".join(_RECORD_KEYS) + ")")
+        if r["benchmark"] not in BENCHMARKS:
+            raise EvalError(f"--rescore: {path} record {i}: unknown benchmark {r['benchmark']!r}")
     records = score_records(records, timeout_s=cfg.timeout_s)
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records))
     names = [n for n in names if any(r["benchmark"] == n for r in records)]

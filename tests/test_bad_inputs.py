@@ -394,6 +394,8 @@ def broken(tmp_path_factory):
     b["evdata_list"] = os.path.dirname(_write(os.path.join(root, "ev_list", "amc.jsonl"), '["1+1", "2"]\n'))
     b["train_bad"] = _write(os.path.join(root, "d", "train.jsonl"),
                             '{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", \n')
+    b["rescore"] = os.path.dirname(_write(os.path.join(root, "rescore", "completions.jsonl"),
+                                          '{"benchmark": "amc", "text": "x"}\n'))
     b["adapter_empty"] = _write(os.path.join(root, "adapter", "adapter_config.json"), "")
     b["adapter"] = os.path.dirname(b["adapter_empty"])
     b["short"] = _write(os.path.join(root, "t", "short.txt"), "1 + 1 = 2.")
@@ -497,6 +499,8 @@ BROKEN = [
                                             "--out", "{out}"], "amc.jsonl line 2: not UTF-8"),
     ("evaluate-data-not-objects", "evaluate", ["--checkpoint", "tiny", "--data-dir", "{evdata_list}", *EVAL,
                                                "--out", "{out}"], "amc.jsonl line 1: expected a JSON object"),
+    ("evaluate-rescore-foreign-records", "evaluate", ["--rescore", "--out", "{rescore}", "--suite", "amc"],
+     "completions.jsonl record 1 has no 'sample' field"),
     ("evaluate-adapter-config-empty", "evaluate", ["--checkpoint", "tiny", "--data-dir", FIXTURES_EVALS, *EVAL,
                                                    "adapter={adapter}", "--out", "{out}"],
      "adapter/adapter_config.json: empty adapter config"),
