@@ -46,7 +46,9 @@ from lrmq.checkpoint.hf import load_hf_model, save_hf_model  # noqa: E402
 from lrmq.data.prompts import format_prompt  # noqa: E402
 from lrmq.data.synthetic import ArithDifficulty, make_splits  # noqa: E402
 from lrmq.model.config import ModelConfig  # noqa: E402
-from lrmq.model.decoder import Decoder, KVCache, positions_from_mask  # noqa: E402
+from lrmq.generation.engine import Engine, EngineConfig  # noqa: E402
+from lrmq.generation.sampling import SamplingConfig  # noqa: E402
+from lrmq.model.decoder import Decoder  # noqa: E402
 from lrmq.grading.answers import extract_last_boxed  # noqa: E402
 from lrmq.tokenizer import Tokenizer  # noqa: E402
 
@@ -234,66 +236,22 @@ def train(model: Decoder, toks: np.ndarray, mask: np.ndarray, *, steps: int, bat
 # ----------------------------------------------------------------------------- evaluation
 
 
-def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
-    p = max(len(s) for s in seqs)
-    toks = np.full((len(seqs), p), pad, np.int32)
-    mask = np.zeros((len(seqs), p), np.int32)
-    for i, s in enumerate(seqs):
-        toks[i, p - len(s) :] = s
-        mask[i, p - len(s) :] = 1
-    return toks, mask
+_ENGINES: dict = {}
 
 
-_GENERATE_CACHE: dict = {}
-
-
-def make_generate(owner, graphdef, cfg: ModelConfig, max_new: int, eos_ids: tuple[int, ...], pad_id: int,
-                  temperature: float):
-    """One compiled decoder per (model object, settings): repeated evaluations during training reuse it."""
-    key = (id(owner), max_new, tuple(eos_ids), pad_id, float(temperature))
-    if key not in _GENERATE_CACHE:
-        _GENERATE_CACHE[key] = _make_generate(graphdef, cfg, max_new, eos_ids, pad_id, temperature)
-    return _GENERATE_CACHE[key]
-
-
-def _make_generate(graphdef, cfg: ModelConfig, max_new: int, eos_ids: tuple[int, ...], pad_id: int, temperature: float):
-    """Jitted KV-cached decoding: left-padded prompts [B, P] -> completion tokens [B, max_new] (pad after eos)."""
-    eos_arr = jnp.asarray(eos_ids, jnp.int32)
-
-    def pick(logits, key):
-        if temperature == 0.0:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
-
-    @jax.jit
-    def generate(state, tokens, mask, key):
-        model = nnx.merge(graphdef, state)
-        b, p = tokens.shape
-        cache = KVCache.create(cfg, b, p + max_new)
-        pos = positions_from_mask(mask)
-        logits, cache = model(tokens, pos, cache=cache, index=0)
-        last = pos[:, -1]
-
-        def body(carry, i):
-            cache, logits, done, key = carry
-            key, sub = jax.random.split(key)
-            tok = pick(logits, sub)
-            out = jnp.where(done, pad_id, tok)
-            done = done | jnp.isin(tok, eos_arr)
-            lg, cache = model(out[:, None], (last + 1 + i)[:, None], cache=cache, index=p + i)
-            return (cache, lg[:, -1], done, key), out
-
-        init = (cache, logits[:, -1], jnp.zeros((b,), bool), key)
-        _, outs = jax.lax.scan(body, init, jnp.arange(max_new, dtype=jnp.int32))
-        return outs.T
-
-    return generate
+def engine_for(model: Decoder, tok: Tokenizer, batch_size: int) -> Engine:
+    """One generation engine per model object: repeated evaluations during training reuse its programs."""
+    key = (id(model), batch_size)
+    if key not in _ENGINES:
+        _ENGINES[key] = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig(slots=batch_size))
+    return _ENGINES[key]
 
 
 def evaluate(model: Decoder, tok: Tokenizer, rows: list[dict], *, temperature: float, samples: int, seed: int,
              max_new: int, batch_size: int = 512) -> dict:
-    graphdef, state = nnx.split(model)
-    gen = make_generate(model, graphdef, model.cfg, max_new, tok.eos_ids, tok.pad_id, temperature)
+    state = nnx.state(model)
+    gen = engine_for(model, tok, min(batch_size, len(rows)))
+    sampling = SamplingConfig(greedy=True) if temperature == 0.0 else SamplingConfig(temperature=temperature)
     prompts = tok.batch_encode([format_prompt(TEMPLATE, r["problem"], tok) for r in rows])
     key = jax.random.key(seed)
     correct = np.zeros((len(rows), samples), bool)
@@ -301,11 +259,10 @@ def evaluate(model: Decoder, tok: Tokenizer, rows: list[dict], *, temperature: f
     examples = []
     for k in range(samples):
         for s in range(0, len(rows), batch_size):
-            ptoks, pmask = left_pad(prompts[s : s + batch_size], tok.pad_id)
             key, sub = jax.random.split(key)
-            out = np.asarray(gen(state, jnp.asarray(ptoks), jnp.asarray(pmask), sub))
-            for j, ids in enumerate(out):
-                ids = [int(t) for t in ids]
+            res = gen.generate(state, prompts[s: s + batch_size], max_new_tokens=max_new, sampling=sampling, seed=sub)
+            for j in range(len(res.lengths)):
+                ids = [int(t) for t in res.tokens[j, :res.lengths[j]]]
                 stop = next((n for n, t in enumerate(ids) if t in tok.eos_ids), len(ids))
                 text = tok.decode(ids[:stop])
                 pred = extract_last_boxed(text)
