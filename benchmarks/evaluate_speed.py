@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     from lrmq.evals.benchmarks import BENCHMARKS, SUITES, load_items
     from lrmq.evals.config import GenerationSection
     from lrmq.evals.runner import run_suite
-    from lrmq.generation.engine import Generator
+    from lrmq.generation.engine import Engine
     from lrmq.tokenizer import Tokenizer
 
     if args.model == "tiny":
@@ -109,11 +109,11 @@ def main(argv=None) -> int:
     items = [dataclasses.replace(base[i % len(base)], id=str(i)) for i in range(args.items)]
     gen_cfg = GenerationSection(temperature=1.0, top_p=1.0, max_new_tokens=args.new, batch_size=args.batch,
                                 seed=args.seed, max_positions=max(model.cfg.max_position_embeddings, 1024))
-    generator = Generator(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
+    engine = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=gen_cfg.engine_config())
     lrmq_tokens = []
 
     def run_lrmq():
-        r = run_suite(model, tok, items, gen_cfg, generator=generator)
+        r = run_suite(model, tok, items, gen_cfg, engine=engine)
         lrmq_tokens.append(r["timing"]["new_tokens"])
 
     hf_tokens = []

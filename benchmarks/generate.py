@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     import torch
 
     from lrmq.checkpoint.hf import load_hf_model
-    from lrmq.generation.engine import Generator
+    from lrmq.generation.engine import Engine
     from lrmq.generation.sampling import SamplingConfig
 
     arch = QUICK if args.quick else FULL
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     n_lrmq = common.count_params(jax.tree.leaves(__import__("flax").nnx.state(model)))
     assert n_lrmq == n_params, (n_lrmq, n_params)
     vocab = arch["vocab_size"]
-    gen = Generator(model, eos_ids=[vocab], pad_id=0)  # eos outside [0, vocab): never sampled
+    gen = Engine(model, eos_ids=[vocab], pad_id=0)  # eos outside [0, vocab): never sampled
     from flax import nnx
 
     state = nnx.state(model)
