@@ -36,7 +36,8 @@ from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import checkpoint_kind, load_model, load_tokenizer, read_model_config, resolve_checkpoint
 from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms
-from lrmq.data.synthetic import read_jsonl
+from lrmq.data.text import label, read_records
+from lrmq.paths import kind_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +52,23 @@ class PseudoFTOptions:
     weight_decay: float = 0.0
 
 
-def load_traces(path: str, tokenizer, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens int32 [n, seq_len], loss mask float32 [n, seq_len]) with the mask on predicted tokens."""
+def load_traces(path: str, tokenizer, seq_len: int, option: str | None = "--traces") -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32 [n, seq_len], loss mask float32 [n, seq_len]) with the mask on predicted tokens. The file is
+    read by lrmq.data.text (.jsonl / .json / .parquet records): errors name `option`, the file and the line."""
+    where = label(path, option)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"traces file not found: {path}")
-
-    rows = read_jsonl(path)
-    if not rows:
-        raise ValueError(f"{path}: no traces")
+        raise FileNotFoundError(f"{where}: traces file does not exist")
+    records = read_records(path, option)
+    if not records:
+        raise ValueError(f"{where}: no traces")
+    for at, row in records:
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} {at}: expected a JSON object with 'text' or 'prompt' + 'completion', "
+                             f"found a {kind_of(row)}")
+        bad = [k for k in ("text", "prompt", "completion") if k in row and not isinstance(row[k], str)]
+        if bad:
+            raise ValueError(f"{where} {at}: field {bad[0]!r} is a {kind_of(row[bad[0]])}, expected text")
+    rows = [row for _, row in records]
     try:
         pad = tokenizer.pad_id
     except ValueError:  # no pad/eos token: any id will do, padding is masked out of the loss
@@ -74,12 +84,12 @@ def load_traces(path: str, tokenizer, seq_len: int) -> tuple[np.ndarray, np.ndar
             ids = p + tokenizer.encode(row["completion"])
             start = len(p)
         else:
-            raise ValueError(f"{path}: row {r + 1} needs 'text' or 'prompt' + 'completion'; has {sorted(row)}")
+            raise ValueError(f"{where} {records[r][0]} needs 'text' or 'prompt' + 'completion'; has {sorted(row)}")
         ids = ids[:seq_len]
         toks[r, : len(ids)] = ids
         mask[r, max(start, 1): len(ids)] = 1.0  # token t is predicted from t-1
     if mask.sum() == 0:
-        raise ValueError(f"{path}: no completion tokens to train on within seq_len={seq_len}")
+        raise ValueError(f"{where}: no completion tokens to train on within seq_len={seq_len}")
     return toks, mask
 
 
