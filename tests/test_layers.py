@@ -18,7 +18,8 @@ from conftest import REPO_ROOT
 # Bottom-up. Modules are named exactly, packages (ending in ".") by prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("lrmq", "lrmq.registry", "lrmq.paths", "lrmq.atomic", "lrmq.compile_cache", "lrmq.cli", "lrmq.configlib",
-              "lrmq.config_help", "lrmq.sharding", "lrmq.tokenizer", "lrmq.grading", "lrmq.grading.")),
+              "lrmq.config_help", "lrmq.sharding", "lrmq.tokenizer", "lrmq.grading", "lrmq.grading.",
+              "lrmq.hlo")),
     ("formats", ("lrmq.quant", "lrmq.quant.packing", "lrmq.quant.quantizers", "lrmq.quant.qweight",
                  "lrmq.quant.nf4", "lrmq.quant.formats", "lrmq.quant.qmatmul",
                  "lrmq.quant.qkernel")),
