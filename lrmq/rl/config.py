@@ -126,6 +126,20 @@ class AlgoSection:
     kl_estimator: str = opt("k3", "estimator of the KL penalty (used when beta != 0)", names=KL_ESTIMATORS)
     kl_bias_correction: bool = opt(False, "multiply the KL term by the (differentiable) importance ratio, as TRL's "
                                           "use_bias_correction_kl (TRL's default); off = the GRPO paper's k3 term")
+    rollout_correction: Literal["auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                                "geometric_truncate", "geometric_mask"] = opt(
+        "auto", "rollout/learner mismatch correction: each token's policy loss times w ~ pi_learner_old / pi_sampler "
+                "(stop-gradient), truncated to [rollout_correction_min, rollout_correction_cap] (*_truncate) or zero "
+                "outside it (*_mask), per token (token_*), per sequence on the product of its token ratios "
+                "(sequence_*, TRL's) or on their geometric mean (geometric_*). auto = none while the rollout samples "
+                "with the learner's own weights, TRL's default sequence_mask when it samples a different (quantized) "
+                "copy; none = off. On, the ratio's denominator is the learner's old log-probs (first update "
+                "on-policy, as TRL), whatever algo.old_logprobs says; docs/grpo.md")
+    rollout_correction_cap: float = opt(3.0, "C_max of algo.rollout_correction (TRL vllm_importance_sampling_clip_max)",
+                                        gt=0, lt=float("inf"))
+    rollout_correction_min: float = opt(0.0, "C_min of algo.rollout_correction (0 = no lower bound, TRL's default "
+                                             "vllm_importance_sampling_clip_min=None; 1 / cap = ms-swift/verl's "
+                                             "two-sided mask)", ge=0, lt=float("inf"))
     mask_truncated_completions: bool = opt(False, "completions cut at rollout.max_new_tokens (no EOS) get no loss "
                                                   "(TRL mask_truncated_completions); they still count in the "
                                                   "reward statistics")
@@ -146,9 +160,20 @@ class AlgoSection:
     def validate(self):
         if self.num_iterations < 1:
             raise ConfigError("algo.num_iterations must be >= 1")
+        if self.rollout_correction_min >= self.rollout_correction_cap:
+            raise ConfigError(f"algo.rollout_correction_min={self.rollout_correction_min} must be below "
+                              f"algo.rollout_correction_cap={self.rollout_correction_cap}")
         for name in self.extra_rewards:
             if name not in REWARDS:
                 raise ConfigError(f"algo.extra_rewards: unknown reward {name!r}; known: {', '.join(REWARDS.names())}")
+
+
+    def resolved_rollout_correction(self, quantized_rollout: bool = False) -> str:
+        """The correction the step applies: `auto` is TRL's default (sequence_mask, as TRL with vLLM) when the
+        rollout samples a different copy of the weights, else none (the sampler is the learner)."""
+        if self.rollout_correction == "auto":
+            return "sequence_mask" if quantized_rollout else "none"
+        return self.rollout_correction
 
 
 @dataclass

@@ -18,6 +18,7 @@ from lrmq.registry import Registry
 POLICY_LOSSES = Registry("policy loss")
 AGGREGATIONS = Registry("loss aggregation")
 KL_ESTIMATORS = Registry("KL estimator")
+ROLLOUT_CORRECTIONS = Registry("rollout correction")
 
 # exp(20) ~ 4.9e8 is finite in float32; an unclipped log-ratio from a stale or padded token can
 # overflow to inf, and inf * 0 (mask) = NaN would poison the whole batch's gradient.
@@ -143,6 +144,115 @@ def kl_k3(logp, ref_logp):
     return jnp.exp(d) - d - 1.0
 
 
+# ----------------------------------------------------------------------------- rollout/learner mismatch
+# The sampler (rollout engine, possibly a quantized copy) and the learner give a sampled token different
+# probabilities. A correction weighs each token's policy loss by w ~ pi_learner_old / pi_sampler, truncated or
+# masked (TIS / MIS). Each takes ``log_ratio`` = learner_old - sampler log-probs ``[B, T]`` and the mask and
+# returns ``(weight, corrected)``: ``weight`` ``[B, T]`` per token or ``[B, 1]`` per sequence, ``corrected``
+# 1.0 where the ratio was truncated or masked (same shape). ``cap`` is C_max, ``cap_min`` C_min (0 = none).
+# token_* / sequence_* are TRL 1.16's modes exactly (its sequence ratio is the *product* of the token ratios);
+# geometric_* take the geometric mean instead (verl's "geometric" level, ms-swift's sequence_* modes).
+
+
+def _seq_log_ratio(log_ratio, mask, mean: bool):
+    m = _f32(mask)
+    s = jnp.nan_to_num(jnp.where(m > 0, _f32(log_ratio), 0.0), nan=0.0).sum(-1, keepdims=True)
+    return s / jnp.maximum(m.sum(-1, keepdims=True), 1.0) if mean else s
+
+
+def _ratio(log_ratio, mask):
+    # nan -> 0 (ratio 1), as TRL does for tokens the sampler could not score; the +-20 clip only guards exp
+    lr = jnp.nan_to_num(jnp.where(_f32(mask) > 0, _f32(log_ratio), 0.0), nan=0.0)
+    return jnp.exp(jnp.clip(lr, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
+
+
+def _outside(ratio, cap, cap_min):
+    return ((ratio > cap) | (ratio < cap_min)).astype(jnp.float32)
+
+
+def _truncate(ratio, cap, cap_min):
+    return jnp.clip(ratio, cap_min, cap), _outside(ratio, cap, cap_min)
+
+
+def _mask_out(ratio, cap, cap_min):
+    out = _outside(ratio, cap, cap_min)
+    return jnp.where(out > 0, 0.0, ratio), out
+
+
+@ROLLOUT_CORRECTIONS.register("token_truncate")
+def token_truncate(log_ratio, mask, *, cap: float, cap_min: float = 0.0):
+    """TIS: w_t = clip(rho_t, C_min, C_max) per token (TRL token_truncate)."""
+    return _truncate(_ratio(log_ratio, mask), cap, cap_min)
+
+
+@ROLLOUT_CORRECTIONS.register("token_mask")
+def token_mask(log_ratio, mask, *, cap: float, cap_min: float = 0.0):
+    """w_t = rho_t, or 0 where rho_t is outside [C_min, C_max] (TRL token_mask)."""
+    return _mask_out(_ratio(log_ratio, mask), cap, cap_min)
+
+
+@ROLLOUT_CORRECTIONS.register("sequence_truncate")
+def sequence_truncate(log_ratio, mask, *, cap: float, cap_min: float = 0.0):
+    """w_i = clip(prod_t rho_t, C_min, C_max) on every token of sequence i (TRL sequence_truncate)."""
+    return _truncate(_ratio(_seq_log_ratio(log_ratio, mask, False), jnp.ones((mask.shape[0], 1))), cap, cap_min)
+
+
+@ROLLOUT_CORRECTIONS.register("sequence_mask")
+def sequence_mask(log_ratio, mask, *, cap: float, cap_min: float = 0.0):
+    """MIS: w_i = prod_t rho_t, or 0 for the whole sequence outside [C_min, C_max] (TRL sequence_mask, its default)."""
+    return _mask_out(_ratio(_seq_log_ratio(log_ratio, mask, False), jnp.ones((mask.shape[0], 1))), cap, cap_min)
+
+
+@ROLLOUT_CORRECTIONS.register("geometric_truncate")
+def geometric_truncate(log_ratio, mask, *, cap: float, cap_min: float = 0.0):
+    """w_i = clip(exp(mean_t log rho_t), C_min, C_max): the length-normalised sequence ratio, truncated."""
+    return _truncate(_ratio(_seq_log_ratio(log_ratio, mask, True), jnp.ones((mask.shape[0], 1))), cap, cap_min)
+
+
+@ROLLOUT_CORRECTIONS.register("geometric_mask")
+def geometric_mask(log_ratio, mask, *, cap: float, cap_min: float = 0.0):
+    """w_i = exp(mean_t log rho_t), or 0 for the whole sequence outside [C_min, C_max]."""
+    return _mask_out(_ratio(_seq_log_ratio(log_ratio, mask, True), jnp.ones((mask.shape[0], 1))), cap, cap_min)
+
+
+def _seq_mean(x, mask):
+    """(sum, count) of a per-sequence value [B] over sequences with >= 1 token."""
+    has = _f32(mask).sum(-1) > 0
+    return jnp.where(has, x, 0.0).sum(), has.sum().astype(jnp.float32)
+
+
+def rollout_mismatch_metrics(learner_logp, sampler_logp, mask):
+    """Sampler/learner mismatch on the sampled tokens, each a ``(sum, count)`` mean (no gradient).
+
+    With ``d = log pi_learner - log pi_sampler`` per token (samples from the sampler):
+    ``kl_k1`` = mean(-d) and ``kl_k3`` = mean(e^d - 1 - d), estimators of KL(sampler || learner);
+    ``chi2_token`` = mean(e^{2d}) - 1 and ``chi2_seq`` = mean_i(prod_t e^{2d}) - 1 (chi-square of the
+    learner from the sampler per token and per sequence); ``ppl_ratio`` = mean_i of the learner's
+    perplexity / the sampler's, exp(-mean_t d) per sequence; ``logp_diff`` = mean |d| (TRL's
+    ``sampling/sampling_logp_difference/mean``). Ratios are exp of a log clipped to +-20, as the loss's."""
+    m = _f32(mask)
+    valid = m > 0
+    d = jax.lax.stop_gradient(jnp.where(valid, _f32(learner_logp) - _f32(sampler_logp), 0.0))
+    dc = jnp.clip(d, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    n_tok = m.sum()
+    tok = lambda x: (jnp.where(valid, x, 0.0).sum(), n_tok)
+    seq_sum = d.sum(-1)
+    seq_mean = seq_sum / jnp.maximum(m.sum(-1), 1.0)
+    return {
+        "mismatch/kl_k1": tok(-d),
+        "mismatch/kl_k3": tok(jnp.exp(dc) - 1.0 - dc),
+        "mismatch/chi2_token": tok(jnp.exp(2.0 * dc) - 1.0),
+        "mismatch/chi2_seq": _seq_mean(jnp.exp(2.0 * jnp.clip(seq_sum, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)) - 1.0, m),
+        "mismatch/ppl_ratio": _seq_mean(jnp.exp(jnp.clip(-seq_mean, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)), m),
+        "mismatch/logp_diff": tok(jnp.abs(d)),
+    }
+
+
+MISMATCH_METRICS = ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/chi2_token", "mismatch/chi2_seq",
+                    "mismatch/ppl_ratio", "mismatch/logp_diff")
+CORRECTION_METRICS = ("mismatch/weight_mean", "mismatch/corrected_frac")
+
+
 # ----------------------------------------------------------------------------- full loss
 
 
@@ -172,6 +282,10 @@ def grpo_loss(
     importance_level: str = "token",
     max_len: int | None = None,
     policy_loss: str = "grpo",
+    rollout_correction: str = "none",
+    rollout_logp=None,
+    rollout_correction_cap: float = 3.0,
+    rollout_correction_min: float = 0.0,
 ):
     """GRPO / Dr.GRPO / DAPO / GSPO-style loss for one micro-batch.
 
@@ -186,6 +300,12 @@ def grpo_loss(
     Returns ``(loss_sum, count, metrics)``; ``metrics`` maps name -> ``(sum, count)``:
     ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (TRL's names and
     meaning), ``ratio`` and (when beta != 0) ``kl``.
+
+    ``rollout_correction`` (a ``ROLLOUT_CORRECTIONS`` name, or "none": nothing computed) multiplies the policy
+    term per token by the stop-gradient weight of ``log_ratio = old_logp - rollout_logp`` (``old_logp`` being
+    the learner's pre-update log-probs, ``rollout_logp`` the sampler's), before the KL term is added and
+    before aggregation, as TRL does; it adds the metrics ``mismatch/weight_mean`` (per token) and
+    ``mismatch/corrected_frac`` (tokens whose ratio, or whose sequence's, was truncated or masked).
     """
     logp = _f32(logp)
     mask = _f32(mask)
@@ -195,6 +315,18 @@ def grpo_loss(
         logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, level=importance_level
     )
     n_tokens = mask.sum()
+    if rollout_correction != "none":
+        if rollout_logp is None:
+            raise ValueError(f"rollout_correction={rollout_correction!r} needs rollout_logp")
+        w, corrected = ROLLOUT_CORRECTIONS.get(rollout_correction)(
+            jax.lax.stop_gradient(old_logp) - _f32(rollout_logp), mask, cap=rollout_correction_cap,
+            cap_min=rollout_correction_min)
+        w = jax.lax.stop_gradient(jnp.broadcast_to(w, mask.shape))
+        per_token = per_token * w
+        valid_w = jnp.where(mask > 0, w, 0.0)
+        weight_metrics = {"mismatch/weight_mean": (valid_w.sum(), n_tokens),
+                          "mismatch/corrected_frac": (jnp.where(mask > 0, jnp.broadcast_to(corrected, mask.shape),
+                                                                0.0).sum(), n_tokens)}
     ratio = jnp.exp(importance_log_weights(logp, old_logp, mask, importance_level))
     metrics = {
         "clip_ratio/low_mean": _indicator_mean(low, mask),
@@ -202,6 +334,8 @@ def grpo_loss(
         "clip_ratio/region_mean": _indicator_mean(jnp.maximum(low, high), mask),
         "ratio": _indicator_mean(jax.lax.stop_gradient(ratio), mask),
     }
+    if rollout_correction != "none":
+        metrics.update(weight_metrics)
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")

@@ -109,6 +109,8 @@ def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh) -> tuple[dict, j
                  "completion": _sds((s, c), jnp.int32, sh(2)), "completion_mask": _sds((s, c), jnp.float32, sh(2)),
                  "old_logp": _sds((s, c), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}
         ref_cols = c
+    if cfg.algo.resolved_rollout_correction() != "none":  # the sampler's log-probs, kept for every inner update
+        batch["rollout_logp"] = batch["old_logp"]
     ref = _sds((s, ref_cols), jnp.float32, sh(2)) if cfg.algo.beta != 0.0 else None
     return batch, ref
 

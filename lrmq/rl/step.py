@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.decoder import positions_from_mask
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.losses import AGGREGATIONS, grpo_loss, token_entropy, token_logprobs
+from lrmq.rl.losses import (AGGREGATIONS, CORRECTION_METRICS, MISMATCH_METRICS, grpo_loss, rollout_mismatch_metrics,
+                             token_entropy, token_logprobs)
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -130,16 +131,30 @@ def micro_batches(x, n_micro: int):
 def _loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg: TrainConfig, use_old: bool):
     model = nnx.merge(graphdef, trainable, rest)
     a = cfg.algo
+    correction = rollout_correction(cfg)
     logp, ent = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
                                chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
-    loss_sum, _, metrics = grpo_loss(logp, mb["old_logp"] if use_old else None, mb["advantages"],
+    old = mb["old_logp"] if use_old else None
+    # the sampler's log-probs: "rollout_logp" when a correction is on (old_logp then holds the learner's after the
+    # first update), else old_logp, which is the sampler's at the first update of a batch
+    sampler = mb["rollout_logp"] if correction != "none" else mb["old_logp"]
+    loss_sum, _, metrics = grpo_loss(logp, old, mb["advantages"],
                                      mb["completion_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
                                      aggregation=a.loss_aggregation, beta=a.beta, ref_logp=ref_logp,
                                      kl_estimator=a.kl_estimator, kl_bias_correction=a.kl_bias_correction,
                                      importance_level=a.importance_sampling, max_len=cfg.rollout.max_new_tokens,
-                                     policy_loss=a.policy_loss)
+                                     policy_loss=a.policy_loss,
+                                     **({} if correction == "none" else dict(
+                                         rollout_correction=correction, rollout_logp=sampler,
+                                         rollout_correction_cap=a.rollout_correction_cap,
+                                         rollout_correction_min=a.rollout_correction_min)))
     m = mb["completion_mask"]
     metrics["entropy"] = ((jax.lax.stop_gradient(ent) * m).sum(), m.sum())
+    # The learner's pre-update log-probs: this forward's at a batch's first update (no extra forward), the first
+    # update's afterwards (old_logp, with a correction on). Without a correction, only the first update's values
+    # are the mismatch (the trainer logs those).
+    learner_old = old if (use_old and correction != "none") else jax.lax.stop_gradient(logp)
+    metrics.update(rollout_mismatch_metrics(learner_old, sampler, m))
     return loss_sum / total_count, (loss_sum, metrics, jax.lax.stop_gradient(logp))
 
 
@@ -188,14 +203,22 @@ METRIC_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regio
 
 
 def _metric_names(cfg: TrainConfig) -> tuple[str, ...]:
-    return METRIC_NAMES + (("kl",) if cfg.algo.beta != 0.0 else ())
+    return (METRIC_NAMES + (("kl",) if cfg.algo.beta != 0.0 else ()) + MISMATCH_METRICS
+            + (CORRECTION_METRICS if rollout_correction(cfg) != "none" else ()))
+
+
+def rollout_correction(cfg: TrainConfig) -> str:
+    """The rollout/learner mismatch correction the update applies (algo.rollout_correction, `auto` resolved)."""
+    return cfg.algo.resolved_rollout_correction()
 
 
 def uses_rollout_logprobs(cfg: TrainConfig) -> bool:
-    """Whether the first update of a batch divides by the sampler's log-probs (algo.old_logprobs=rollout).
-    Otherwise (recompute) the old policy *is* the current one at the first update, and the ratio's
-    denominator is that update's own forward pass: no extra forward, as TRL does at mu=1."""
-    return cfg.algo.old_logprobs == "rollout"
+    """Whether the first update of a batch divides by the sampler's log-probs (algo.old_logprobs=rollout, no
+    rollout correction). Otherwise (recompute, or a correction on) the old policy *is* the current one at the
+    first update, and the ratio's denominator is that update's own forward pass: no extra forward, as TRL does
+    at mu=1. A correction then reads the sampler's log-probs from the batch's "rollout_logp" and weighs by
+    exp(learner_old - sampler), learner_old being that same forward (stop-gradient)."""
+    return cfg.algo.old_logprobs == "rollout" and rollout_correction(cfg) == "none"
 
 
 def make_train_step(graphdef, cfg: TrainConfig, tx, shardings=None, *, use_old: bool = True):

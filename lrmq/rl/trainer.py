@@ -39,7 +39,7 @@ from lrmq.rl.run_checks import config_diff, first_non_finite
 from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar, tb_writer
 from lrmq.rl.setup import build_model, load_datasets
 from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step,
-                          micro_batch_count, uses_rollout_logprobs)
+                          micro_batch_count, rollout_correction, uses_rollout_logprobs)
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, make_mesh
 from lrmq.tokenizer import Tokenizer
 
@@ -247,16 +247,21 @@ class GRPOTrainer:
                 ref_logp = self._ref_fn(arrays)(self.ref_trainable, self.rest, arrays)
                 ref_logp = jax.device_put(ref_logp, batch_sharding(self.mesh, 2))
             t0 = time.perf_counter()
-            metrics = {}
+            metrics, mismatch = {}, None
+            if rollout_correction(self.cfg) != "none":  # the sampler's log-probs stay; old_logp becomes the learner's
+                arrays["rollout_logp"] = arrays["old_logp"]
             use_old = self._first_uses_old
             for _ in range(self.cfg.algo.num_iterations):
                 step = self._step_fn(use_old, arrays, ref_logp)
                 self.trainable, self.opt_state, metrics = step(self.trainable, self.rest, self.opt_state, arrays,
                                                                ref_logp)
+                if mismatch is None:  # sampler vs the pre-update learner: the first update's
+                    mismatch = {k: v for k, v in metrics.items() if k.startswith("mismatch/")}
                 if not use_old:  # on-policy first update: its log-probs are the old policy's for the next ones
                     arrays["old_logp"] = jax.device_put(metrics.pop("logp") * arrays["completion_mask"],
                                                         batch_sharding(self.mesh, 2))
                     use_old = True
+            metrics.update(mismatch or {})
             metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
         dt = time.perf_counter() - t0
         n_tok = float((host["positions"] >= 0).sum() if "positions" in host else host["mask"].sum())
