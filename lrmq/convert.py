@@ -15,7 +15,7 @@ import sys
 
 from lrmq.checkpoint.hf import CheckpointError, load_hf_model, save_hf_model
 from lrmq import paths
-from lrmq.checkpoint.load import checkpoint_kind, resolve_checkpoint
+from lrmq.checkpoint.load import check_checkpoint, checkpoint_kind
 from lrmq.checkpoint.orbax_io import load_lrmq, save_lrmq
 from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms
 from lrmq.model.config import DTYPES
@@ -28,7 +28,7 @@ def convert(src: str, dst: str, *, to: str, src_kind: str | None = None, dtype: 
     """Convert `src` into `dst` of kind `to`; `dtype` re-types the stored parameters (default: keep)."""
     if to not in KINDS:
         raise ValueError(f"unknown target kind {to!r}; known: {KINDS}")
-    src = resolve_checkpoint(src)  # the alias "tiny" too
+    src = check_checkpoint(src, "SRC")  # the alias "tiny" too
     kind = checkpoint_kind(src)
     if src_kind is not None and src_kind != kind:
         raise CheckpointError(f"{src}: --from {src_kind} given, but this is an {kind} checkpoint")

@@ -14,7 +14,7 @@ import sys
 import jax
 
 from lrmq import aot, cli, compile_cache, configlib, paths
-from lrmq.checkpoint.load import checkpoint_kind, load_model, resolve_checkpoint
+from lrmq.checkpoint.load import check_checkpoint, load_model, resolve_checkpoint
 from lrmq.checkpoint.peft import load_lora, read_adapter_config
 from lrmq.config_help import to_plain
 from lrmq.configlib import ConfigError
@@ -217,7 +217,8 @@ def _main(args) -> int:
             errors.append(str(e))
     if errors:
         raise EvalDataError("\n".join(errors))
-    checkpoint_kind(cfg.checkpoint)  # a missing or broken checkpoint / adapter: said before the run dir is written
+    # a missing or broken checkpoint / adapter: said before the run dir is written
+    check_checkpoint(cfg.checkpoint, "--checkpoint" if args.checkpoint else "checkpoint")
     if cfg.adapter:
         read_adapter_config(cfg.adapter)
     check_run_dir(cfg, args.overwrite)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from lrmq import aot, compile_cache
-from lrmq.checkpoint.load import load_model, load_tokenizer, read_model_config
+from lrmq.checkpoint.load import check_checkpoint, load_model, load_tokenizer, read_model_config
 from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms
 from lrmq.data.text import read_documents
 from lrmq.generation.engine import Engine, EngineConfig
@@ -102,15 +102,16 @@ def main(argv=None) -> int:
 
 
 def generate(args) -> int:
+    ckpt = check_checkpoint(args.checkpoint)  # the model first: a missing one is not "a missing tokenizer"
     prompts = read_prompts(args)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    tok = load_tokenizer(args.checkpoint)
+    tok = load_tokenizer(ckpt)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
     ids = [tok.encode(t) for t in texts]
     empty = [i + 1 for i, x in enumerate(ids) if not x]
     if empty:
         raise UsageError(f"prompt {empty[0]} has no tokens")
-    model = load_model(args.checkpoint, dtype=args.dtype)
+    model = load_model(ckpt, dtype=args.dtype)
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
     check_position_limit(model.cfg, len(ids[longest]) + args.max_new_tokens,
                          f"prompt {longest + 1} ({len(ids[longest])} tokens) + --max-new-tokens "

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lrmq.checkpoint.load import load_model, load_tokenizer
+from lrmq.checkpoint.load import check_checkpoint, load_model, load_tokenizer
 from lrmq.cli import ArgumentParser, number, run_main, select_platforms
 from lrmq.model.config import check_position_limit
 from lrmq.data.text import label, read_documents
@@ -121,9 +121,10 @@ def main(argv=None) -> int:
 
 
 def _run(a) -> int:
+    ckpt = check_checkpoint(a.checkpoint)  # the model first: a missing one is not "a missing tokenizer"
     text = read_text(a.text_file, a.text_field)
-    tok = load_tokenizer(a.tokenizer or a.checkpoint)
-    model = load_model(a.checkpoint, dtype=a.dtype)
+    tok = load_tokenizer(a.tokenizer or ckpt)
+    model = load_model(ckpt, dtype=a.dtype)
     window = a.window or min(DEFAULT_WINDOW, model.cfg.max_position_embeddings)
     check_position_limit(model.cfg, window, "--window")
     if a.fake_quant:

@@ -33,7 +33,7 @@ import re
 import sys
 
 from lrmq.checkpoint.hf import save_hf_model
-from lrmq.checkpoint.load import checkpoint_kind
+from lrmq.checkpoint.load import check_checkpoint
 from lrmq.checkpoint.orbax_io import save_lrmq
 from lrmq.cli import USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main, select_platforms
 from lrmq.configlib import add_config_args, dump_config
@@ -206,10 +206,7 @@ def run(args) -> dict:
     """Quantize per the flags; returns a small summary. Raises UsageError (or another INPUT_ERRORS) on bad input."""
     cfg = config_from_flags(args)
     check_flags(args, cfg)
-    try:
-        checkpoint_kind(resolve_model_path(cfg.model))
-    except Exception as e:
-        raise UsageError(f"--checkpoint: {e}") from None
+    check_checkpoint(cfg.model, "--checkpoint")
     # the flag form has no block-size flag: calibration blocks fit the model's positions
     limit = model_config(resolve_model_path(cfg.model)).max_position_embeddings
     c = cfg.calibration

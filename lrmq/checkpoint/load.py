@@ -13,6 +13,7 @@ import os
 from lrmq.checkpoint.hf import CheckpointError, load_hf_model
 from lrmq.checkpoint.orbax_io import (CONFIG_FILE, PARAMS_DIR, STATE_FILE, is_lrmq_checkpoint, load_lrmq,
                                       read_lrmq_config)
+from lrmq.cli import UsageError, error_message
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.tokenizer import Tokenizer
@@ -63,6 +64,17 @@ def checkpoint_kind(path: str) -> str:
         f"{path}: not a model checkpoint; expected either a Hugging Face directory (config.json + "
         f"model.safetensors or model.safetensors.index.json) or an lrmq checkpoint (config.json with an "
         f"'lrmq' section, lrmq_state.json and params/)")
+
+
+def check_checkpoint(path: str, option: str = "--checkpoint") -> str:
+    """A command's checkpoint option, alias resolved and checked before any other work: the resolved path, or a
+    UsageError naming the option (`--checkpoint: runs/x: no such file or directory`), so that a missing model is
+    never reported as a missing tokenizer or config."""
+    try:
+        checkpoint_kind(path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{option}: {error_message(e)}") from None
+    return resolve_checkpoint(path)
 
 
 def load_model(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None) -> Decoder:

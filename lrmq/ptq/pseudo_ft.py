@@ -34,7 +34,8 @@ from flax import nnx
 
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import save_hf_model
-from lrmq.checkpoint.load import checkpoint_kind, load_model, load_tokenizer, read_model_config, resolve_checkpoint
+from lrmq.checkpoint.load import (check_checkpoint, checkpoint_kind, load_model, load_tokenizer, read_model_config,
+                                  resolve_checkpoint)
 from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms
 from lrmq.data.text import label, read_records
 from lrmq.paths import kind_of
@@ -137,7 +138,7 @@ def _stored_param_dtype(path: str) -> str:
 def pseudo_finetune(checkpoint: str, traces: str, out_dir: str, opts: PseudoFTOptions = PseudoFTOptions(), *,
                     tokenizer: str | None = None, dtype: str | None = None, overwrite: bool = False) -> dict:
     """Write ``out_dir/before`` (the model as given) and ``out_dir/after`` (after SFT), atomically."""
-    checkpoint = resolve_checkpoint(checkpoint)
+    checkpoint = check_checkpoint(checkpoint)
     tok_dir = resolve_checkpoint(tokenizer) if tokenizer else checkpoint
     tok = load_tokenizer(tok_dir)
     tokens, mask = load_traces(traces, tok, opts.seq_len)

@@ -19,7 +19,7 @@ from flax import nnx
 
 from lrmq import compile_cache, paths
 from lrmq.checkpoint.hf import save_hf_model
-from lrmq.checkpoint.load import resolve_checkpoint
+from lrmq.checkpoint.load import check_checkpoint, resolve_checkpoint
 from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
 from lrmq.data.pipeline import PromptPipeline
 from lrmq.data.prompts import format_prompt
@@ -69,7 +69,7 @@ class GRPOTrainer:
         self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
         self._check_mesh()
 
-        ckpt = resolve_checkpoint(cfg.model.checkpoint)
+        ckpt = check_checkpoint(cfg.model.checkpoint, "model.checkpoint")  # not reported as a missing tokenizer
         self.tokenizer = Tokenizer.from_dir(ckpt)
         self.train_rows, self.eval_rows = load_datasets(cfg)
         with jax.set_mesh(self.mesh):
