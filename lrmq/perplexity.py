@@ -123,7 +123,7 @@ def main(argv=None) -> int:
 def _run(a) -> int:
     ckpt = check_checkpoint(a.checkpoint)  # the model first: a missing one is not "a missing tokenizer"
     text = read_text(a.text_file, a.text_field)
-    tok = load_tokenizer(a.tokenizer or ckpt)
+    tok = load_tokenizer(a.tokenizer, "--tokenizer") if a.tokenizer else load_tokenizer(ckpt)
     model = load_model(ckpt, dtype=a.dtype)
     window = a.window or min(DEFAULT_WINDOW, model.cfg.max_position_embeddings)
     check_position_limit(model.cfg, window, "--window")

@@ -206,7 +206,9 @@ def run(args) -> dict:
     """Quantize per the flags; returns a small summary. Raises UsageError (or another INPUT_ERRORS) on bad input."""
     cfg = config_from_flags(args)
     check_flags(args, cfg)
-    check_checkpoint(cfg.model, "--checkpoint")
+    check_checkpoint(cfg.model, "--checkpoint" if args.checkpoint else "--run-dir")
+    if args.base:
+        check_checkpoint(args.base, "--base")
     # the flag form has no block-size flag: calibration blocks fit the model's positions
     limit = model_config(resolve_model_path(cfg.model)).max_position_embeddings
     c = cfg.calibration

@@ -481,6 +481,11 @@ BROKEN = [
      "model.checkpoint: {root}/nope: no such file or directory"),
     ("generate-checkpoint-missing", "generate", ["--checkpoint", "{root}/nope", "--prompt", "1"],
      "--checkpoint: {root}/nope: no such file or directory"),
+    ("quantize-base-missing", "quantize", ["--checkpoint", "tiny", "--base", "{root}/nope", "--method", "quantlrm",
+                                           "--calibration", "{readme}", "--out", "{out}"],
+     "--base: {root}/nope: no such file or directory"),
+    ("perplexity-tokenizer-missing", "perplexity", ["--checkpoint", "tiny", "--text-file", "{readme}", "--tokenizer",
+                                                    "{root}/nope"], "--tokenizer: tokenizer directory"),
     ("train-data-bad-jsonl", "train", [*TRAIN, "data.train_files=[{train_bad}]", "run.out_dir={out}"],
      "data.train_files {train_bad} line 2: not valid JSON"),
     # YAML configs

@@ -96,6 +96,12 @@ def read_model_config(path: str, *, dtype: str | None = None) -> ModelConfig:
     return ModelConfig.from_hf_file(path, dtype=dtype)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer of a checkpoint directory (or of a tokenizer directory), alias resolved."""
-    return Tokenizer.from_dir(resolve_checkpoint(path))
+def load_tokenizer(path: str, option: str | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (or of a tokenizer directory), alias resolved; with `option`
+    (`--tokenizer`), errors name it."""
+    try:
+        return Tokenizer.from_dir(resolve_checkpoint(path))
+    except (OSError, ValueError) as e:
+        if option is None:
+            raise
+        raise UsageError(f"{option}: {error_message(e)}") from None

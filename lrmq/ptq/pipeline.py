@@ -74,7 +74,7 @@ def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str, option: str = "c
     c = cfg.calibration
     if not os.path.exists(c.path):
         raise FileNotFoundError(f"{option} {c.path}: calibration file does not exist")
-    tok = load_tokenizer(tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir, "tokenizer" if cfg.tokenizer else None)
     if c.source == "text":
         kw = dict(text_field=c.text_field, n_samples=c.n_samples, block_size=c.block_size,
                   max_doc_tokens=c.max_doc_tokens, seed=c.seed, add_special_tokens=c.add_special_tokens)

@@ -140,7 +140,7 @@ def pseudo_finetune(checkpoint: str, traces: str, out_dir: str, opts: PseudoFTOp
     """Write ``out_dir/before`` (the model as given) and ``out_dir/after`` (after SFT), atomically."""
     checkpoint = check_checkpoint(checkpoint)
     tok_dir = resolve_checkpoint(tokenizer) if tokenizer else checkpoint
-    tok = load_tokenizer(tok_dir)
+    tok = load_tokenizer(tok_dir, "--tokenizer" if tokenizer else None)
     tokens, mask = load_traces(traces, tok, opts.seq_len)
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(out_dir)} already exists")
