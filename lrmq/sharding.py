@@ -62,9 +62,15 @@ def make_mesh(cfg: MeshConfig | tuple[int, int, int] | None = None, devices=None
     return Mesh(dev, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-# The decode layout: weights whole over the data axes (gathered once per rollout, not once per token as
-# FSDP shards would be), still split over "tensor" where the training layout splits them.
-DECODE_RULES = {**RULES, "embed": None}
+# The decode layout (the generation engine relays the weights into it once per device call, never per token):
+# tensor parallel over "tensor" and "fsdp": attention heads, MLP columns and the vocabulary split, the model
+# dimension whole; replicated over "data". Each chip reads 1/(tensor x fsdp) of the weights per decode step
+# (FSDP shards gathered whole would have it read all of them), and its KV heads are the ones of its share of
+# the paged KV pool (`lrmq.generation.paged.kv_head_axes`). An axis that does not divide a dimension leaves
+# that weight whole (`logical_to_spec`).
+DECODE_TP = ("tensor", "fsdp")
+DECODE_RULES = {**RULES, "embed": None, "heads": DECODE_TP, "kv_heads": DECODE_TP, "mlp": DECODE_TP,
+                "vocab": DECODE_TP}
 
 
 def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh, rules=None) -> P:

@@ -20,7 +20,8 @@ one prefill compile per (rows, prompt length) bucket, never one per step.
   `sync_steps` tokens ahead; when the pool runs out the youngest slot is preempted and recomputed later
   (same key, so the same tokens).
 * Before a call the layers are stacked once into their decode layout (`layer_runs`); the loop body scans
-  over them, and on a mesh the weights are gathered once per call, never per token.
+  over them, and on a mesh the weights are relaid once per call (tensor parallel, `sharding.DECODE_RULES`),
+  never moved per token.
 
 Returns generated ids, the log-probability of each sampled token (temperature applied, before top-k/top-p
 truncation: the quantity GRPO's importance ratio uses) and lengths (the EOS token is counted and kept).
@@ -188,9 +189,10 @@ def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, 
 
 
 def decode_layout(mesh):
-    """model -> its stacked layer runs, every weight constrained to `DECODE_RULES` (whole over the data axes,
-    split over "tensor"): inside the jitted call this gathers FSDP shards once, before the decode loop. The
-    embedding, final norm and lm head (outside the runs) are laid out in place, or XLA gathers them per step."""
+    """model -> its stacked layer runs, every weight constrained to `DECODE_RULES` (tensor parallel over tensor
+    x fsdp, whole over the model dimension): inside the jitted call this relays the FSDP shards once, before
+    the decode loop. The embedding, final norm and lm head (outside the runs) are laid out in place, or XLA
+    gathers them per step."""
     def layout(model):
         for part in (model.embed, model.final_norm, model.lm_head):
             if part is not None:

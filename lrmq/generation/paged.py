@@ -19,10 +19,10 @@ target of `pallas_kernels.current_target()`, so ahead-of-time TPU compiles from 
 * "tpu": JAX's ragged paged attention Mosaic kernel (`decode_attention_tpu`), reading the pool in place
   (viewed as `[layers * pages, ...]`, page indices offset by `layer * pages`: no per-layer copy).
 
-On a mesh (`pool_sharding`) the pool's KV heads are split over the largest set of mesh axes whose size
-divides the KV head count, so each chip holds its share of the pool instead of all of it; `write` and
-`attend` run under `shard_map` with each chip's heads (queries gathered over the batch for the attention
-only, an activation-sized reshard per layer), and every slot's pages stay where they are.
+On a mesh (`pool_sharding`) the pool's KV heads are split like the KV projections of the decode layout
+(tensor parallel over tensor x fsdp, `sharding.DECODE_RULES`; `kv_head_axes`), so each chip holds its share
+of the pool instead of all of it; `write` and `attend` run under `shard_map` on each chip's heads for every
+slot (rows split over the remaining data axes), and every slot's pages stay where they are.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
 from pallas_kernels.tpu_tiles import generation
+
+from lrmq.sharding import DECODE_RULES, logical_to_spec
 
 NULL_PAGE = 0  # the page rows that are not live write to; never allocated
 _NEG = -1e30  # finite: a block with nothing visible must not turn the running max into NaN
@@ -194,10 +196,16 @@ _BATCH_AXES = ("data", "fsdp")
 
 
 def kv_head_axes(mesh, kv_heads: int) -> tuple[str, ...]:
-    """Mesh axes (>1 device) the pool's KV heads are split over: the subset of (tensor, data, fsdp) with the
-    largest product dividing kv_heads (ties: the one listed first). () without a mesh."""
+    """Mesh axes (>1 device) the pool's KV heads are split over: those of the KV projections in the decode
+    layout (`sharding.DECODE_RULES`, tensor x fsdp), so each chip's new keys and values and its query heads
+    are already its share of the pool; when those axes do not divide kv_heads, the subset of (tensor, data,
+    fsdp) with the largest product that does (ties: the one listed first; queries are then resharded for the
+    attention). () without a mesh."""
     if mesh is None:
         return ()
+    entry = logical_to_spec(("kv_heads",), (kv_heads,), mesh, DECODE_RULES)[0]
+    if entry is not None:
+        return (entry,) if isinstance(entry, str) else tuple(entry)
     axes = [a for a in _HEAD_AXES if a in mesh.shape and mesh.shape[a] > 1]
     best = ()
     for n in range(len(axes), 0, -1):
@@ -227,7 +235,8 @@ def new_pool(cfg, pages: int, page_size: int, mesh=None) -> jax.Array:
     shape, dtype = pool_shape(cfg, pages, page_size), jnp.dtype(cfg.dtype)
     if mesh is None:
         return jnp.zeros(shape, dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding(mesh, cfg))()
+    # created sharded (each chip allocates its share); an eager op: compiled once per shape and layout
+    return jnp.zeros(shape, dtype, device=pool_sharding(mesh, cfg))
 
 
 def _mesh_for(pool) -> tuple[object, tuple[str, ...]] | tuple[None, tuple]:
