@@ -380,5 +380,5 @@ def test_agreement_with_independent_paper_grader():
 
 def test_a_bad_local_jsonl_row_names_file_and_line(tmp_path):
     (tmp_path / "amc.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n{"problem": oops\n')
-    with pytest.raises(bm.EvalDataError, match=r"amc\.jsonl:2: invalid JSON"):
+    with pytest.raises(bm.EvalDataError, match=r"amc\.jsonl line 2: not valid JSON"):
         bm.load_rows(bm.BENCHMARKS["amc"], str(tmp_path))
