@@ -134,9 +134,9 @@ def test_scanned_program_holds_one_layer_body():
 
 
 def test_scan_refuses_a_cache():
-    from lrmq.model.decoder import KVCache
+    from lrmq.generation.paged import PagedCache, pool_shape
 
     model = _model()
-    cache = KVCache.create(model.cfg, 1, 4)
+    cache = PagedCache(jnp.zeros(pool_shape(model.cfg, 2, 4)), jnp.ones((1, 1), jnp.int32), jnp.ones((1,), bool))
     with pytest.raises(ValueError, match="scan"):
-        model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache, 0, scan=True)
+        model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache, scan=True)

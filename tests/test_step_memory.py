@@ -66,12 +66,12 @@ def test_micro_batches_are_strided_and_cover_every_row_once():
 
 
 def test_remat_refuses_a_cache():
-    from lrmq.model.decoder import KVCache
+    from lrmq.generation.paged import PagedCache, pool_shape
 
     model = _model()
-    cache = KVCache.create(model.cfg, 1, 8)
+    cache = PagedCache(jnp.zeros(pool_shape(model.cfg, 2, 8)), jnp.ones((1, 1), jnp.int32), jnp.ones((1,), bool))
     with pytest.raises(ValueError, match="remat"):
-        model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache, 0, remat="full")
+        model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache, remat="full")
 
 
 def test_sharded_layouts_on_8_devices(multi_device_run):
