@@ -157,7 +157,10 @@ def test_packed_update_equals_padded(scratch_ckpt, tmp_path, scan=True):
     np.testing.assert_allclose(pk[3], bk[3], atol=2e-5)  # the on-policy log-probs handed to later iterations
     for k in ("loss", "grad_norm", "kl", "entropy", "ratio"):
         assert float(pk[1][k]) == pytest.approx(float(bk[1][k]), rel=1e-4, abs=1e-6), k
-    np.testing.assert_allclose(pk[0], bk[0], rtol=1e-4, atol=2e-6)
+    # parameters after one AdamW step of lr 1e-3: Adam divides by sqrt(v), so an element whose gradient is
+    # near zero moves by float noise of the two attention tilings (blockwise attention, packed rows vs padded
+    # ones) scaled up to a fraction of a step: 1 of 94,592 elements differed by 7e-6 (0.7% of a step)
+    np.testing.assert_allclose(pk[0], bk[0], rtol=1e-4, atol=1e-5)
     assert np.abs(pk[0] - _flat(start[0])).max() > 1e-4  # the update moved the parameters
 
 
