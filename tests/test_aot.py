@@ -131,7 +131,8 @@ def test_train_modes_compile_for_a_multichip_slice(tmp_path, quant):
     step, _ = aot.compile_train_step(run)
     rollout, _ = aot.compile_rollout(run)
     kernels = ["tpu_custom_call" in c.as_text() for c in (step, rollout)]
-    assert kernels == ([True, True] if quant["mode"] == "qlora" else [False, False])
+    # every step runs splash attention (Mosaic); the tiny rollout's only kernels are QLoRA's packed matmuls
+    assert kernels == [True, quant["mode"] == "qlora"]
 
 
 @pytest.mark.parametrize("layout", ["max"])  # pack (the default): every other compile test here
