@@ -136,6 +136,14 @@ class _Seq:
     pages: list[int] = field(default_factory=list)  # own pages (from the prompt's partly filled one on)
     admitted: int = 0  # admission order (the youngest is preempted first)
 
+    def shared_pages(self, page_size: int) -> int:
+        """Full pages of the prompt's first len - 1 tokens: read from the prompt's pages as they are."""
+        return (len(self.prompt) - 1) // page_size
+
+    def own_pages_needed(self, page_size: int, ahead: int) -> int:
+        """Own pages covering every position up to `ahead` decode steps past the tokens so far."""
+        return pages_for(len(self.prompt) + len(self.tokens) + ahead, page_size) - self.shared_pages(page_size)
+
 
 # ----------------------------------------------------------------------------- device programs
 
@@ -353,8 +361,8 @@ class Engine:
         if prompt_capacity and longest > prompt_capacity:
             raise ValueError(f"a prompt has {longest} tokens, more than prompt_capacity {prompt_capacity}")
         slots, pages, width = self.sizes(n, prompt_capacity or longest, max(width_new, new_capacity))
-        self._prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
-        self._run(state, seqs, slots, pages, width, sampling, on_finish)
+        prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
+        self._run(state, seqs, slots, pages, width, sampling, on_finish, prefill_length)
         tokens = np.full((n, width_new), self.pad_id, np.int32)
         logprobs = np.zeros((n, width_new), np.float32)
         lengths = np.zeros(n, np.int32)
@@ -365,10 +373,9 @@ class Engine:
         return GenerationResult(tokens, logprobs, lengths)
 
     def _run(self, state, seqs: list[_Seq], n_slots: int, n_pages: int, width: int, sampling: SamplingConfig,
-             on_finish=None):
+             on_finish=None, prefill_length: int = 0):
         c, cfg = self.config, self.model_cfg
         ps = c.page_size
-        self._slots = n_slots
         pool = new_pool(cfg, n_pages, ps, self.mesh)
         alloc = PagePool(n_pages)
         prompts: dict[tuple[int, ...], _Prompt] = {}
@@ -400,14 +407,14 @@ class Engine:
                     continue
                 s = queue[0]
                 pr = prompts.get(s.prompt)
-                n_prompt_pages = (len(s.prompt) - 1) // ps  # full pages shared as they are
+                n_prompt_pages = s.shared_pages(ps)
                 if pr is None:
                     got = alloc.take(pages_for(len(s.prompt) - 1, ps))
                     if got is None:
                         break
                     pr = prompts[s.prompt] = _Prompt(s.prompt, got)
                     to_prefill.append(pr)
-                own = alloc.take(pages_for(len(s.prompt) + len(s.tokens) + c.sync_steps, ps) - n_prompt_pages)
+                own = alloc.take(s.own_pages_needed(ps, c.sync_steps))
                 if own is None:
                     if pr.users == 0 and pr in to_prefill:
                         to_prefill.remove(pr)
@@ -423,14 +430,14 @@ class Engine:
                 clock += 1
                 s.admitted = clock
             if to_prefill:
-                pool = self._prefill_prompts(state, pool, to_prefill)
+                pool = self._prefill_prompts(state, pool, to_prefill, n_slots, prefill_length)
             # reserve pages sync_steps ahead; preempt the youngest slots when the pool runs dry
             for slot in sorted((j for j in range(n_slots) if slot_seq[j] is not None),
                                key=lambda j: slot_seq[j].admitted):
                 s = slot_seq[slot]
                 if s is None:  # preempted for an older one in this pass
                     continue
-                need = pages_for(len(s.prompt) + len(s.tokens) + c.sync_steps, ps) - (len(s.prompt) - 1) // ps
+                need = s.own_pages_needed(ps, c.sync_steps)
                 while len(s.pages) < need:
                     got = alloc.take(need - len(s.pages))
                     if got is not None:
@@ -460,7 +467,7 @@ class Engine:
             if not queue:  # nobody waits: move the live rows to the front and decode only as many rows as they
                 # need (a row bucket), so the tail of long sequences does not pay for idle slots
                 order = sorted(range(n_slots), key=lambda j: slot_seq[j] is None)
-                slot_seq = [slot_seq[j] for j in order]
+                slot_seq[:] = [slot_seq[j] for j in order]  # in place: free_seq reads this list
                 copy_src, copy_dst = copy_src[order], copy_dst[order]
                 buckets = self.row_buckets(n_slots)
                 rows = self._rows_for(n_live, n_slots)
@@ -477,7 +484,7 @@ class Engine:
             for slot, s in enumerate(slot_seq[:rows]):
                 if s is None:
                     continue
-                shared = prompts[s.prompt].pages[:(len(s.prompt) - 1) // ps]
+                shared = prompts[s.prompt].pages[:s.shared_pages(ps)]
                 row = shared + s.pages
                 table[slot, :len(row)] = row
                 tok[slot] = s.tokens[-1] if s.tokens else s.prompt[-1]
@@ -499,14 +506,15 @@ class Engine:
                     if on_finish is not None:
                         on_finish(s.index, s.tokens, s.logprobs)
 
-    def _prefill_prompts(self, state, pool, prompts: list[_Prompt]):
-        """Write the first len - 1 tokens of each prompt into its pages (one call per row/length bucket)."""
+    def _prefill_prompts(self, state, pool, prompts: list[_Prompt], slots: int, length: int = 0):
+        """Write the first len - 1 tokens of each prompt into its pages; rows: a bucket of `slots`, length: the
+        prompt capacity's bucket (0 = the longest prompt's)."""
         ps = self.config.page_size
         todo = [p for p in prompts if len(p.ids) > 1]
         if not todo:
             return pool
-        length = self._prefill_length or bucket_length(max(len(p.ids) - 1 for p in todo))
-        rows = self._rows_for(len(todo), self._slots)
+        length = length or bucket_length(max(len(p.ids) - 1 for p in todo))
+        rows = self._rows_for(len(todo), slots)
         tokens = np.full((rows, length), self.pad_id, np.int32)
         positions = np.full((rows, length), -1, np.int32)
         table = np.zeros((rows, pages_for(length, ps)), np.int32)
