@@ -40,9 +40,11 @@ from common import REPO, machine_info, md_table, source_commit, write_json
 HBM_GBPS = {"TPU v5 lite": 819, "TPU v5": 2765, "TPU v6 lite": 1640}
 
 
-def _case(model, topology, slots, prompt, new, layout="tp"):
-    name = f"{model}/{topology}/{slots}x{prompt}+{new}" + ("" if layout == "tp" else f"/{layout}")
-    return name, dict(model=model, topology=topology, slots=slots, prompt=prompt, new=new, layout=layout)
+def _case(model, topology, slots, prompt, new, layout="tp", weights="bf16"):
+    name = (f"{model}/{topology}/{slots}x{prompt}+{new}" + ("" if layout == "tp" else f"/{layout}")
+            + ("" if weights == "bf16" else f"/{weights}"))
+    return name, dict(model=model, topology=topology, slots=slots, prompt=prompt, new=new, layout=layout,
+                      weights=weights)
 
 
 # Decode layouts: "tp" (lrmq's: tensor parallel over the fsdp axis, the pool's KV heads split alike);
@@ -66,6 +68,11 @@ CASES = dict([
     _case("qwen3-8b", "v6e:2x4", 256, 512, 1024),
     _case("qwen3-8b", "v6e:2x4", 256, 512, 1024, layout="replicated"),
     _case("qwen3-8b", "v5e:2x4", 256, 512, 1024),
+    # quantized rollouts (rollout.quant): the decode program on the packed copy the trainer samples from
+    # (`RolloutCopy`, group 128; NF4 block 64), against the bf16 rows above
+    *[_case(m, t, 256, 512, 1024, weights=w) for m, t in (("qwen3-0.6b", "v5e:2x4"), ("qwen3-8b", "v6e:2x4"),
+                                                         ("qwen3-8b", "v5e:2x4"))
+      for w in ("int8", "int4", "nf4")],
 ])
 
 
@@ -92,6 +99,15 @@ def measure(spec: dict) -> dict:
     mesh = make_mesh(MeshConfig(1, len(devices), 1), devices=devices)
     chips, kind = len(devices), devices[0].device_kind
     graphdef, state = aot.abstract_model(cfg, mesh)
+    if spec.get("weights", "bf16") != "bf16":  # the trainer's rollout copy of that policy (rollout.quant)
+        from flax import nnx
+
+        from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
+
+        model = nnx.merge(graphdef, state)
+        graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)
+        copy = RolloutCopy(graphdef, trainable, rest, RolloutQuant(spec["weights"]), mesh=mesh)
+        graphdef, state = copy.graphdef, copy.abstract_states(trainable, rest)
     engine = EngineConfig(slots=spec["slots"])  # the rollout's defaults: 16-token pages, 64 steps per call
     sampling = SamplingConfig(temperature=1.0, top_p=1.0)
     slots, pages, width = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=cfg, config=engine,
@@ -193,15 +209,18 @@ def table(results: dict) -> str:
         if "error" in r:
             m = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", r["error"])
             why = f"compiler: {m.group(1)} of temporaries > {m.group(2)} HBM" if m else r["error"][:90]
-            rows.append([r["model"], r["topology"], r["slots"], f"{r['prompt']}+{r['new']}", r["layout"], "-", why,
+            rows.append([r["model"], r["topology"], r["slots"], f"{r['prompt']}+{r['new']}", r["layout"],
+                         r.get("weights", "bf16"), "-", "-", why,
                          "no" if "RESOURCE_EXHAUSTED" in r["error"] else "-", "-", "-", "-", "-"])
             continue
         m = r["memory"]
         rows.append([r["model"], r["topology"], r["slots"], f"{r['prompt']}+{r['new']}", r["layout"],
-                     gib(r["pool_bytes_per_chip"]), f"{gib(m['total']):.2f} of {gib(r['hbm_bytes']):.0f}",
+                     r.get("weights", "bf16"), mib(r["weight_bytes_per_chip"]), gib(r["pool_bytes_per_chip"]),
+                     f"{gib(m['total']):.2f} of {gib(r['hbm_bytes']):.0f}",
                      "yes" if r["fits"] else "no", mib(r["step_hbm_bytes"]), mib(r["step_interconnect_bytes"]),
                      r["tokens_per_s_per_chip"], f"{r['compile_s']:.0f}"])
-    return md_table(["model", "topology", "slots", "prompt+new", "layout", "pool GiB/chip", "decode GiB/chip",
+    return md_table(["model", "topology", "slots", "prompt+new", "layout", "weights", "weights MiB/chip",
+                     "pool GiB/chip", "decode GiB/chip",
                      "fits (10% headroom)", "HBM MiB/step/chip", "interconnect MiB/step", "tok/s/chip bound",
                      "compile s"], rows)
 

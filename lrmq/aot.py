@@ -36,6 +36,7 @@ from lrmq.rl.config import TrainConfig
 # the shapes, compiles and memory budget shared with the trainer (re-exported: lrmq.aot.X is their public name)
 from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, UpdateShape, abstract_update,  # noqa: F401
                                 check_budget, hbm_bytes, lower_compile, memory_report, update_shapes)
+from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings, uses_rollout_logprobs
 from lrmq.sharding import LOGICAL_AXES_KEY, MeshConfig, batch_divisor, batch_sharding, logical_to_spec, make_mesh
 
@@ -178,10 +179,23 @@ def _rollout_programs(cfg: TrainConfig, graphdef, state, mesh, model_cfg: ModelC
                             sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
 
 
+def rollout_model(run: AbstractRun) -> tuple[object, tuple]:
+    """(graphdef, abstract states) the run's rollouts sample from: the policy, or its packed copy (rollout.quant)."""
+    if not run.cfg.quantized_rollout:
+        return run.graphdef, (run.trainable, run.rest)
+    r = run.cfg.rollout
+    copy = RolloutCopy(run.graphdef, run.trainable, run.rest,
+                       RolloutQuant(r.quant, group_size=r.quant_group_size, targets=run.cfg.quant.targets,
+                                    merge_lora=r.lora == "merged"),
+                       awq_scales=r.quant_scales == "awq", mesh=run.mesh)
+    return copy.graphdef, copy.abstract_states(run.trainable, run.rest)
+
+
 def compile_rollout(run: AbstractRun, program: str = "decode") -> tuple[object, float]:
-    """(compiled, seconds) of one of the rollout engine's programs ("prefill" | "decode") for the run's config."""
-    return _rollout_programs(run.cfg, run.graphdef, (run.trainable, run.rest), run.mesh, run.model_cfg,
-                             (program,))[program]
+    """(compiled, seconds) of one of the rollout engine's programs ("prefill" | "decode") for the run's config
+    (on the packed copy with rollout.quant)."""
+    graphdef, states = rollout_model(run)
+    return _rollout_programs(run.cfg, graphdef, states, run.mesh, run.model_cfg, (program,))[program]
 
 
 def rollout_memory(cfg: TrainConfig, graphdef, state, mesh) -> dict[str, int]:

@@ -197,11 +197,10 @@ def upsample_vo(s_v, spec: lf.LayerSpec):
     return jnp.repeat(s_v.reshape(spec.num_kv_heads, 1, spec.head_dim), g, axis=1).reshape(-1)
 
 
-@partial(jax.jit, static_argnames=("group",))
-def apply_scale(p: dict, caps: dict, s_prev, s_fc, group: ScaleGroup):
-    """Fold: prev_op /= s_prev (norm scale, or output columns + bias of a Linear); W *= s_fc (rows);
-    the group's captured input /= s_fc. Returns new (params, captures) dicts."""
-    p, caps = dict(p), dict(caps)
+def fold_scale(p: dict, s_prev, s_fc, group: ScaleGroup) -> dict:
+    """Fold into a layer's params: prev_op /= s_prev (norm scale, or output columns + bias of a Linear);
+    W *= s_fc (rows). Returns a new dict (the rollout copy folds fixed scales with it: lrmq.rl.rollout_copy)."""
+    p = dict(p)
     if group.prev in lf.LINEARS:
         p[group.prev] = exact_div(p[group.prev], s_prev[None, :])
         if group.prev + ".bias" in p:
@@ -210,8 +209,15 @@ def apply_scale(p: dict, caps: dict, s_prev, s_fc, group: ScaleGroup):
         p[group.prev] = exact_div(p[group.prev], s_prev)
     for fc in group.linears:
         p[fc] = p[fc] * s_fc[:, None]
+    return p
+
+
+@partial(jax.jit, static_argnames=("group",))
+def apply_scale(p: dict, caps: dict, s_prev, s_fc, group: ScaleGroup):
+    """`fold_scale`, and the group's captured input /= s_fc. Returns new (params, captures) dicts."""
+    caps = dict(caps)
     caps[group.inp] = exact_div(caps[group.inp], s_fc)
-    return p, caps
+    return fold_scale(p, s_prev, s_fc, group), caps
 
 
 # ----------------------------------------------------------------------------- clipping
@@ -302,6 +308,8 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
             else:
                 s_prev = s_fc = s
             p, caps = apply_scale(p, caps, s_prev, s_fc, group)
+            if result is not None:
+                result.scales.setdefault(ctx.index, {})[group.name] = (np.asarray(s_prev), np.asarray(s_fc))
     if opts.clip:
         for name in lf.LINEARS:
             if any(t in name for t in CLIP_SKIP):

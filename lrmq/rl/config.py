@@ -90,6 +90,25 @@ class RolloutSection:
     sync_steps: int = opt(64, "decode steps per device call of the rollout engine at most (it returns early "
                               "when a sequence stops while others wait)", ge=1)
 
+    quant: Literal["none", "int8", "int4", "nf4"] = opt(
+        "none", "weights the rollouts sample from: none (the learner's own forward: float, the QAT fake-quant "
+                "forward under quant.mode=qat, the packed base + adapters under qlora) or a packed copy of the "
+                "policy's projections, re-quantized on device after updates: int8 / int4 (RTN, groups of "
+                "rollout.quant_group_size rows) or nf4 (bitsandbytes, block 64). The float policy trains, saves "
+                "and exports; the sampler's log-probs come back with the tokens for algo.rollout_correction "
+                "(docs/grpo.md, 'Quantized rollouts')")
+    quant_group_size: int = opt(128, "rollout.quant int8 / int4: input rows per scale group (-1 = one scale per "
+                                     "output channel)", ge=1, also=(-1,))
+    quant_refresh: int = opt(1, "rollout.quant: re-quantize the rollout copy every k updates (1 = after every "
+                                "update; a resumed run re-quantizes at once)", ge=1)
+    quant_scales: Literal["rtn", "awq"] = opt(
+        "rtn", "rollout.quant int8 / int4: plain round-to-nearest, or AWQ scales searched once on the first rollout "
+               "batch (prompts and completions) and folded into the float weights before every re-quantization")
+    lora: Literal["unmerged", "merged"] = opt(
+        "unmerged", "quant.mode=qlora: rollouts run the packed base and the adapters as the learner does "
+                    "(unmerged; rollout.quant must be none: the base is packed already), or merge the adapters into "
+                    "the dequantized base and quantize that in rollout.quant's format (merged)")
+
     def engine_config(self):
         return EngineConfig(slots=self.generation_batch or self.prompts_per_step * self.group_size,
                             page_size=self.page_size, pages=self.kv_pages,
@@ -281,3 +300,24 @@ class TrainConfig:
                                       "mesh.data x mesh.fsdp")
         if self.run.steps < 1:
             raise ConfigError("run.steps must be >= 1")
+        self._check_rollout_quant()
+
+    def _check_rollout_quant(self):
+        r, mode = self.rollout, self.quant.mode
+        if r.lora == "merged" and mode != "qlora":
+            raise ConfigError(f"rollout.lora=merged: there are no adapters to merge under quant.mode={mode} "
+                              "(it applies to quant.mode=qlora)")
+        if mode == "qlora" and r.lora == "unmerged" and r.quant != "none":
+            raise ConfigError(f"rollout.quant={r.quant} with quant.mode=qlora: the base is packed already "
+                              f"({self.quant.base_format}) and the adapters are unmerged; set rollout.lora=merged "
+                              "to merge the adapters and quantize the result, or rollout.quant=none")
+        if r.lora == "merged" and r.quant == "none":
+            raise ConfigError("rollout.lora=merged needs a rollout.quant format (int8, int4, nf4) to quantize the "
+                              "merged weights into; rollout.lora=unmerged samples from the learner itself")
+        if r.quant_scales == "awq" and r.quant not in ("int8", "int4"):
+            raise ConfigError(f"rollout.quant_scales=awq needs rollout.quant int8 or int4 (got {r.quant})")
+
+    @property
+    def quantized_rollout(self) -> bool:
+        """Whether rollouts sample from a packed copy instead of the learner itself."""
+        return self.rollout.quant != "none"

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from lrmq.configlib import ConfigError
 from lrmq.rl.batch import ladder_choice, packed_ladder, pow2_buckets
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.step import micro_batch_count
+from lrmq.rl.step import micro_batch_count, rollout_correction
 from lrmq.sharding import batch_sharding
 
 GIB = 1024 ** 3
@@ -109,7 +109,7 @@ def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh) -> tuple[dict, j
                  "completion": _sds((s, c), jnp.int32, sh(2)), "completion_mask": _sds((s, c), jnp.float32, sh(2)),
                  "old_logp": _sds((s, c), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}
         ref_cols = c
-    if cfg.algo.resolved_rollout_correction() != "none":  # the sampler's log-probs, kept for every inner update
+    if rollout_correction(cfg) != "none":  # the sampler's log-probs, kept for every inner update
         batch["rollout_logp"] = batch["old_logp"]
     ref = _sds((s, ref_cols), jnp.float32, sh(2)) if cfg.algo.beta != 0.0 else None
     return batch, ref

@@ -209,7 +209,7 @@ def _metric_names(cfg: TrainConfig) -> tuple[str, ...]:
 
 def rollout_correction(cfg: TrainConfig) -> str:
     """The rollout/learner mismatch correction the update applies (algo.rollout_correction, `auto` resolved)."""
-    return cfg.algo.resolved_rollout_correction()
+    return cfg.algo.resolved_rollout_correction(cfg.quantized_rollout)
 
 
 def uses_rollout_logprobs(cfg: TrainConfig) -> bool:

@@ -34,6 +34,7 @@ from lrmq.rl.evaluation import SuiteEval
 from lrmq.rl.precompile import (abstract_update, batch_key, check_budget, lower_compile, memory_report, packed_chooser,
                                 update_shapes)
 from lrmq.rl.rewards import score_completions, weighted_rewards
+from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant, awq_rollout_scales, calibration_blocks
 from lrmq.rl.run_lock import RunDirLock
 from lrmq.rl.run_checks import config_diff, first_non_finite
 from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar, tb_writer
@@ -104,6 +105,13 @@ class GRPOTrainer:
         self.reward_failed = False
         self.engine = Engine(None, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, graphdef=self.graphdef,
                              model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh)
+        # rollout.quant: rollouts sample from a packed copy of the policy (its own engine); held-out evaluation,
+        # checkpoints and exports stay with the float policy (`self.engine`)
+        self.rollout_copy = self._make_rollout_copy()
+        self.rollout_engine = self.engine if self.rollout_copy is None else Engine(
+            None, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, graphdef=self.rollout_copy.graphdef,
+            model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh)
+        self._steps_since_refresh = 0
 
         # run.eval_suite's items are loaded now: missing benchmark data fails before any compute
         self.suite_eval = SuiteEval(cfg.run) if cfg.run.eval_suite else None
@@ -134,6 +142,46 @@ class GRPOTrainer:
     def states(self):
         return (self.trainable, self.rest)
 
+    # ------------------------------------------------------------------ the quantized rollout copy
+    def _make_rollout_copy(self) -> RolloutCopy | None:
+        r = self.cfg.rollout
+        if not self.cfg.quantized_rollout:
+            return None
+        spec = RolloutQuant(r.quant, group_size=r.quant_group_size, targets=self.cfg.quant.targets,
+                            merge_lora=r.lora == "merged")
+        try:
+            return RolloutCopy(self.graphdef, self.trainable, self.rest, spec, awq_scales=r.quant_scales == "awq",
+                               mesh=self.mesh)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+    def rollout_states(self):
+        """What rollouts sample from: the packed copy (rollout.quant) or the learner itself."""
+        if self.rollout_copy is None:
+            return self.states()
+        return self.rollout_copy.states(self.trainable, self.rest)
+
+    def refresh_rollout_copy(self, prompts: list[list[int]] | None = None) -> dict[str, float]:
+        """Re-quantize the rollout copy when rollout.quant_refresh updates have passed since the last time (or it
+        has none yet); with rollout.quant_scales=awq the scales are searched first, once, on `prompts`."""
+        c, r = self.rollout_copy, self.cfg.rollout
+        if c is None:
+            return {}
+        out = {}
+        if r.quant_scales == "awq" and c.scales is None and prompts is not None:
+            t0 = time.perf_counter()
+            with jax.set_mesh(self.mesh):
+                c.scales = awq_rollout_scales(self.graphdef, self.trainable, self.rest, calibration_blocks(prompts),
+                                              c.spec)
+            c.packed = None  # the RTN copy of the warm-up: re-quantize with the scales now
+            out["perf/awq_search_s"] = time.perf_counter() - t0
+            log.info("rollout.quant_scales=awq: scales searched on the first batch's prompts in %.1f s",
+                     out["perf/awq_search_s"])
+        if c.packed is None or self._steps_since_refresh >= r.quant_refresh:
+            out["perf/requantize_s"] = c.refresh(self.trainable, self.rest)
+            self._steps_since_refresh = 0
+        return out
+
     # ------------------------------------------------------------------ rollout
     def _encode_prompts(self, problems: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
         ids, truncated = [], 0
@@ -149,14 +197,15 @@ class GRPOTrainer:
         tokens, mask = left_pad(ids, width, self.tokenizer.pad_id)
         return tokens, mask, truncated
 
-    def _generate(self, tokens, mask, key, sampling: SamplingConfig, max_new: int):
-        """Complete every (left-padded) prompt row through the engine; sequence i samples with
-        `fold_in(key, i)`, so results depend neither on rollout.generation_batch nor on the devices."""
+    def _generate(self, tokens, mask, key, sampling: SamplingConfig, max_new: int, *, rollout: bool = False):
+        """Complete every (left-padded) prompt row through the engine (`rollout`: the rollout engine, on the
+        quantized copy when rollout.quant is set); sequence i samples with `fold_in(key, i)`, so results depend
+        neither on rollout.generation_batch nor on the devices."""
         prompts = [row[m > 0].tolist() for row, m in zip(tokens, mask)]
+        engine, states = (self.rollout_engine, self.rollout_states()) if rollout else (self.engine, self.states())
         with jax.set_mesh(self.mesh):
-            out = self.engine.generate(self.states(), prompts, max_new_tokens=max_new, sampling=sampling,
-                                       keys=sequence_keys(key, len(prompts)),
-                                       prompt_capacity=self.cfg.rollout.max_prompt_len)
+            out = engine.generate(states, prompts, max_new_tokens=max_new, sampling=sampling,
+                                  keys=sequence_keys(key, len(prompts)), prompt_capacity=self.cfg.rollout.max_prompt_len)
         return out.tokens, out.logprobs, out.lengths
 
     def rollout(self, batch: dict[str, list], key) -> tuple[Any, dict[str, float]]:
@@ -165,9 +214,10 @@ class GRPOTrainer:
         problems = [p for p in batch["problem"] for _ in range(g)]
         answers = [str(x) for x in batch["answer"] for _ in range(g)]
         tokens, mask, truncated = self._encode_prompts(problems)
+        copy_stats = self.refresh_rollout_copy([row[m > 0].tolist() for row, m in zip(tokens[::g], mask[::g])])
         t0 = time.perf_counter()
         sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        comp, logp, lengths = self._generate(tokens, mask, key, sampling, r.max_new_tokens)
+        comp, logp, lengths = self._generate(tokens, mask, key, sampling, r.max_new_tokens, rollout=True)
         t_gen = time.perf_counter() - t0
         texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(problems))]
         rewards, parts, info = self.score(texts, answers, lengths)
@@ -198,8 +248,16 @@ class GRPOTrainer:
             "prompt/truncated": float(truncated),
             "perf/rollout_tokens_per_s": float(lengths.sum() / max(t_gen, 1e-9)),
             "perf/rollout_s": t_gen,
+            "rollout/weight_bytes": float(self._rollout_weight_bytes()),
+            **copy_stats,
         }
         return rb, stats
+
+    def _rollout_weight_bytes(self) -> int:
+        """Bytes of the weights the rollout reads (the packed copy and the policy arrays it shares, or the policy)."""
+        if self.rollout_copy is not None:
+            return sum(self.rollout_copy.weight_bytes(self.trainable, self.rest).values())
+        return sum(int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in jax.tree.leaves(self.states()))
 
     def score(self, texts: list[str], answers: list[str], lengths) -> tuple[np.ndarray, dict, dict]:
         """(training reward [N], {reward name: its unweighted values}, the main reward's info)."""
@@ -267,6 +325,7 @@ class GRPOTrainer:
         n_tok = float((host["positions"] >= 0).sum() if "positions" in host else host["mask"].sum())
         metrics["perf/train_tokens_per_s"] = n_tok * self.cfg.algo.num_iterations / max(dt, 1e-9)
         metrics["perf/update_s"] = dt
+        self._steps_since_refresh += 1
         metrics["perf/update_width"] = float(host["tokens"].shape[1])
         metrics["perf/update_rows"] = float(host["tokens"].shape[0])  # packed: rows of several sequences
         return metrics
@@ -352,10 +411,16 @@ class GRPOTrainer:
         the first rollout (`Engine.warmup`): later rollouts and evaluations compile nothing."""
         r = self.cfg.rollout
         t0 = time.perf_counter()
-        for sampling in self._samplings().values():
-            with jax.set_mesh(self.mesh):
-                self.engine.warmup(self.states(), n_requests=r.prompts_per_step * r.group_size,
-                                   prompt_len=r.max_prompt_len, max_new=r.max_new_tokens, sampling=sampling)
+        sizes = dict(n_requests=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len, max_new=r.max_new_tokens)
+        samplings = self._samplings()
+        with jax.set_mesh(self.mesh):
+            if self.rollout_copy is not None:  # the copy's engine samples the rollouts; the policy's evaluates
+                self.refresh_rollout_copy()
+                self.rollout_engine.warmup(self.rollout_states(), sampling=samplings["sampled"], **sizes)
+                if not (self.cfg.run.eval_size or self.cfg.run.eval_suite):
+                    samplings = {}
+            for sampling in samplings.values():
+                self.engine.warmup(self.states(), sampling=sampling, **sizes)
         log.info("compiled the rollout engine's programs in %.1f s", time.perf_counter() - t0)
 
     def preflight(self) -> dict | None:
@@ -370,7 +435,11 @@ class GRPOTrainer:
             return None
         mem = {"train_step": mem["train_step"]}
         if self.preflight_programs is not None:
-            mem.update(self.preflight_programs(self.cfg, self.graphdef, self.states(), self.mesh))
+            if self.rollout_copy is None:
+                mem.update(self.preflight_programs(self.cfg, self.graphdef, self.states(), self.mesh))
+            else:
+                mem.update(self.preflight_programs(self.cfg, self.rollout_copy.graphdef,
+                                                   self.rollout_copy.states(self.trainable, self.rest), self.mesh))
         check_budget(mem, self.mesh.devices.flat[0], r.hbm_limit_gib, log=log.info)
         return mem
 
