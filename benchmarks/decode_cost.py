@@ -5,8 +5,11 @@ new tokens allowed, 54.1 ms with 512 (issue 24's measurement, 8-layer Qwen3-shap
 engine reads each row's live pages only. Here the same model (hidden 512, 8 heads, 4 KV heads, head_dim 64,
 8 layers, random weights, float32, greedy, 16-token prompts, batch 16) decodes with the engine's page table
 and KV pool sized for 512 ... 8,192 allowed new tokens (`Engine.generate(new_capacity=...)`), every sequence
-stopping at 64 tokens. A step's cost is (time for 64 tokens - time for 32 tokens) / 32, best of `--repeats`,
-the sizes interleaved in each round; compiles happen in a warmup call.
+stopping at `--long` tokens (default 160). A step's cost is (time for --long tokens - time for --short tokens
+(32)) / (long - short), best of `--repeats`, the sizes interleaved in each round; compiles happen in a warmup
+call. The difference removes what a call pays once (prefill, and the KV pool, which a call allocates whole:
+`call_s_short` records that part, which does grow with the allowed length); 128 steps keep the difference well
+above the timer noise of two runs of a few seconds.
 
     .venv/bin/python benchmarks/decode_cost.py --out docs/figures/decode_cost.json
 """
@@ -33,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--allowed", default="512,1024,2048,4096,8192")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--short", type=int, default=32)
+    ap.add_argument("--long", type=int, default=160)
     args = ap.parse_args(argv)
     threads = common.set_threads(args.threads)
     import jax
@@ -50,7 +55,7 @@ def main(argv=None) -> int:
         layer_types=("full_attention",) * ARCH["num_hidden_layers"], hidden_size=ARCH["hidden_size"],
         intermediate_size=ARCH["intermediate_size"], num_heads=ARCH["num_attention_heads"],
         num_kv_heads=ARCH["num_key_value_heads"], head_dim=ARCH["head_dim"], vocab_size=ARCH["vocab_size"],
-        max_position_embeddings=16 + max(allowed) + 128, tie_word_embeddings=True, param_dtype="float32")
+        max_position_embeddings=16 + max(allowed) + max(128, args.long), tie_word_embeddings=True, param_dtype="float32")
     model = Decoder(cfg, nnx.Rngs(0))
     state = nnx.state(model)
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (args.batch, 16)).tolist()
@@ -63,22 +68,24 @@ def main(argv=None) -> int:
         engines[a].generate(state, prompts, max_new_tokens=n, sampling=greedy, new_capacity=a)
         return time.perf_counter() - t0
 
+    lens = (args.short, args.long)
     for a in allowed:  # compiles (the row buckets the shrinking tail would use never come up: all stop together)
-        run(a, 32)
-        run(a, 64)
-    times = {a: {32: [], 64: []} for a in allowed}
+        for n in lens:
+            run(a, n)
+    times = {a: {n: [] for n in lens} for a in allowed}
     for _ in range(args.repeats):
         for a in allowed:
-            for n in (32, 64):
+            for n in lens:
                 times[a][n].append(run(a, n))
-    per_step = {a: (min(times[a][64]) - min(times[a][32])) / 32 for a in allowed}
+    per_step = {a: (min(times[a][args.long]) - min(times[a][args.short])) / (args.long - args.short) for a in allowed}
     base = per_step[allowed[0]]
     rows = [[a, engines[a].sizes(args.batch, 16, a)[1], f"{per_step[a] * 1e3:.2f}", f"{per_step[a] / base:.2f}x"]
             for a in allowed]
     print(common.md_table(["allowed new tokens", "KV pages", "ms per decode step", f"vs {allowed[0]}"], rows))
     common.write_json(args.out, {
         "benchmark": "decode_cost", "machine": common.machine_info(threads), "commit": common.source_commit(),
-        "model": ARCH, "batch": args.batch, "prompt_len": 16, "live_tokens": "32 -> 64",
+        "model": ARCH, "batch": args.batch, "prompt_len": 16,
+        "live_tokens": f"{args.short} -> {args.long}", "call_s_short": {str(a): min(times[a][args.short]) for a in allowed},
         "ms_per_step": {str(a): per_step[a] * 1e3 for a in allowed},
         "ratio_to_smallest": {str(a): per_step[a] / base for a in allowed},
         "times_s": {str(a): {str(n): v for n, v in t.items()} for a, t in times.items()}})

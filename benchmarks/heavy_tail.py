@@ -145,12 +145,15 @@ def run_worker(name: str, job: dict, threads: int, tmp: str) -> dict:
     with open(path, "w") as f:
         json.dump(job, f)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    load_before = os.getloadavg()[0]
     r = subprocess.run([sys.executable, __file__, "--worker", name, "--job", path, "--threads", str(threads)],
                        env=env, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{name} failed:\n{r.stderr[-3000:]}")
     with open(path + ".out") as f:
-        return json.load(f)
+        out = json.load(f)
+    out["loadavg_1min_before_after"] = [load_before, os.getloadavg()[0]]  # other work on the machine shows here
+    return out
 
 
 def main(argv=None) -> int:
@@ -209,6 +212,7 @@ def main(argv=None) -> int:
         if ref is not None:
             agree = sum(a == b for x, y in zip(r["tokens"], ref) for a, b in zip(x, y)) / useful
         figures[name] = {"seconds": r["seconds"], "useful_tokens_per_s": tps, "compile_seconds": r.get("compile_seconds"),
+                         "loadavg_1min_before_after": r["loadavg_1min_before_after"],
                          "greedy_tokens_equal_to_hf": agree, **({"stats": r["stats"]} if "stats" in r else {})}
         rows.append([name, f"{r['seconds']:.1f}", f"{r.get('compile_seconds') or 0:.1f}", f"{tps:.1f}",
                      "" if agree is None else f"{agree:.3f}"])

@@ -254,3 +254,29 @@ def test_equal_bits_pairs_compare_quantized_training_with_ptq():
     assert pairs[("grpo-qat-paper_int8", "grpo-ptq-int8-w8")]["n"] == 2  # only the seeds both have
     one = paired(arms[0], {"name": "b", "seeds": {"0": {"acc": 0.1}}}, "acc")
     assert one["n"] == 1 and one["se"] is None and one["beyond_2se"] is None
+
+
+def test_quantized_rollout_arms_report_mismatch(tmp_path):
+    """A train arm's result keeps the reward and the sampler/learner mismatch averaged over its steps (not the
+    last step's), and results.md gets the rollout table for arms that logged a mismatch."""
+    from lrmq.studies.report import markdown
+    from lrmq.studies.runner import last_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "eval/sampled_accuracy": 0.2}]
+    rows += [{"step": s, "reward/mean": 0.1 * s, "train/mismatch/kl_k3": 0.01 * s, "train/mismatch/kl_k1": 0.02,
+              "train/mismatch/corrected_frac": 0.0, "rollout/weight_bytes": 2 ** 20} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = last_metrics(str(path))
+    assert m["reward/mean"] == pytest.approx(0.3) and m["reward/mean_avg"] == pytest.approx(0.2)
+    assert m["mismatch/kl_k3_avg"] == pytest.approx(0.02) and m["rollout/weight_bytes"] == 2 ** 20
+    assert m["eval/sampled_accuracy"] == 0.2
+
+    stat = lambda v: {"mean": v, "std": 0.0, "n": 1}  # noqa: E731
+    arm = {"name": "int4-mis", "group": "int4 rollouts", "nominal_bits": 32.0, "mean": 0.3, "n": 1,
+           "metrics": {f"train/{k}": stat(v) for k, v in m.items()}, "memory": {}, "vs_baseline": None}
+    res = {"study": "s", "metric": "sampled_accuracy", "eval": {"kind": "heldout", "size": 8, "samples": 1},
+           "seeds": [0], "written": "now", "arms": [arm, {**arm, "name": "fp", "metrics": {}}]}
+    md = markdown(res)
+    assert "| int4-mis | 0.200 | 0.02000 | 0.02000 | 0.000 | 1.000 |" in md
+    assert "| fp | 0.200" not in md  # no mismatch logged: not a rollout row

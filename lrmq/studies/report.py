@@ -30,7 +30,7 @@ from lrmq.atomic import atomic_write_text
 from lrmq.studies.matrix import FLOAT_BITS, nominal_bits
 from lrmq.studies.runner import RESULT, Study, job_dir, read_metrics, wall_clock
 
-PLOTS = ("reward_curves.png", "accuracy_vs_bits.png", "accuracy_vs_bytes.png", "importance_hist.png")
+PLOTS = ("reward_curves.png", "accuracy_vs_bits.png", "accuracy_vs_bytes.png", "importance_hist.png", "mismatch_kl.png")
 
 
 def _stats(values: list[float]) -> dict:
@@ -207,6 +207,20 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
                   "| FP policy | bits | trained quantized (A) | PTQ (B) | A − B | seeds |", "|---|---|---|---|---|---|"]
         for p in res["equal_bits_pairs"]:
             lines.append(f"| {p['source']} | {p['bits']} | {p['a']} | {p['b']} | {_paired_cell(p)} | {p['n']} |")
+    rollout_arms = [a for a in res["arms"] if "train/mismatch/kl_k3_avg" in a["metrics"]]
+    if rollout_arms:
+        lines += ["", "Rollouts (train arms; means over training steps, then mean ± std over seeds): the reward, "
+                      "the sampler/learner mismatch KL(sampler || learner) (k1, k3 estimators), the fraction of "
+                      "tokens the correction truncated or masked, and the bytes of the rollout's weights:", "",
+                  "| arm | reward over training | KL k1 | KL k3 | corrected | rollout weight MiB |",
+                  "|---|---|---|---|---|---|"]
+        for a in rollout_arms:
+            m = a["metrics"]
+            wb = m.get("train/rollout/weight_bytes")
+            lines.append(f"| {a['name']} | {_pm(m.get('train/reward/mean_avg'))} | "
+                         f"{_pm(m.get('train/mismatch/kl_k1_avg'), 5)} | {_pm(m.get('train/mismatch/kl_k3_avg'), 5)} | "
+                         f"{_pm(m.get('train/mismatch/corrected_frac_avg'))} | "
+                         f"{_mib(wb['mean']) if wb else '-'} |")
     if failed:
         lines += ["", "Jobs without a result:", ""]
         lines += [f"* {f['arm']} seed {f['seed']}: {f['status']}: {f['error']}" for f in failed]
@@ -227,6 +241,12 @@ def _plt():
 
 
 def plot_reward_curves(study: Study, res: dict, path: str) -> bool:
+    return plot_train_curves(study, res, path, "reward/mean", "rollout reward", "reward curves")
+
+
+def plot_train_curves(study: Study, res: dict, path: str, key: str, ylabel: str, title: str) -> bool:
+    """`key` from the train arms' metrics.jsonl against the step: mean over seeds, min-max band. False (and no
+    file) when no arm logged it."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5))
     drew = False
@@ -236,9 +256,9 @@ def plot_reward_curves(study: Study, res: dict, path: str) -> bool:
         curves = []
         for seed in study.cfg.seeds:
             rows = [r for r in read_metrics(os.path.join(job_dir(study.out, a["name"], seed), "run", "metrics.jsonl"))
-                    if "reward/mean" in r]
+                    if key in r]
             if rows:
-                curves.append({int(r["step"]): float(r["reward/mean"]) for r in rows})
+                curves.append({int(r["step"]): float(r[key]) for r in rows})
         if not curves:
             continue
         steps = sorted(set.intersection(*(set(c) for c in curves)))
@@ -248,12 +268,12 @@ def plot_reward_curves(study: Study, res: dict, path: str) -> bool:
             ax.fill_between(steps, y.min(0), y.max(0), color=line.get_color(), alpha=0.15)
         drew = True
     ax.set_xlabel("step")
-    ax.set_ylabel("rollout reward (mean over seeds; band: min-max)")
-    ax.set_title(f"{res['study']}: reward curves")
+    ax.set_ylabel(f"{ylabel} (mean over seeds; band: min-max)")
+    ax.set_title(f"{res['study']}: {title}")
     if drew:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
     plt.close(fig)
     return drew
 
@@ -341,6 +361,9 @@ def write_report(study: Study, failed: list[dict] = ()) -> dict:
                                               lambda a: a["memory"].get("weight_bytes"), "model weight bytes",
                                               f"{res['study']}: accuracy vs model bytes", logx=True, pareto=True),
             "importance_hist.png": plot_importance(study, res, os.path.join(d, "importance_hist.png")),
+            "mismatch_kl.png": plot_train_curves(study, res, os.path.join(d, "mismatch_kl.png"),
+                                                 "train/mismatch/kl_k3", "KL(sampler || learner), k3",
+                                                 "rollout/learner mismatch"),
         }
         plots = {k: os.path.join("plots", k) for k, ok in made.items() if ok}
         for k, ok in made.items():

@@ -367,13 +367,25 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+# Train metrics a study keeps: the last value of each, and the mean over the run's steps of the AVERAGED ones
+# (the reward over training; the sampler/learner mismatch of quantized rollouts, `mismatch/*_avg`).
+KEEP_LAST = ("step", "eval/sampled_accuracy", "eval/greedy_accuracy", "reward/mean", "reward/accuracy", "perf/step_s",
+             "rollout/weight_bytes")
+AVERAGED = {"reward/mean": "reward/mean_avg", "train/mismatch/kl_k1": "mismatch/kl_k1_avg",
+            "train/mismatch/kl_k3": "mismatch/kl_k3_avg", "train/mismatch/corrected_frac": "mismatch/corrected_frac_avg"}
+
+
 def last_metrics(path: str) -> dict:
     rows = read_metrics(path)
     out: dict = {}
     for r in rows:
         out.update({k: v for k, v in r.items() if isinstance(v, (int, float))})
-    keep = ("step", "eval/sampled_accuracy", "eval/greedy_accuracy", "reward/mean", "reward/accuracy", "perf/step_s")
-    return {k: out[k] for k in keep if k in out}
+    kept = {k: out[k] for k in KEEP_LAST if k in out}
+    for key, name in AVERAGED.items():
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if values:
+            kept[name] = sum(values) / len(values)
+    return kept
 
 
 def _progress(total: int, initial: int, enabled: bool):
