@@ -29,6 +29,18 @@ ARCH = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key
             intermediate_size=1536, vocab_size=4096)
 
 
+def model_config(max_positions: int):
+    """The ARCH model as an lrmq ModelConfig (Qwen3 layers, tied embeddings, float32)."""
+    from lrmq.model.presets import preset_config
+
+    return dataclasses.replace(
+        preset_config("qwen3-0.6b", dtype="float32"), num_layers=ARCH["num_hidden_layers"],
+        layer_types=("full_attention",) * ARCH["num_hidden_layers"], hidden_size=ARCH["hidden_size"],
+        intermediate_size=ARCH["intermediate_size"], num_heads=ARCH["num_attention_heads"],
+        num_kv_heads=ARCH["num_key_value_heads"], head_dim=ARCH["head_dim"], vocab_size=ARCH["vocab_size"],
+        max_position_embeddings=max_positions, tie_word_embeddings=True, param_dtype="float32")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
@@ -46,16 +58,10 @@ def main(argv=None) -> int:
 
     from lrmq.generation.engine import Engine, EngineConfig
     from lrmq.generation.sampling import SamplingConfig
-    from lrmq.model.presets import preset_config
     from lrmq.model.decoder import Decoder
 
     allowed = [int(a) for a in args.allowed.split(",")]
-    cfg = dataclasses.replace(
-        preset_config("qwen3-0.6b", dtype="float32"), num_layers=ARCH["num_hidden_layers"],
-        layer_types=("full_attention",) * ARCH["num_hidden_layers"], hidden_size=ARCH["hidden_size"],
-        intermediate_size=ARCH["intermediate_size"], num_heads=ARCH["num_attention_heads"],
-        num_kv_heads=ARCH["num_key_value_heads"], head_dim=ARCH["head_dim"], vocab_size=ARCH["vocab_size"],
-        max_position_embeddings=16 + max(allowed) + max(128, args.long), tie_word_embeddings=True, param_dtype="float32")
+    cfg = model_config(16 + max(allowed) + max(128, args.long))
     model = Decoder(cfg, nnx.Rngs(0))
     state = nnx.state(model)
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (args.batch, 16)).tolist()

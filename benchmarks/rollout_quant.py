@@ -20,7 +20,6 @@ the float policy's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -28,9 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from decode_cost import ARCH, model_config  # noqa: E402  (the same model)
 
-ARCH = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-            intermediate_size=1536, vocab_size=4096)
 FORMATS = ("int8", "int4", "nf4")
 
 
@@ -50,15 +48,9 @@ def main(argv=None) -> int:
     from lrmq.generation.engine import Engine, EngineConfig
     from lrmq.generation.sampling import SamplingConfig
     from lrmq.model.decoder import Decoder
-    from lrmq.model.presets import preset_config
     from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 
-    cfg = dataclasses.replace(
-        preset_config("qwen3-0.6b", dtype="float32"), num_layers=ARCH["num_hidden_layers"],
-        layer_types=("full_attention",) * ARCH["num_hidden_layers"], hidden_size=ARCH["hidden_size"],
-        intermediate_size=ARCH["intermediate_size"], num_heads=ARCH["num_attention_heads"],
-        num_kv_heads=ARCH["num_key_value_heads"], head_dim=ARCH["head_dim"], vocab_size=ARCH["vocab_size"],
-        max_position_embeddings=16 + args.new + 128, tie_word_embeddings=True, param_dtype="float32")
+    cfg = model_config(16 + args.new + 128)
     model = Decoder(cfg, nnx.Rngs(0))
     graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (args.batch, 16)).tolist()
