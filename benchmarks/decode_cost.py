@@ -52,7 +52,6 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=160)
     args = ap.parse_args(argv)
     threads = common.set_threads(args.threads)
-    import jax
     import numpy as np
     from flax import nnx
 

@@ -8,6 +8,8 @@ shardings and AQT's dot_general (which cannot take `out_sharding`) works.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 
@@ -69,8 +71,26 @@ def make_mesh(cfg: MeshConfig | tuple[int, int, int] | None = None, devices=None
 # the paged KV pool (`lrmq.generation.paged.kv_head_axes`). An axis that does not divide a dimension leaves
 # that weight whole (`logical_to_spec`).
 DECODE_TP = ("tensor", "fsdp")
-DECODE_RULES = {**RULES, "embed": None, "heads": DECODE_TP, "kv_heads": DECODE_TP, "mlp": DECODE_TP,
-                "vocab": DECODE_TP}
+DECODE_RULES = {**RULES, "batch": ("data",), "embed": None, "heads": DECODE_TP, "kv_heads": DECODE_TP,
+                "mlp": DECODE_TP, "vocab": DECODE_TP}
+
+# The rules a program is being traced under, for code that partitions by hand (`lrmq.quant.qmatmul` wraps the
+# Pallas kernels, which XLA cannot partition, in a shard_map): the generation engine traces its programs under
+# DECODE_RULES, everything else under RULES.
+_RULES_IN_EFFECT: contextvars.ContextVar = contextvars.ContextVar("lrmq_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules):
+    token = _RULES_IN_EFFECT.set(rules)
+    try:
+        yield
+    finally:
+        _RULES_IN_EFFECT.reset(token)
+
+
+def rules_in_effect() -> dict:
+    return _RULES_IN_EFFECT.get() or RULES
 
 
 def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh, rules=None) -> P:
@@ -97,7 +117,7 @@ def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...],
 def state_shardings(state, mesh: Mesh, rules=None, *, stacked: bool = False):
     """NamedShardings for every leaf of an nnx State (from each Variable's logical axes; `rules` default RULES).
     stacked: the leaves carry a leading layer axis (`lrmq.model.decoder.layer_runs`), kept whole."""
-    return _map_variables(state, lambda axes, v: _leaf_sharding(axes, v, mesh, rules, stacked))
+    return _map_variables(state, lambda axes, v: _leaf_sharding(axes, v, mesh, rules, stacked), stacked)
 
 
 def constrain_state(state, mesh: Mesh, rules=None, *, stacked: bool = False):
@@ -105,15 +125,18 @@ def constrain_state(state, mesh: Mesh, rules=None, *, stacked: bool = False):
     def one(axes, v):
         return jax.lax.with_sharding_constraint(v, _leaf_sharding(axes, v, mesh, rules, stacked))
 
-    return jax.tree.map(lambda var: var.replace(_map_variables(var, one)) if isinstance(var, nnx.Variable) else var,
-                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(lambda var: var.replace(_map_variables(var, one, stacked)) if isinstance(var, nnx.Variable)
+                        else var, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _map_variables(tree, fn):
-    """fn(logical axes or None, array) over every array of `tree`, a Variable's arrays getting its axes."""
+def _map_variables(tree, fn, stacked: bool = False):
+    """fn(logical axes or None, array) over every array of `tree`, a Variable's arrays getting its axes; the
+    arrays of a packed weight (a value with `array_axes`, `QuantizedWeight`) each get their own."""
     def one(var):
         axes = var.get_metadata().get(LOGICAL_AXES_KEY) if isinstance(var, nnx.Variable) else None
         value = var.get_value() if isinstance(var, nnx.Variable) else var
+        if hasattr(value, "array_axes"):
+            return jax.tree.map(lambda v, a: fn(a, v), value, value.array_axes(axes, lead=int(stacked)))
         return jax.tree.map(lambda v: fn(axes, v), value)
 
     if isinstance(tree, nnx.Variable):

@@ -11,6 +11,8 @@
   weights, embedding and lm head are relaid into the tensor-parallel decode layout once per call, before the
   loop), each chip holds 1/8 of the KV pool (KV heads split like the KV projections) and reads 1/8 of the
   weights; without the embedding / lm head layout the check fails.
+* The same with packed int4 / NF4 weights (quantized rollouts): the Pallas matmul kernels' shard_map follows the
+  decode layout, so no packed weight is gathered per token either.
 * On 8 CPU devices the engine with the pool split over KV heads gives the single-device tokens and log-probs.
 """
 
@@ -118,7 +120,7 @@ def test_pool_heads_split_like_the_kv_projections():
 
 
 # ----------------------------------------------------------------------------- TPU compiles (libtpu)
-def _compile(topology, mesh_shape, *, slots=16):
+def _compile(topology, mesh_shape, *, slots=16, pack=None):
     from lrmq import aot
     from lrmq.generation.engine import EngineConfig
     from lrmq.generation.sampling import SamplingConfig
@@ -128,7 +130,7 @@ def _compile(topology, mesh_shape, *, slots=16):
     cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")
     devices = list(aot.topology_devices(topology))[:int(np.prod(mesh_shape))]
     mesh = make_mesh(MeshConfig(*mesh_shape), devices=devices)
-    graphdef, state = aot.abstract_model(cfg, mesh)
+    graphdef, state = aot.abstract_model(cfg, mesh, pack=pack)
     return aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=slots, prompt_len=64, max_new=64,
                                 engine=EngineConfig(slots=slots, sync_steps=4), sampling=SamplingConfig()), state
 
@@ -144,10 +146,11 @@ def test_engine_programs_compile_with_the_kernel(gen):
 
 def _weight_collectives_in_loop(compiled, state):
     """(collectives in the decode loop moving at least a weight matrix's decode-layout share (1/8 of the
-    smallest), bytes the collectives outside the loop move, the collectives in the loop)."""
+    smallest; matrices: the 2-D arrays of 64 KiB or more, float kernels or packed codes, not the group scales),
+    bytes the collectives outside the loop move, the collectives in the loop)."""
     from lrmq.hlo import Module, decode_loop
 
-    leaves = [x for x in jax.tree.leaves(state) if len(x.shape) >= 2]
+    leaves = [x for x in jax.tree.leaves(state) if len(x.shape) >= 2 and x.size * x.dtype.itemsize >= 64 << 10]
     smallest = min(x.size * x.dtype.itemsize for x in leaves) // 8
     module = Module(compiled.as_text())
     loop = decode_loop(module)
@@ -187,6 +190,40 @@ def test_decode_on_a_slice_gathers_weights_once_per_call_and_splits_the_pool(mon
     programs, state = _compile("v5e:2x4", (1, 8, 1))
     heavy, _, _ = _weight_collectives_in_loop(programs["decode"][0], state)
     assert heavy, "a per-step lm head gather should have been found"
+
+
+@pytest.mark.parametrize("pack", ["int4", "nf4"])
+def test_packed_decode_on_a_slice_keeps_weights_split(monkeypatch, pack):
+    """Quantized rollouts on v5e:2x4: the packed kernels' shard_map follows the decode layout (the weights split
+    over tensor x fsdp, activations gathered), so no packed weight is gathered in the loop; each chip holds 1/8
+    of the packed bytes. Under the training rules (fsdp = a batch axis) every packed Linear was gathered per
+    token."""
+    _require_libtpu()
+    from lrmq.aot import memory_report
+
+    programs, state = _compile("v5e:2x4", (1, 8, 1), pack=pack)
+    decode = programs["decode"][0]
+    text = decode.as_text()
+    assert "ragged_paged_attention" in text and text.count("tpu_custom_call") > 2  # the packed matmul kernels
+    heavy, _, inside = _weight_collectives_in_loop(decode, state)
+    assert not heavy, heavy
+    assert all(c["bytes"] < 64 << 10 for c in inside)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    pool = jax.tree.leaves(decode.args_info)[len(jax.tree.leaves(state))]
+    pool_bytes = int(np.prod(pool.shape)) * pool.dtype.itemsize
+    assert memory_report(decode)["arguments"] < (pool_bytes + weights) / 8 + (1 << 20)
+    if pack == "nf4":
+        return
+    # teeth: traced under the training rules (the engine not declaring its decode rules), the kernels' shard_map
+    # gathers every packed weight over fsdp, in the loop
+    import contextlib
+
+    from lrmq.generation import engine
+
+    monkeypatch.setattr(engine, "use_rules", lambda rules: contextlib.nullcontext())
+    programs, state = _compile("v5e:2x4", (1, 8, 1), pack=pack)
+    heavy, _, _ = _weight_collectives_in_loop(programs["decode"][0], state)
+    assert heavy, "per-step gathers of the packed weights should have been found"
 
 
 def _runs_only_layout(mesh):

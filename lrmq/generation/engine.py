@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from lrmq.generation.paged import NULL_PAGE, PagedCache, new_pool, pages_for, pool_sharding, pool_shape
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.model.decoder import Decoder, layer_runs
-from lrmq.sharding import DECODE_RULES, batch_divisor, batch_sharding, constrain_state, host_array
+from lrmq.sharding import DECODE_RULES, batch_divisor, batch_sharding, constrain_state, host_array, use_rules
 
 
 @dataclass
@@ -212,18 +212,19 @@ def decode_layout(mesh):
 
 
 class _OnMesh:
-    """A jitted program traced, run and lowered under `jax.set_mesh(mesh)`: the paged cache's kernels (shard_map
-    over the pool's KV heads) and the activation constraints read the mesh in effect when it is traced."""
+    """A jitted program traced, run and lowered under `jax.set_mesh(mesh)` and the decode rules: the paged cache's
+    kernels (shard_map over the pool's KV heads), the packed-weight kernels (`qmatmul`, over the weights' decode
+    layout) and the activation constraints read the mesh and rules in effect when it is traced."""
 
     def __init__(self, fn, mesh):
         self.fn, self.mesh = fn, mesh
 
     def __call__(self, *args):
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(DECODE_RULES):
             return self.fn(*args)
 
     def lower(self, *args):
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), use_rules(DECODE_RULES):
             return self.fn.lower(*args)
 
 

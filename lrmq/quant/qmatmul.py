@@ -18,7 +18,10 @@ device is in effect, the call is wrapped in `jax.shard_map` (`kernel_specs`): th
 (batch) dim stays sharded over the mesh's batch axes (replicated when it does not divide), the weight
 is gathered over its FSDP storage axes (XLA inserts the all-gather), stays split over the tensor axis
 on N (column-parallel) or on K (row-parallel, partial outputs `psum`-ed). The custom_vjp backward runs
-inside the same shard_map, so it is partitioned the same way.
+inside the same shard_map, so it is partitioned the same way. Which axes are "batch" and how the weight
+is laid out come from the logical rules in effect (`sharding.use_rules`): training's `RULES`, or the
+generation engine's `DECODE_RULES`, under which a weight split over (tensor, fsdp) stays split and no
+weight crosses the interconnect per decoded token.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from lrmq.quant.formats import PACKINGS, Packing, dequantize, packing_of
 from lrmq.quant.qweight import QuantizedWeight
-from lrmq.sharding import RULES, logical_to_spec
+from lrmq.sharding import logical_to_spec, rules_in_effect
 
 
 def _dequant_dot(x, qw: QuantizedWeight):
@@ -74,10 +77,10 @@ def _entry(axes: tuple):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def _batch_axes(mesh, lead: int | None) -> tuple:
+def _batch_axes(mesh, lead: int | None, rules: dict) -> tuple:
     """Mesh axes the activation's leading dim is split over: the `batch` rule's axes, dropping
     trailing ones until the size divides (decode batches smaller than the mesh: replicated)."""
-    axes = tuple(a for a in _axes(RULES.get("batch")) if a in mesh.shape and mesh.shape[a] > 1)
+    axes = tuple(a for a in _axes(rules.get("batch")) if a in mesh.shape and mesh.shape[a] > 1)
     if lead is None:
         return ()
     while axes and lead % _size(mesh, axes):
@@ -85,14 +88,16 @@ def _batch_axes(mesh, lead: int | None) -> tuple:
     return axes
 
 
-def _weight_axes(qw: QuantizedWeight, packing: Packing, axes, mesh) -> tuple[tuple, tuple]:
+def _weight_axes(qw: QuantizedWeight, packing: Packing, axes, mesh, rules: dict) -> tuple[tuple, tuple]:
     """(K mesh axes, N mesh axes) the kernel keeps the weight split over: the weight's logical
-    sharding minus the batch (FSDP storage) axes, which are gathered; K only when every K-shaped
-    array (codes, group scales) splits evenly, so each shard holds whole groups."""
+    sharding under `rules` minus the batch axes (training's FSDP storage axes, gathered per call;
+    the decode rules split the batch over `data` only, so a tensor-parallel weight stays split);
+    K only when every K-shaped array (codes, group scales) splits evenly, so each shard holds
+    whole groups."""
     if axes is None or len(axes) != 2:
         return (), ()
-    batch = set(_axes(RULES.get("batch")))
-    spec = tuple(logical_to_spec(tuple(axes), (qw.K, qw.N), mesh)) + (None, None)
+    batch = set(_axes(rules.get("batch")))
+    spec = tuple(logical_to_spec(tuple(axes), (qw.K, qw.N), mesh, rules)) + (None, None)
     k_ax, n_ax = (tuple(a for a in _axes(s) if a not in batch) for s in spec[:2])
     if n_ax and qw.N % _size(mesh, n_ax):
         n_ax = ()
@@ -105,11 +110,13 @@ def _weight_axes(qw: QuantizedWeight, packing: Packing, axes, mesh) -> tuple[tup
 
 
 def kernel_specs(x_shape: tuple, qw: QuantizedWeight, packing: Packing | str, axes,
-                 mesh) -> KernelSpecs:
-    """Partition specs for running the kernel on `mesh` (see the module docstring)."""
+                 mesh, rules: dict | None = None) -> KernelSpecs:
+    """Partition specs for running the kernel on `mesh` (see the module docstring). `rules`: the
+    logical-axis rules the weights are laid out by (default: those in effect, `sharding.use_rules`)."""
     packing = PACKINGS.get(packing) if isinstance(packing, str) else packing
-    k_ax, n_ax = _weight_axes(qw, packing, axes, mesh)
-    batch = _batch_axes(mesh, x_shape[0] if len(x_shape) > 1 else None)
+    rules = rules if rules is not None else rules_in_effect()
+    k_ax, n_ax = _weight_axes(qw, packing, axes, mesh, rules)
+    batch = _batch_axes(mesh, x_shape[0] if len(x_shape) > 1 else None, rules)
     mid = [None] * max(len(x_shape) - 2, 0)
     lead = [_entry(batch)] if len(x_shape) > 1 else []
     k, n = _entry(k_ax), _entry(n_ax)

@@ -24,9 +24,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.linear import Linear
-from lrmq.quant.formats import storage_format
 from lrmq.quant.qkernel import QuantizedKernel
-from lrmq.quant.qweight import ARRAY_FIELDS, QuantizedWeight
+from lrmq.quant.qweight import QuantizedWeight
 from lrmq.sharding import LOGICAL_AXES_KEY, logical_to_spec
 
 # QuantSection.targets' default: the seven projections of every layer; lm_head is never matched.
@@ -82,19 +81,10 @@ def mesh_of(arr):
     return sh.mesh if isinstance(sh, NamedSharding) else None
 
 
-def qweight_shardings(qw: QuantizedWeight, axes, mesh) -> QuantizedWeight:
-    """A QuantizedWeight-shaped pytree of NamedShardings (see the module docstring)."""
-    named = dict(zip(("in", "out"), tuple(axes) if axes is not None else (None, None)))
-    array_axes = storage_format(qw.fmt).array_axes
-
-    def spec_for(name, a):
-        which = array_axes(name, a.ndim)
-        if which is None:
-            return P()
-        return logical_to_spec(tuple(named[w] for w in which), a.shape, mesh)
-
-    return qw.replace(**{k: (NamedSharding(mesh, spec_for(k, getattr(qw, k)))
-                             if getattr(qw, k) is not None else None) for k in ARRAY_FIELDS})
+def qweight_shardings(qw: QuantizedWeight, axes, mesh, rules=None) -> QuantizedWeight:
+    """A QuantizedWeight-shaped pytree of NamedShardings (see the module docstring); `rules` default RULES."""
+    return jax.tree.map(lambda a, names: NamedSharding(mesh, logical_to_spec(names, a.shape, mesh, rules)),
+                        qw, qw.array_axes(axes))
 
 
 def place_qweight(qw: QuantizedWeight, axes, mesh) -> QuantizedWeight:
