@@ -131,12 +131,12 @@ def constrain_state(state, mesh: Mesh, rules=None, *, stacked: bool = False):
 
 def _map_variables(tree, fn, stacked: bool = False):
     """fn(logical axes or None, array) over every array of `tree`, a Variable's arrays getting its axes; the
-    arrays of a packed weight (a value with `array_axes`, `QuantizedWeight`) each get their own."""
+    arrays of a packed weight (a Variable with `array_axes`, `QuantizedKernel`) each get their own."""
     def one(var):
         axes = var.get_metadata().get(LOGICAL_AXES_KEY) if isinstance(var, nnx.Variable) else None
         value = var.get_value() if isinstance(var, nnx.Variable) else var
-        if hasattr(value, "array_axes"):
-            return jax.tree.map(lambda v, a: fn(a, v), value, value.array_axes(axes, lead=int(stacked)))
+        if hasattr(var, "array_axes"):
+            return jax.tree.map(lambda v, a: fn(a, v), value, var.array_axes(lead=int(stacked)))
         return jax.tree.map(lambda v: fn(axes, v), value)
 
     if isinstance(tree, nnx.Variable):

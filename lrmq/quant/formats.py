@@ -28,7 +28,7 @@ from lrmq.quant.quantizers import (
     quantize_codes,
     resolve_group_size,
 )
-from lrmq.quant.qweight import QuantizedWeight
+from lrmq.quant.qweight import ARRAY_FIELDS, QuantizedWeight
 from lrmq.registry import Registry
 
 
@@ -98,6 +98,23 @@ def storage_format(fmt: str) -> StorageFormat:
     if fmt not in STORAGE:
         raise ValueError(f"unknown fmt {fmt!r}; known: {STORAGE.names()}")
     return STORAGE.get(fmt)
+
+
+def array_axes(qw: QuantizedWeight, axes, lead: int = 0) -> QuantizedWeight:
+    """Each array's logical axes (a tuple per array field; () = replicated) from the kernel's (in, out)
+    logical `axes`, as the storage format lays the arrays out (NF4 codes are [N, K/2], int codes [K', N]).
+    `lead`: leading dims the arrays carry before their own (a stacked layer axis), not in the result."""
+    which = storage_format(qw.fmt).array_axes
+    named = dict(zip(("in", "out"), tuple(axes) if axes is not None else (None, None)))
+
+    def one(name):
+        a = getattr(qw, name)
+        if a is None:
+            return None
+        dims = which(name, a.ndim - lead)
+        return () if dims is None else tuple(named[d] for d in dims)
+
+    return qw.replace(**{k: one(k) for k in ARRAY_FIELDS})
 
 
 def quantize_weight(w, *, fmt: str = "int", bits: int = 4, group_size: int = 128,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from lrmq.quant.formats import dequantize
+from lrmq.quant.formats import array_axes, dequantize
 from lrmq.quant.qmatmul import qmatmul
 from lrmq.sharding import LOGICAL_AXES_KEY
 
@@ -31,3 +31,8 @@ class QuantizedKernel(nnx.Variable):
     def dequantized(self) -> jax.Array:
         """The [K, N] float weight."""
         return dequantize(self.get_value())
+
+    def array_axes(self, lead: int = 0):
+        """The logical axes of each packed array (`formats.array_axes`), for `lrmq.sharding`'s layouts;
+        `lead`: a stacked layer axis in front."""
+        return array_axes(self.get_value(), self.get_metadata().get(LOGICAL_AXES_KEY), lead)

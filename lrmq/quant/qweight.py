@@ -68,24 +68,6 @@ class QuantizedWeight:
     def static(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in STATIC_FIELDS}
 
-    def array_axes(self, axes, lead: int = 0) -> "QuantizedWeight":
-        """Each array's logical axes (a tuple per array field; () = replicated) from the kernel's (in, out)
-        logical `axes`, as the storage format lays the arrays out (NF4 codes are [N, K/2], int codes [K', N]).
-        `lead`: leading dims the arrays carry before their own (a stacked layer axis), not in the result."""
-        from lrmq.quant.formats import storage_format  # formats builds on this module
-
-        which = storage_format(self.fmt).array_axes
-        named = dict(zip(("in", "out"), tuple(axes) if axes is not None else (None, None)))
-
-        def one(name):
-            a = getattr(self, name)
-            if a is None:
-                return None
-            dims = which(name, a.ndim - lead)
-            return () if dims is None else tuple(named[d] for d in dims)
-
-        return self.replace(**{k: one(k) for k in ARRAY_FIELDS})
-
 
 def _key(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name

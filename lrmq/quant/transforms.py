@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.linear import Linear
+from lrmq.quant.formats import array_axes
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.sharding import LOGICAL_AXES_KEY, logical_to_spec
@@ -84,7 +85,7 @@ def mesh_of(arr):
 def qweight_shardings(qw: QuantizedWeight, axes, mesh, rules=None) -> QuantizedWeight:
     """A QuantizedWeight-shaped pytree of NamedShardings (see the module docstring); `rules` default RULES."""
     return jax.tree.map(lambda a, names: NamedSharding(mesh, logical_to_spec(names, a.shape, mesh, rules)),
-                        qw, qw.array_axes(axes))
+                        qw, array_axes(qw, axes))
 
 
 def place_qweight(qw: QuantizedWeight, axes, mesh) -> QuantizedWeight:
