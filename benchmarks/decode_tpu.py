@@ -73,6 +73,8 @@ CASES = dict([
     *[_case(m, t, 256, 512, 1024, weights=w) for m, t in (("qwen3-0.6b", "v5e:2x4"), ("qwen3-8b", "v6e:2x4"),
                                                          ("qwen3-8b", "v5e:2x4"))
       for w in ("int8", "int4", "nf4")],
+    # a smaller batch (one prompt's 32 samples per call): the weights, not the KV pages, dominate a step's bytes
+    *[_case("qwen3-8b", "v6e:2x4", 32, 512, 1024, weights=w) for w in ("bf16", "int4")],
 ])
 
 
