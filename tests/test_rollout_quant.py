@@ -187,6 +187,18 @@ def test_auto_correction_turns_on_with_a_quantized_rollout(tmp_path):
                                                 algo={"rollout_correction": "token_truncate"})) == "token_truncate"
 
 
+def test_uncorrected_ratio_against_the_sampler_is_warned(tmp_path):
+    from lrmq.rl.step import rollout_quant_warning
+
+    cfg = lambda **a: tiny_train_config(str(tmp_path), **a)  # noqa: E731
+    assert "old_logprobs=recompute" in rollout_quant_warning(
+        cfg(rollout={"quant": "int4"}, algo={"rollout_correction": "none"}))
+    assert rollout_quant_warning(cfg(rollout={"quant": "int4"})) is None  # auto: sequence_mask
+    assert rollout_quant_warning(cfg(rollout={"quant": "int4"}, algo={"rollout_correction": "none",
+                                                                     "old_logprobs": "recompute"})) is None
+    assert rollout_quant_warning(cfg(algo={"rollout_correction": "none"})) is None  # the learner samples
+
+
 def test_trainer_samples_from_a_copy_refreshed_every_k_updates(tmp_path):
     """rollout.quant=int4, quant_refresh=2: the warm-up packs the initial policy (step 1 samples from it), the
     copy is re-quantized before step 3's rollout and not before step 2's; every step logs the mismatch between

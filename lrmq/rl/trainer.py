@@ -40,7 +40,8 @@ from lrmq.rl.run_checks import config_diff, first_non_finite
 from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar, tb_writer
 from lrmq.rl.setup import build_model, load_datasets
 from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step,
-                          micro_batch_count, rollout_correction, uses_rollout_logprobs)
+                          micro_batch_count, rollout_correction, rollout_quant_warning,
+                          uses_rollout_logprobs)
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, make_mesh
 from lrmq.tokenizer import Tokenizer
 
@@ -147,6 +148,8 @@ class GRPOTrainer:
         r = self.cfg.rollout
         if not self.cfg.quantized_rollout:
             return None
+        if (warning := rollout_quant_warning(self.cfg)) is not None:
+            log.warning(warning)
         spec = RolloutQuant(r.quant, group_size=r.quant_group_size, targets=self.cfg.quant.targets,
                             merge_lora=r.lora == "merged")
         try:
