@@ -31,7 +31,8 @@ def run(topology: str, shapes: str, suite: str, timeout: float) -> dict:
     try:
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"topology": topology, "error": f"did not finish within {timeout:.0f} s"}
+        return {"topology": topology, "error": f"did not finish within {timeout:.0f} s",
+                "wall_s": round(time.time() - t0, 1), "load_at_start": round(load, 1), "commit": source_commit()}
     lines = p.stdout.strip().splitlines()
     verdict = next((ln for ln in reversed(lines) if re.match(r"(fits|does not fit)", ln)), None)
     return {"topology": topology, "command": " ".join(["python"] + cmd[1:]), "exit_status": p.returncode,
