@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError
@@ -29,16 +28,14 @@ from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.model.presets import preset_config
-from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.training import pack_linears, prepare_for_training, trainable_filter
-from lrmq.quant.transforms import qweight_shardings
 from lrmq.rl.config import TrainConfig
 # the shapes, compiles and memory budget shared with the trainer (re-exported: lrmq.aot.X is their public name)
 from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, UpdateShape, abstract_update,  # noqa: F401
                                 check_budget, hbm_bytes, lower_compile, memory_report, update_shapes)
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings, uses_rollout_logprobs
-from lrmq.sharding import LOGICAL_AXES_KEY, MeshConfig, batch_divisor, batch_sharding, logical_to_spec, make_mesh
+from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, batch_sharding, make_mesh
 
 
 # ----------------------------------------------------------------------------- targets
@@ -70,20 +67,6 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
                       f"the presets in lrmq/model/presets.py to compile without the weights")
 
 
-def _variable_shardings(state, mesh):
-    """NamedShardings for an nnx State whose leaves may be abstract, packed kernels included."""
-
-    def one(var):
-        axes = var.get_metadata().get(LOGICAL_AXES_KEY)
-        value = var.get_value()
-        if isinstance(var, QuantizedKernel):
-            return var.replace(value=qweight_shardings(value, axes, mesh))
-        ok = axes is not None and len(axes) == len(value.shape)
-        return var.replace(value=NamedSharding(mesh, logical_to_spec(axes if ok else None, value.shape, mesh)))
-
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
 def _with_shardings(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
@@ -110,9 +93,7 @@ def abstract_run(cfg: TrainConfig, mesh, mcfg: ModelConfig | None = None) -> Abs
 
     model = nnx.eval_shape(build)
     graphdef, trainable, rest = nnx.split(model, trainable_filter(cfg.quant.mode), ...)
-    trainable = _with_shardings(trainable, _variable_shardings(trainable, mesh))
-    rest = _with_shardings(rest, _variable_shardings(rest, mesh))
-    return AbstractRun(cfg, mcfg, mesh, graphdef, trainable, rest)
+    return AbstractRun(cfg, mcfg, mesh, graphdef, abstract_state(trainable, mesh), abstract_state(rest, mesh))
 
 
 def abstract_batch(cfg: TrainConfig, mesh, shape: UpdateShape | None = None) -> dict:
@@ -217,7 +198,7 @@ def abstract_model(mcfg: ModelConfig, mesh, pack: str | None = None):
         return model
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
-    return graphdef, _with_shardings(state, _variable_shardings(state, mesh))
+    return graphdef, abstract_state(state, mesh)
 
 
 # ----------------------------------------------------------------------------- the check

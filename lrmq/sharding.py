@@ -120,6 +120,14 @@ def state_shardings(state, mesh: Mesh, rules=None, *, stacked: bool = False):
     return _map_variables(state, lambda axes, v: _leaf_sharding(axes, v, mesh, rules, stacked), stacked)
 
 
+def abstract_state(state, mesh: Mesh, rules=None, *, stacked: bool = False):
+    """`state` (abstract or concrete arrays, Variables kept) as ShapeDtypeStructs carrying its `state_shardings`."""
+    shardings = jax.tree.leaves(state_shardings(state, mesh, rules, stacked=stacked))
+    leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+              for a, s in zip(jax.tree.leaves(state), shardings, strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(state), leaves)
+
+
 def constrain_state(state, mesh: Mesh, rules=None, *, stacked: bool = False):
     """`state` (inside jit) with every array constrained to its `state_shardings` sharding, Variables kept."""
     def one(axes, v):

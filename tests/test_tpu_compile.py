@@ -355,32 +355,17 @@ def _abstract_qlora_decoder(mesh):
 
     from lrmq.model.config import ModelConfig
     from lrmq.model.decoder import Decoder
-    from lrmq.model.params import LOGICAL_AXES_KEY
-    from lrmq.quant.qkernel import QuantizedKernel
     from lrmq.quant.training import prepare_for_training
-    from lrmq.quant.transforms import qweight_shardings
     from lrmq.rl.config import QuantSection
-    from lrmq.sharding import logical_to_spec
+    from lrmq.sharding import abstract_state
 
     def build():
         cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="float32")
         qcfg = QuantSection(mode="qlora", base_format="int4", base_group_size=128)
         return prepare_for_training(Decoder(cfg, nnx.Rngs(0)), qcfg, seed=0)
 
-    def sds(a, s):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-
-    def place(var):
-        axes, v = var.get_metadata().get(LOGICAL_AXES_KEY), var.get_value()
-        if isinstance(var, QuantizedKernel):
-            return var.replace(value=jax.tree.map(sds, v, qweight_shardings(v, axes, mesh)))
-        ok = axes is not None and len(axes) == len(v.shape)
-        return var.replace(value=sds(v, NamedSharding(mesh, logical_to_spec(axes if ok else None,
-                                                                           v.shape, mesh))))
-
     gdef, lora, rest = nnx.split(nnx.eval_shape(build), nnx.LoRAParam, ...)
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    return gdef, jax.tree.map(place, lora, is_leaf=is_var), jax.tree.map(place, rest, is_leaf=is_var)
+    return gdef, abstract_state(lora, mesh), abstract_state(rest, mesh)
 
 
 def test_packed_decoder_compiles_for_a_multichip_tpu_slice(tpu):

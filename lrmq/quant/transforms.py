@@ -21,7 +21,7 @@ import re
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from lrmq.model.linear import Linear
 from lrmq.quant.formats import array_axes
@@ -82,9 +82,9 @@ def mesh_of(arr):
     return sh.mesh if isinstance(sh, NamedSharding) else None
 
 
-def qweight_shardings(qw: QuantizedWeight, axes, mesh, rules=None) -> QuantizedWeight:
-    """A QuantizedWeight-shaped pytree of NamedShardings (see the module docstring); `rules` default RULES."""
-    return jax.tree.map(lambda a, names: NamedSharding(mesh, logical_to_spec(names, a.shape, mesh, rules)),
+def qweight_shardings(qw: QuantizedWeight, axes, mesh) -> QuantizedWeight:
+    """A QuantizedWeight-shaped pytree of NamedShardings (see the module docstring)."""
+    return jax.tree.map(lambda a, names: NamedSharding(mesh, logical_to_spec(names, a.shape, mesh)),
                         qw, array_axes(qw, axes))
 
 

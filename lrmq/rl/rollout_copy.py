@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from lrmq.model.linear import default_dot_general
 from lrmq.ptq import awq
@@ -40,7 +39,7 @@ from lrmq.quant.formats import quantize_weight
 from lrmq.quant.qat import set_dot_general
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.transforms import kernel_axes, qweight_shardings, require_linears
-from lrmq.sharding import LOGICAL_AXES_KEY, logical_to_spec
+from lrmq.sharding import LOGICAL_AXES_KEY, abstract_state
 
 # rollout.quant -> quantize_weight options (the group size of int formats comes from the config)
 ROLLOUT_FORMATS = {
@@ -170,7 +169,8 @@ class RolloutCopy:
             return packed
 
         check_shapes(nnx.merge(graphdef, trainable, rest), spec)
-        self.abstract = _placed(jax.eval_shape(build, trainable, rest, None), mesh)
+        abstract = jax.eval_shape(build, trainable, rest, None)
+        self.abstract = abstract if mesh is None else abstract_state(abstract, mesh)
         self.graphdef = holder["graphdef"]
         self._other_paths = {path for path, _ in nnx.to_flat_state(holder["others"])}
         out_sh = None if mesh is None else jax.tree.map(lambda a: a.sharding, self.abstract)
@@ -211,17 +211,3 @@ def _bytes(tree) -> int:
     return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
 
 
-def _placed(abstract, mesh):
-    """The packed kernels' abstract arrays with the shardings `qweight_shardings` gives their logical axes."""
-    if mesh is None:
-        return abstract
-
-    def one(var):
-        value, axes = var.get_value(), var.get_metadata().get(LOGICAL_AXES_KEY)
-        if isinstance(value, jax.ShapeDtypeStruct):  # an AWQ-folded norm scale: placed as the policy's
-            return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(
-                mesh, logical_to_spec(axes, value.shape, mesh))))
-        sh = qweight_shardings(value, axes, mesh)
-        return var.replace(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), value, sh))
-
-    return jax.tree.map(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
