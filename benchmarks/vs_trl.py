@@ -15,7 +15,17 @@ second, and CPU-seconds (user + system of the process). lrmq compiles once per n
 bucket, packed rows); the seconds XLA spent compiling inside each timed step are recorded (JAX's
 monitoring events), and ``step_s_no_compile`` is the median over the timed steps that compiled nothing.
 
+Reasoning lengths (``--heavy-tail``): 1,024 new tokens, and every completion's length fixed in advance,
+drawn heavy-tailed (lognormal, mean ``--mean`` = 256, capped at 1,024, the longest row of each step set to the
+cap: the tail that hits the limit). Both sides produce exactly those lengths, step by step and row by row:
+TRL's model gets a logits processor that forbids the stop tokens before the row's length and forces one at
+it; lrmq's rollout engine gets the lengths as per-row budgets and no stop token. The model is
+lrmq/assets/tiny with its position limit raised to hold 64 + 1,024 tokens (the weights are the same). What
+differs is only how each side spends the work: TRL's generate runs every row until the longest is done and
+pads the update to the longest completion; lrmq's engine frees a row as it finishes and packs the update.
+
     .venv/bin/python benchmarks/vs_trl.py --quick                               # tiny, 1 thread, 1 round
+    .venv/bin/python benchmarks/vs_trl.py --heavy-tail --threads 1 --out docs/figures/vs_trl_heavy_tail.json
     .venv/bin/python benchmarks/vs_trl.py --out docs/figures/vs_trl.json        # tiny + 100m, 1 and 2 threads
 """
 
@@ -40,7 +50,15 @@ TINY_DIR = os.path.join(common.REPO, "lrmq", "assets", "tiny")
 SHAPES = {"tiny": (8, 8, 64), "100m": (4, 4, 64)}
 STEPS = {"tiny": 6, "100m": 3}  # timed steps per process (tiny: more, since a step is short next to a compile)
 QUICK_SHAPES = {"tiny": (4, 4, 32), "100m": (2, 2, 16)}
+HEAVY_SHAPE, HEAVY_STEPS = (8, 8, 1024), 4
 MAX_PROMPT_LEN = 64
+
+
+def forced_lengths(step: int, n: int, a) -> list[int]:
+    """--heavy-tail: the completion length of each of the n rows of GRPO step `step` (the same on both sides)."""
+    import heavy_tail
+
+    return heavy_tail.draw_lengths(n, a.mean, a.shape[2], seed=a.seed * 100_003 + step)
 
 
 # ----------------------------------------------------------------------------- workers (one process each)
@@ -73,6 +91,9 @@ def worker_lrmq(a) -> list[dict]:
     tr = GRPOTrainer(cfg, writer_factory=lambda path: NullWriter())
     key = jax.random.key(a.seed)
     out = []
+    current = {"step": 0}
+    if a.heavy_tail:
+        _force_lengths_lrmq(tr, a, current)
     compiles = {"s": 0.0, "n": 0}
 
     def on_event(event, duration, **_):
@@ -83,6 +104,7 @@ def worker_lrmq(a) -> list[dict]:
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
         for i in range(a.steps + 1):
+            current["step"] = i
             compiles["s"], compiles["n"] = 0.0, 0
             c0, t0 = _cpu(), time.perf_counter()
             rb, stats = tr.rollout(next(tr.pipeline), jax.random.fold_in(key, i))
@@ -96,6 +118,69 @@ def worker_lrmq(a) -> list[dict]:
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return out
+
+
+def _force_lengths_lrmq(tr, a, current) -> None:
+    """--heavy-tail instrumentation: the rollout engine runs each row to its drawn length (per-row budgets) and
+    stops on no token (the stop id is outside the vocabulary); otherwise the trainer's own _generate."""
+    import jax
+    import numpy as np
+
+    from lrmq.generation.engine import Engine, sequence_keys
+
+    engine = Engine(None, eos_ids=[tr.model_cfg.vocab_size], pad_id=tr.tokenizer.pad_id, graphdef=tr.graphdef,
+                    model_cfg=tr.model_cfg, config=tr.cfg.rollout.engine_config(), mesh=tr.mesh)
+
+    def generate(tokens, mask, key, sampling, max_new, *, rollout=False):
+        prompts = [row[m > 0].tolist() for row, m in zip(tokens, mask)]
+        budgets = forced_lengths(current["step"], len(prompts), a)
+        with jax.set_mesh(tr.mesh):
+            res = engine.generate(tr.rollout_states(), prompts, max_new_tokens=budgets, sampling=sampling,
+                                  keys=sequence_keys(key, len(prompts)), prompt_capacity=tr.cfg.rollout.max_prompt_len,
+                                  new_capacity=max_new)
+        assert res.lengths.tolist() == budgets, "lrmq did not produce the drawn lengths"
+        tokens_out = np.full((len(prompts), max_new), tr.tokenizer.pad_id, np.int32)  # the trainer's width
+        logp_out = np.zeros((len(prompts), max_new), np.float32)
+        tokens_out[:, :res.tokens.shape[1]], logp_out[:, :res.logprobs.shape[1]] = res.tokens, res.logprobs
+        return tokens_out, logp_out, res.lengths
+
+    tr._generate = generate
+
+
+def _stop_at_lengths_model(ckpt: str, a, stop_ids: list[int]):
+    """--heavy-tail instrumentation: the HF model whose generate() ends row b of the k-th call at its drawn
+    length (a logits processor: no stop token before it, only a stop token at it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    base = type(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32))
+
+    class StopAt(LogitsProcessor):
+        def __init__(self, lengths, prompt_len):
+            self.lengths, self.prompt_len = torch.tensor(lengths), prompt_len
+
+        def __call__(self, input_ids, scores):
+            t = input_ids.shape[1] - self.prompt_len  # tokens generated so far
+            scores[:, stop_ids] = float("-inf")
+            at = self.lengths - 1 == t
+            scores[at] = float("-inf")
+            scores[at, stop_ids[0]] = 0.0
+            return scores
+
+    class Model(base):
+        generate_calls = 0
+
+        def generate(self, input_ids=None, **kw):
+            lengths = forced_lengths(type(self).generate_calls, input_ids.shape[0], a)
+            type(self).generate_calls += 1
+            kw["logits_processor"] = LogitsProcessorList([StopAt(lengths, input_ids.shape[1])])
+            out = super().generate(input_ids=input_ids, **kw)
+            got = [int(n) for n in ((out[:, input_ids.shape[1]:, None] == torch.tensor(stop_ids)).any(-1).int()
+                                    .argmax(1) + 1)]
+            assert got == lengths, "TRL did not produce the drawn lengths"
+            return out
+
+    return Model.from_pretrained(ckpt, dtype=torch.float32)
 
 
 def worker_trl(a) -> list[dict]:
@@ -117,7 +202,13 @@ def worker_trl(a) -> list[dict]:
     def reward(completions, answer, **_):
         return [float(x) for x in score_completions(completions, [str(s) for s in answer], "boxed_exact")[0]]
 
-    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32)
+    if a.heavy_tail:
+        gen_eos = json.load(open(os.path.join(a.ckpt, "generation_config.json"))).get("eos_token_id", [])
+        stops = [cfg_json["eos_token_id"]] + sorted(set(gen_eos if isinstance(gen_eos, list) else [gen_eos]) -
+                                                    {cfg_json["eos_token_id"]})
+        model = _stop_at_lengths_model(a.ckpt, a, stops)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32)
     out_dir = tempfile.mkdtemp(prefix="trl_vs_lrmq_")
     args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=prompts * group, num_generations=group,
                       max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
@@ -176,11 +267,25 @@ def write_prompts(path: str, n: int, seed: int) -> None:
                                 "prompt": format_prompt("arith", r["problem"], tok), "answer": str(r["answer"])}) + "\n")
 
 
-def run_worker(kind: str, ckpt: str, prompts: str, shape, steps: int, threads: int, seed: int, cache: str) -> list[dict]:
+def long_context_copy(src: str, dst: str, positions: int) -> str:
+    """The checkpoint at `src` with max_position_embeddings raised (RoPE has no learned positions: same weights)."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "config.json")
+    cfg = json.load(open(path))
+    cfg["max_position_embeddings"] = positions
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return dst
+
+
+def run_worker(kind: str, ckpt: str, prompts: str, shape, steps: int, threads: int, seed: int, cache: str,
+               heavy: tuple = ()) -> list[dict]:
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:threads])
     cmd = ["taskset", "-c", cores, sys.executable, os.path.abspath(__file__), "--worker", kind, "--ckpt", ckpt,
            "--prompts", prompts, "--shape", ",".join(map(str, shape)), "--steps", str(steps),
            "--threads", str(threads), "--seed", str(seed), "--compile-cache", cache]
+    if heavy:
+        cmd += ["--heavy-tail", "--mean", str(heavy[0])]
     env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if p.returncode != 0:
@@ -217,6 +322,9 @@ def main(argv=None) -> int:
                     help="timed steps per process after the first (default: tiny 6, 100m 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--heavy-tail", action="store_true",
+                    help="reasoning lengths: 8x8 rows, 1,024 new tokens, lengths drawn heavy-tailed (see above)")
+    ap.add_argument("--mean", type=int, default=256, help="--heavy-tail: mean completion length")
     # worker mode (internal)
     ap.add_argument("--worker", choices=("lrmq", "trl"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -237,10 +345,15 @@ def main(argv=None) -> int:
 
     import grpo_step
 
-    models = (a.models or ("tiny" if a.quick else "tiny,100m")).split(",")
+    models = (a.models or ("tiny" if a.quick or a.heavy_tail else "tiny,100m")).split(",")
     threads = [int(t) for t in (a.threads or ("1" if a.quick else "1,2")).split(",")]
     rounds = a.rounds or (1 if a.quick else 2)
     shapes = QUICK_SHAPES if a.quick else SHAPES
+    mode = "heavy_tail" if a.heavy_tail else "equal_lengths"
+    if a.heavy_tail:
+        if models != ["tiny"]:
+            raise SystemExit("--heavy-tail runs the tiny model only (a 100M model's 1,024-token TRL step takes hours here)")
+        shapes = {"tiny": HEAVY_SHAPE if not a.quick else (2, 4, 128)}
     info = common.machine_info(max(threads))
     print(common.machine_str(info), flush=True)
     scratch = tempfile.mkdtemp(prefix="lrmq_vs_trl_")
@@ -251,12 +364,16 @@ def main(argv=None) -> int:
         for name in models:
             if name == "tiny":
                 ckpt, n = TINY_DIR, None
+                if a.heavy_tail:  # room for the prompt and 1,024 new tokens
+                    ckpt = long_context_copy(TINY_DIR, os.path.join(scratch, "tiny-long"),
+                                             MAX_PROMPT_LEN + shapes[name][2] + 64)
             elif name == "100m":
                 ckpt = os.path.join(scratch, "100m")
                 n = grpo_step.write_random_checkpoint(ckpt, grpo_step.ARCH_100M, a.seed)
             else:
                 raise SystemExit(f"unknown model {name!r}; known: tiny, 100m")
-            steps = a.steps or (1 if a.quick else STEPS[name])
+            steps = a.steps or (1 if a.quick else HEAVY_STEPS if a.heavy_tail else STEPS[name])
+            heavy = (a.mean,) if a.heavy_tail else ()
             for t in threads:
                 runs: dict[str, list] = {"lrmq": [], "trl": []}
                 cache = os.path.join(scratch, f"jax-cache-{name}-{t}")  # empty at round 0: a cold first step
@@ -264,7 +381,8 @@ def main(argv=None) -> int:
                     order = ("lrmq", "trl") if r % 2 == 0 else ("trl", "lrmq")
                     for kind in order:
                         t0 = time.perf_counter()
-                        runs[kind].append(run_worker(kind, ckpt, prompts, shapes[name], steps, t, a.seed + r, cache))
+                        runs[kind].append(run_worker(kind, ckpt, prompts, shapes[name], steps, t, a.seed + r, cache,
+                                                           heavy))
                         print(f"  {name} {t}t round {r} {kind}: steps {[round(s['step_s'], 2) for s in runs[kind][-1]]}"
                               f" ({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
                 row = {"model": name, "params": n, "threads": t, "shape": dict(zip(
@@ -272,6 +390,12 @@ def main(argv=None) -> int:
                     "timed_steps_per_round": steps, "lrmq": summarize(runs["lrmq"]), "trl": summarize(runs["trl"]),
                     "raw": runs}
                 row["step_ratio_lrmq_over_trl"] = row["lrmq"]["step_s"] / row["trl"]["step_s"]
+                if a.heavy_tail:  # the drawn completion lengths of every step of every round (both sides)
+                    sh = argparse.Namespace(mean=a.mean, shape=shapes[name])
+                    row["heavy_tail"] = {"mean": a.mean, "cap": shapes[name][2], "lengths": {
+                        f"round{r}": [forced_lengths(i, shapes[name][0] * shapes[name][1],
+                                                     argparse.Namespace(**vars(sh), seed=a.seed + r))
+                                      for i in range(steps + 1)] for r in range(rounds)}}
                 results.append(row)
                 L, T = row["lrmq"], row["trl"]
                 print(f"{name} {t} thread(s): lrmq step {L['step_s']:.2f}s (rollout {L['rollout_s']:.2f} / update "
@@ -281,7 +405,7 @@ def main(argv=None) -> int:
                       f"; lrmq timed steps compiling {L['timed_steps_compiling']}, step without compiles {L['step_s_no_compile']}",
                       flush=True)
                 if a.out:  # after every (model, threads): a run cut short keeps what it measured
-                    common.write_json(a.out, {"benchmark": "vs_trl", "machine": info, "results": results,
+                    common.write_json(a.out, {"benchmark": "vs_trl", "mode": mode, "machine": info, "results": results,
                                               "loadavg_now": list(os.getloadavg()), "partial": True})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -299,7 +423,7 @@ def main(argv=None) -> int:
               f"{r['lrmq']['timed_steps_compiling']} of {len(r['lrmq']['step_s_all'])}; "
               f"{r['lrmq']['step_s_no_compile'] or float('nan'):.2f}"] for r in results]
     print(common.md_table(headers, table))
-    common.write_json(a.out, {"benchmark": "vs_trl", "machine": info, "results": results,
+    common.write_json(a.out, {"benchmark": "vs_trl", "mode": mode, "machine": info, "results": results,
                               "loadavg_at_end": list(os.getloadavg()),
                               "note": "first step (compile / warm-up) excluded from step_s; first_step_cold_s: round 0 "
                                       "(lrmq's compile cache empty), first_step_warm_s: later rounds (cache filled)"})
