@@ -89,6 +89,12 @@ BASE_CONFIG = {
     "bos_token_id": None,
     "eos_token_id": None,
 }
+# Larger shapes for studies that ask whether a finding holds beyond the default tiny model (--arch).
+ARCHS = {
+    "tiny": {},  # 0.43M parameters: lrmq/assets/tiny
+    "small": {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 6,
+              "num_key_value_heads": 2},  # 1.24M parameters, 3 layers
+}
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -308,6 +314,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=128, help="max tokens per row (batches use the longest row)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--no-save", action="store_true", help="train and evaluate only (tuning)")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="tiny",
+                    help="model shape: tiny (the shipped asset) or small (~3x the parameters, 3 layers)")
     a = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -335,7 +343,7 @@ def main(argv=None) -> None:
     print("example:", repr(format_prompt(TEMPLATE, ex["problem"], tok) + " " + ex["solution"]), flush=True)
 
     # Model.
-    hf = dict(BASE_CONFIG, vocab_size=int(math.ceil(vocab / 64) * 64),
+    hf = dict(BASE_CONFIG, **ARCHS[a.arch], vocab_size=int(math.ceil(vocab / 64) * 64),
               bos_token_id=None, eos_token_id=tok.eos_ids[0])
     cfg = ModelConfig.from_hf_dict(hf)
     model = Decoder(cfg, nnx.Rngs(a.seed))
