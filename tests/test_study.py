@@ -57,6 +57,27 @@ def test_paper_matrices():
         assert expand(cfg)
 
 
+def test_quant_rollout_studies():
+    """Both quantized-rollout studies expand, pair every quantized arm with FP, and give each arm a train config
+    that loads, with a group size that divides every Linear of the model it trains (tiny: 128, small: 192/512)."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+    import build_tiny_model as b
+
+    from lrmq.configlib import load_config
+    from lrmq.rl.config import TrainConfig
+
+    for name, n_arms, arch in (("quant_rollouts.yaml", 9, "tiny"), ("quant_rollouts_small.yaml", 8, "small")):
+        cfg = load_study_config(os.path.join(REPO_ROOT, "configs/study", name))
+        arms = expand(cfg)
+        assert len(arms) == n_arms and all(a.baseline == "fp" for a in arms if a.name != "fp")
+        hf = dict(b.BASE_CONFIG, **b.ARCHS[arch])
+        for a in arms:
+            train = load_config(TrainConfig, os.path.join(REPO_ROOT, cfg.train.config), [*cfg.train.overrides, *a.train])
+            assert (train.rollout.quant != "none") == (a.name != "fp"), a.name
+            for dim in (hf["hidden_size"], hf["intermediate_size"]) if a.name != "fp" else ():
+                assert dim % train.rollout.quant_group_size == 0, (name, a.name, dim)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["arms=[{name: q, kind: ptq, source: nope, method: rtn}]"], "source 'nope' is not an arm"),
     (["arms=[{name: b, kind: base}, {name: q, kind: ptq, source: b, method: quantlrm}]"], "needs a train arm"),
