@@ -179,7 +179,7 @@ DECODE_ATTENTION: dict[str, Callable] = {"xla": decode_attention_xla, "tpu": dec
 def resolve_impl(impl: str, q_heads: int, pool_shape, dtype) -> str:
     """The DECODE_ATTENTION entry a call takes: "auto" -> "tpu" when the compile target is a TPU and the kernel
     takes these shapes, else "xla" (GPU included: JAX's GPU paged attention wants separate K and V pages,
-    heads first, and no sliding window; docs/kernels.md); any other name as given."""
+    heads first, and no sliding window; docs/tpu.md); any other name as given."""
     if impl != "auto":
         if impl not in DECODE_ATTENTION:
             raise ValueError(f"decode attention impl must be 'auto' or one of {sorted(DECODE_ATTENTION)}, "
