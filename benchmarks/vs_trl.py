@@ -151,9 +151,10 @@ def _stop_at_lengths_model(ckpt: str, a, stop_ids: list[int]):
     """--heavy-tail instrumentation: the HF model whose generate() ends row b of the k-th call at its drawn
     length (a logits processor: no stop token before it, only a stop token at it)."""
     import torch
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+    import transformers
+    from transformers import LogitsProcessor, LogitsProcessorList
 
-    base = type(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32))
+    base = getattr(transformers, transformers.AutoConfig.from_pretrained(ckpt).architectures[0])
 
     class StopAt(LogitsProcessor):
         def __init__(self, lengths, prompt_len):
