@@ -14,11 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import time
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from lrmq.checkpoint.load import resolve_checkpoint
@@ -35,7 +33,7 @@ from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, Update
                                 check_budget, hbm_bytes, lower_compile, memory_report, update_shapes)
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings, uses_rollout_logprobs
-from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, batch_sharding, make_mesh
+from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, make_mesh
 
 
 # ----------------------------------------------------------------------------- targets
