@@ -54,11 +54,11 @@ HEAVY_SHAPE, HEAVY_STEPS = (8, 8, 1024), 4
 MAX_PROMPT_LEN = 64
 
 
-def forced_lengths(step: int, n: int, a) -> list[int]:
+def forced_lengths(step: int, n: int, *, mean: int, cap: int, seed: int) -> list[int]:
     """--heavy-tail: the completion length of each of the n rows of GRPO step `step` (the same on both sides)."""
     import heavy_tail
 
-    return heavy_tail.draw_lengths(n, a.mean, a.shape[2], seed=a.seed * 100_003 + step)
+    return heavy_tail.draw_lengths(n, mean, cap, seed=seed * 100_003 + step)
 
 
 # ----------------------------------------------------------------------------- workers (one process each)
@@ -133,7 +133,7 @@ def _force_lengths_lrmq(tr, a, current) -> None:
 
     def generate(tokens, mask, key, sampling, max_new, *, rollout=False):
         prompts = [row[m > 0].tolist() for row, m in zip(tokens, mask)]
-        budgets = forced_lengths(current["step"], len(prompts), a)
+        budgets = forced_lengths(current["step"], len(prompts), mean=a.mean, cap=a.shape[2], seed=a.seed)
         with jax.set_mesh(tr.mesh):
             res = engine.generate(tr.rollout_states(), prompts, max_new_tokens=budgets, sampling=sampling,
                                   keys=sequence_keys(key, len(prompts)), prompt_capacity=tr.cfg.rollout.max_prompt_len,
@@ -172,7 +172,8 @@ def _stop_at_lengths_model(ckpt: str, a, stop_ids: list[int]):
         generate_calls = 0
 
         def generate(self, input_ids=None, **kw):
-            lengths = forced_lengths(type(self).generate_calls, input_ids.shape[0], a)
+            lengths = forced_lengths(type(self).generate_calls, input_ids.shape[0], mean=a.mean, cap=a.shape[2],
+                                     seed=a.seed)
             type(self).generate_calls += 1
             kw["logits_processor"] = LogitsProcessorList([StopAt(lengths, input_ids.shape[1])])
             out = super().generate(input_ids=input_ids, **kw)
@@ -280,13 +281,13 @@ def long_context_copy(src: str, dst: str, positions: int) -> str:
 
 
 def run_worker(kind: str, ckpt: str, prompts: str, shape, steps: int, threads: int, seed: int, cache: str,
-               heavy: tuple = ()) -> list[dict]:
+               heavy_mean: int | None = None) -> list[dict]:
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:threads])
     cmd = ["taskset", "-c", cores, sys.executable, os.path.abspath(__file__), "--worker", kind, "--ckpt", ckpt,
            "--prompts", prompts, "--shape", ",".join(map(str, shape)), "--steps", str(steps),
            "--threads", str(threads), "--seed", str(seed), "--compile-cache", cache]
-    if heavy:
-        cmd += ["--heavy-tail", "--mean", str(heavy[0])]
+    if heavy_mean is not None:
+        cmd += ["--heavy-tail", "--mean", str(heavy_mean)]
     env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if p.returncode != 0:
@@ -374,7 +375,6 @@ def main(argv=None) -> int:
             else:
                 raise SystemExit(f"unknown model {name!r}; known: tiny, 100m")
             steps = a.steps or (1 if a.quick else HEAVY_STEPS if a.heavy_tail else STEPS[name])
-            heavy = (a.mean,) if a.heavy_tail else ()
             for t in threads:
                 runs: dict[str, list] = {"lrmq": [], "trl": []}
                 cache = os.path.join(scratch, f"jax-cache-{name}-{t}")  # empty at round 0: a cold first step
@@ -383,7 +383,7 @@ def main(argv=None) -> int:
                     for kind in order:
                         t0 = time.perf_counter()
                         runs[kind].append(run_worker(kind, ckpt, prompts, shapes[name], steps, t, a.seed + r, cache,
-                                                           heavy))
+                                                           a.mean if a.heavy_tail else None))
                         print(f"  {name} {t}t round {r} {kind}: steps {[round(s['step_s'], 2) for s in runs[kind][-1]]}"
                               f" ({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
                 row = {"model": name, "params": n, "threads": t, "shape": dict(zip(
@@ -392,10 +392,9 @@ def main(argv=None) -> int:
                     "raw": runs}
                 row["step_ratio_lrmq_over_trl"] = row["lrmq"]["step_s"] / row["trl"]["step_s"]
                 if a.heavy_tail:  # the drawn completion lengths of every step of every round (both sides)
-                    sh = argparse.Namespace(mean=a.mean, shape=shapes[name])
-                    row["heavy_tail"] = {"mean": a.mean, "cap": shapes[name][2], "lengths": {
-                        f"round{r}": [forced_lengths(i, shapes[name][0] * shapes[name][1],
-                                                     argparse.Namespace(**vars(sh), seed=a.seed + r))
+                    rows, cap = shapes[name][0] * shapes[name][1], shapes[name][2]
+                    row["heavy_tail"] = {"mean": a.mean, "cap": cap, "lengths": {
+                        f"round{r}": [forced_lengths(i, rows, mean=a.mean, cap=cap, seed=a.seed + r)
                                       for i in range(steps + 1)] for r in range(rounds)}}
                 results.append(row)
                 L, T = row["lrmq"], row["trl"]
