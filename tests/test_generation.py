@@ -66,7 +66,7 @@ def test_deterministic_for_a_seed_and_seed_matters(hf_checkpoint):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(a.tokens, c.tokens)
     assert len(gen._decode) == 1  # one decode program reused across calls
-    assert gen._decode[s]._cache_size() == 1
+    assert gen._decode[s, "xla"]._cache_size() == 1
 
 
 SCHEDULES = [

@@ -91,8 +91,8 @@ def test_auto_follows_the_compile_target():
         assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "tpu"
         assert paged.resolve_impl("auto", 16, shape[:-1] + (32,), jnp.bfloat16) == "xla"  # head_dim 32
         assert paged.resolve_impl("xla", 16, shape, jnp.bfloat16) == "xla"
-    with pk.target("gpu"):
-        assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "xla"
+    with pk.target("gpu"):  # JAX's GPU paged attention (tests/test_paged_gpu.py)
+        assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "gpu"
     with pytest.raises(ValueError, match="splash"):
         paged.resolve_impl("splash", 16, shape, jnp.bfloat16)
 

@@ -29,7 +29,7 @@ truncation: the quantity GRPO's importance ratio uses) and lengths (the EOS toke
 
 from __future__ import annotations
 
-import math
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,7 +41,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lrmq.generation.paged import NULL_PAGE, PagedCache, new_pool, pages_for, pool_sharding, pool_shape
+from lrmq.generation.paged import (LAYOUTS, NULL_PAGE, PagedCache, abstract_pool, copy_pages, new_pool, pages_for,
+                                   pool_shape, resolve_impl)
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.model.decoder import Decoder, layer_runs
 from lrmq.sharding import DECODE_RULES, batch_divisor, batch_sharding, constrain_state, host_array, use_rules
@@ -166,7 +167,7 @@ def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, 
                layout):
     model = _merge(graphdef, state)
     runs = layout(model)  # once per call: the loop below reads these (and the embedding / lm head)
-    pool = pool.at[:, copy_dst].set(pool[:, copy_src])  # copy-on-write of shared prompts' last pages
+    pool = copy_pages(pool, copy_src, copy_dst)  # copy-on-write of shared prompts' last pages
     keys = jax.random.wrap_key_data(keys)
     eos_arr = jnp.asarray(eos, jnp.int32)
     s, steps = tok.shape[0], engine.sync_steps
@@ -248,7 +249,7 @@ class Engine:
         self.eos = tuple(int(e) for e in eos_ids)
         self.pad_id = int(pad_id)
         self.config = config
-        self.impl = impl  # decode attention (`paged.DECODE_ATTENTION`; "auto": the TPU kernel on TPU, else XLA)
+        self.impl = impl  # decode attention (`paged.DECODE_ATTENTION`; "auto": the target's kernel, else XLA)
         self.mesh = mesh
         # on a mesh: slots split over the data axes, weights in the decode layout (`decode_layout`)
         self.slot_multiple = batch_divisor(mesh) if mesh is not None else 1
@@ -258,12 +259,20 @@ class Engine:
         self._decode: dict = {}
         self.stats: dict[str, int] = {}
 
-    def _decode_for(self, sampling: SamplingConfig):
-        if sampling not in self._decode:
-            self._decode[sampling] = _on_mesh(jax.jit(
+    def resolved_impl(self, mesh=None) -> str:
+        """The decode attention a call made now takes (`paged.resolve_impl` for the compile target: the mesh's
+        devices, or a `pallas_kernels.target`); its pool layout is `paged.LAYOUTS[...]` of it."""
+        cfg, mesh = self.model_cfg, mesh if mesh is not None else self.mesh
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            return resolve_impl(self.impl, cfg.num_heads, pool_shape(cfg, 1, self.config.page_size),
+                                jnp.dtype(cfg.dtype))
+
+    def _decode_for(self, sampling: SamplingConfig, impl: str):
+        if (sampling, impl) not in self._decode:
+            self._decode[sampling, impl] = _on_mesh(jax.jit(
                 partial(_decode_fn, self.graphdef, engine=self.config, sampling=sampling, eos=self.eos,
-                        pad_id=self.pad_id, impl=self.impl, layout=self.layout), donate_argnums=(1,)), self.mesh)
-        return self._decode[sampling]
+                        pad_id=self.pad_id, impl=impl, layout=self.layout), donate_argnums=(1,)), self.mesh)
+        return self._decode[sampling, impl]
 
     # ------------------------------------------------------------------ sizing
     def sizes(self, n_requests: int, longest_prompt: int, max_new: int) -> tuple[int, int, int]:
@@ -294,11 +303,11 @@ class Engine:
         """Compile every program a `generate(..., prompt_capacity=prompt_len)` call of these sizes can run (each
         row bucket's prefill and decode), running them on idle inputs: later calls compile nothing."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
-        cfg, ps = self.model_cfg, self.config.page_size
-        pool = new_pool(cfg, pages, ps, self.mesh)
+        cfg, ps, impl = self.model_cfg, self.config.page_size, self.resolved_impl()
+        pool = new_pool(cfg, pages, ps, self.mesh, LAYOUTS[impl])
         length = bucket_length(prompt_len)
         key = np.asarray(jax.random.key_data(jax.random.key(0)))
-        decode = self._decode_for(sampling)
+        decode = self._decode_for(sampling, impl)
         for rows in self.row_buckets(slots):
             z = np.zeros(rows, np.int32)
             pool = self._prefill(state, pool, np.zeros((rows, length), np.int32), np.full((rows, length), -1, np.int32),
@@ -320,7 +329,8 @@ class Engine:
                 sh = batch_sharding(mesh, len(shape)) if lead_batch else NamedSharding(mesh, P())
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
-        pool = jax.ShapeDtypeStruct(pool_shape(cfg, pages, ps), jnp.dtype(cfg.dtype), sharding=pool_sharding(mesh, cfg))
+        impl = self.resolved_impl(mesh)
+        pool = abstract_pool(cfg, pages, ps, mesh, LAYOUTS[impl])
         rows, length = slots, bucket_length(prompt_len)
         key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         per_slot = lambda dtype: sds((slots,), dtype, True)
@@ -328,7 +338,7 @@ class Engine:
             "prefill": (self._prefill, (state, pool, sds((rows, length), jnp.int32, True),
                                         sds((rows, length), jnp.int32, True),
                                         sds((rows, pages_for(length, ps)), jnp.int32, True))),
-            "decode": (self._decode_for(sampling), (
+            "decode": (self._decode_for(sampling, impl), (
                 state, pool, sds((slots, width), jnp.int32, True), per_slot(jnp.int32), per_slot(jnp.int32),
                 per_slot(jnp.int32), per_slot(jnp.int32), per_slot(jnp.int32), per_slot(jnp.int32), per_slot(bool),
                 sds((slots, *key.shape), key.dtype, True), sds((), jnp.int32))),
@@ -376,14 +386,14 @@ class Engine:
     def _run(self, state, seqs: list[_Seq], n_slots: int, n_pages: int, width: int, sampling: SamplingConfig,
              on_finish=None, prefill_length: int = 0):
         c, cfg = self.config, self.model_cfg
-        ps = c.page_size
-        pool = new_pool(cfg, n_pages, ps, self.mesh)
+        ps, impl = c.page_size, self.resolved_impl()
+        pool = new_pool(cfg, n_pages, ps, self.mesh, LAYOUTS[impl])
         alloc = PagePool(n_pages)
         prompts: dict[tuple[int, ...], _Prompt] = {}
         queue: deque[_Seq] = deque(seqs)
         slot_seq: list[_Seq | None] = [None] * n_slots
         clock = 0
-        decode = self._decode_for(sampling)
+        decode = self._decode_for(sampling, impl)
         key_shape = np.asarray(seqs[0].key).shape
         self.stats = {"decode_calls": 0, "prefill_calls": 0, "prefilled_prompts": 0, "preempted": 0, "steps": 0}
 

@@ -1,9 +1,15 @@
 """A paged KV cache: fixed-size pages in one pool, a page table per decode slot.
 
-The pool holds every layer's keys and values as `[layers, pages, page_size, 2 * kv_heads, head_dim]`,
-K and V heads interleaved (K of head h at 2h, V at 2h + 1): the layout of the ragged paged attention
-kernel JAX ships for TPU, so the TPU path reads the pool in place. Page 0 is never handed out: rows
-that are not live write there, so a static-shaped step needs no branch.
+The pool holds every layer's keys and values in the layout its decode kernel reads in place (`LAYOUTS`):
+
+* "interleaved" (the "xla" and "tpu" implementations): one array `[layers, pages, page_size, 2 * kv_heads,
+  head_dim]`, K and V heads interleaved (K of head h at 2h, V at 2h + 1), the layout of the ragged paged
+  attention kernel JAX ships for TPU;
+* "split" (the "gpu" implementation): a (K, V) pair of `[kv_heads, layers, pages, page_size, head_dim]`, heads
+  first and K apart from V, the layout of JAX's GPU paged attention kernel (`[kv_heads, pages, ...]` per
+  array: the layer and page axes merge for free, so the kernel reads every layer's pages in place).
+
+Page 0 is never handed out: rows that are not live write there, so a static-shaped step needs no branch.
 
 The model sees one object per forward (`PagedCache`): `write(k, v, q_pos)` stores this forward's keys and
 values in the pages; in prefill mode a prompt then attends to itself with the model's own (blockwise)
@@ -14,10 +20,12 @@ row holds, not what was allocated.
 Decode attention implementations (`DECODE_ATTENTION`, chosen by `PagedCache.impl`; "auto" follows the compile
 target of `pallas_kernels.current_target()`, so ahead-of-time TPU compiles from a CPU host get the kernel):
 
-* "xla" (CPU, GPU, and every fallback): `decode_attention_xla`, a gather of each slot's pages a block at a
+* "xla" (CPU, and every fallback): `decode_attention_xla`, a gather of each slot's pages a block at a
   time with an online softmax.
 * "tpu": JAX's ragged paged attention Mosaic kernel (`decode_attention_tpu`), reading the pool in place
   (viewed as `[layers * pages, ...]`, page indices offset by `layer * pages`: no per-layer copy).
+* "gpu": JAX's GPU paged attention Triton kernel (`decode_attention_gpu`, the "split" layout, read in place
+  the same way). It has no sliding window: sliding-window layers take the XLA path on the same pool.
 
 On a mesh (`pool_sharding`) the pool's KV heads are split like the KV projections of the decode layout
 (tensor parallel over tensor x fsdp, `sharding.DECODE_RULES`; `kv_head_axes`), so each chip holds its share
@@ -46,8 +54,31 @@ NULL_PAGE = 0  # the page rows that are not live write to; never allocated
 _NEG = -1e30  # finite: a block with nothing visible must not turn the running max into NaN
 
 
-def pool_shape(cfg, pages: int, page_size: int) -> tuple[int, ...]:
+# The pool layout each decode implementation reads in place (see the module docstring).
+LAYOUTS = {"xla": "interleaved", "tpu": "interleaved", "gpu": "split"}
+
+
+def pool_shape(cfg, pages: int, page_size: int, layout: str = "interleaved"):
+    """The pool's array shape ("interleaved"), or the shape of each of its K and V arrays ("split")."""
+    if layout == "split":
+        return (cfg.num_kv_heads, cfg.num_layers, pages, page_size, cfg.head_dim)
     return (cfg.num_layers, pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+
+
+def is_split(pool) -> bool:
+    return isinstance(pool, tuple)
+
+
+def interleaved_shape(pool) -> tuple[int, ...]:
+    """[L, P, page_size, 2*KVH, D] of a pool in either layout."""
+    if is_split(pool):
+        kvh, n_layers, pages, page_size, d = pool[0].shape
+        return (n_layers, pages, page_size, 2 * kvh, d)
+    return tuple(pool.shape)
+
+
+def kv_heads_of(pool) -> int:
+    return pool[0].shape[0] if is_split(pool) else pool.shape[3] // 2
 
 
 def interleave(k: jax.Array, v: jax.Array) -> jax.Array:
@@ -55,15 +86,36 @@ def interleave(k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
 
 
+def read_pages(pool, layer, pages):
+    """Keys and values [S, n * page_size, KVH, D] (f32) of `layer` at pages [S, n], from either layout."""
+    s, n = pages.shape
+    if is_split(pool):
+        def one(x):  # [KVH, S, n, page_size, D] -> [S, n * page_size, KVH, D]
+            x = x[:, layer, pages]
+            return jnp.moveaxis(x, 0, -2).reshape(s, n * x.shape[3], x.shape[0], x.shape[-1]).astype(jnp.float32)
+        return one(pool[0]), one(pool[1])
+    kv = pool[layer, pages]
+    kv = kv.reshape(s, n * kv.shape[2], *kv.shape[3:]).astype(jnp.float32)
+    return kv[:, :, 0::2], kv[:, :, 1::2]
+
+
+def copy_pages(pool, src, dst):
+    """Every layer's page src[i] copied to page dst[i] (copy on write of a shared prompt's last page)."""
+    if is_split(pool):
+        return tuple(x.at[:, :, dst].set(x[:, :, src]) for x in pool)
+    return pool.at[:, dst].set(pool[:, src])
+
+
 def decode_attention_xla(q, pool, layer, page_table, lengths, window, *, block_pages: int):
     """One query token per slot against its pages, a block of pages at a time (online softmax).
 
-    q [S, H, D]; pool [L, P, page_size, 2*KVH, D], read at `layer` only; page_table [S, max_pages] (a multiple of
+    q [S, H, D]; pool in either layout, read at `layer` only; page_table [S, max_pages] (a multiple of
     block_pages); lengths [S]: tokens visible to each slot (its query's position + 1; 0 = idle slot).
     The loop runs over the blocks the longest slot needs: cost follows the live length.
     """
     s, h, d = q.shape
-    page_size, kvh = pool.shape[2], pool.shape[3] // 2
+    kvh = kv_heads_of(pool)
+    page_size = pool[0].shape[3] if is_split(pool) else pool.shape[2]
     g = h // kvh
     span = block_pages * page_size
     qg = q.reshape(s, kvh, g, d).astype(jnp.float32) * (d ** -0.5)
@@ -73,8 +125,7 @@ def decode_attention_xla(q, pool, layer, page_table, lengths, window, *, block_p
     def body(j, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(page_table, j * block_pages, block_pages, axis=1)
-        kv = pool[layer, pages].reshape(s, span, 2 * kvh, d).astype(jnp.float32)
-        k, v = kv[:, :, 0::2], kv[:, :, 1::2]
+        k, v = read_pages(pool, layer, pages)
         k_pos = j * span + jnp.arange(span, dtype=jnp.int32)[None, :]
         visible = k_pos <= q_pos
         if window is not None:
@@ -171,22 +222,96 @@ def decode_attention_tpu(q, pool, layer, page_table, lengths, window, *, block_p
     return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
-# Decode-attention implementations by name; "xla" runs everywhere, "tpu" on TPU (or in Pallas's TPU
-# interpret mode); "auto" (resolve_impl) picks by the compile target.
-DECODE_ATTENTION: dict[str, Callable] = {"xla": decode_attention_xla, "tpu": decode_attention_tpu}
+# ------------------------------------------------------------------------ GPU: paged attention (Triton)
+GPU_BLOCK_H = 16  # query heads per kernel block (the kernel's minimum; a KV head's fewer queries are padded)
+GPU_MAX_K_SPLITS = 16  # the kernel's default: partitions of a sequence's pages decoded in parallel
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_module():
+    """jax's GPU paged attention module, or None where this jax does not ship it ("auto" takes "xla")."""
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention
+    except ImportError:  # pragma: no cover - moved or dropped in a later jax
+        return None
+    return paged_attention
+
+
+def gpu_unsupported(q_heads: int, pool_shape, dtype) -> str | None:
+    """Why the GPU kernel cannot take queries / a pool of these shapes (None: it can). pool_shape: the
+    interleaved shape [L, P, page_size, 2*KVH, D] (`pool_shape(cfg, ...)`)."""
+    if _gpu_module() is None:
+        return "this jax has no GPU paged_attention"
+    page_size, d = pool_shape[2], pool_shape[-1]
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return f"{jnp.dtype(dtype).name} KV pages (the kernel takes f32 / bf16 / f16)"
+    for name, n in (("head_dim", d), ("page_size", page_size)):
+        if n < 16 or n & (n - 1):  # Triton blocks: powers of two, at least 16 for its dots
+            return f"{name} {n} (a power of two >= 16)"
+    if q_heads % (pool_shape[3] // 2):
+        return f"{q_heads} query heads over {pool_shape[3] // 2} KV heads"
+    return None
+
+
+def gpu_blocks(width: int, block_pages: int) -> tuple[int, int]:
+    """(pages per compute block, k_splits) of a GPU decode call over a page table `width` pages wide: blocks of
+    the largest power of two <= block_pages dividing the width, and as many partitions (<= GPU_MAX_K_SPLITS)
+    as divide the blocks; partitions past a row's length are skipped, so a step costs its live pages."""
+    per_block = 1
+    while per_block * 2 <= block_pages and width % (per_block * 2) == 0:
+        per_block *= 2
+    blocks = width // per_block
+    splits = max(k for k in range(1, min(blocks, GPU_MAX_K_SPLITS) + 1) if blocks % k == 0)
+    return per_block, splits
+
+
+def _gpu_kernel():
+    """The kernel `decode_attention_gpu` calls, in Pallas's interpret mode unless compiled for a GPU (a CPU host
+    lowering for a GPU target gets the Triton call)."""
+    interpret = pk.current_target().platform != "gpu"
+    return functools.partial(_gpu_module().paged_attention, interpret=interpret)
+
+
+def decode_attention_gpu(q, pool, layer, page_table, lengths, window, *, block_pages: int = 8):
+    """`decode_attention_xla` through JAX's GPU paged attention kernel, on a "split" pool (one query per slot).
+
+    The K and V arrays are read in place as [KVH, layers * pages, page_size, D] (a free reshape), with the page
+    table offset by layer * pages. The kernel has no sliding window and no softmax scale: windowed layers take
+    the XLA path on the same pool, and the queries are scaled before the call. Idle slots (length 0) get zeros.
+    """
+    if window is not None:
+        return decode_attention_xla(q, pool, layer, page_table, lengths, window, block_pages=block_pages)
+    k, v = pool
+    kvh, n_layers, pages = k.shape[:3]
+    flat = lambda x: x.reshape(kvh, n_layers * pages, *x.shape[3:])  # noqa: E731
+    per_block, splits = gpu_blocks(page_table.shape[1], block_pages)
+    out = _gpu_kernel()(
+        (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k.dtype), flat(k), flat(v),
+        (page_table + layer * pages).astype(jnp.int32), lengths.astype(jnp.int32), block_h=GPU_BLOCK_H,
+        pages_per_compute_block=per_block, k_splits=splits)
+    return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
+
+
+# Decode-attention implementations by name; "xla" runs everywhere, "tpu" on TPU and "gpu" on GPU (or in
+# Pallas's interpret mode); "auto" (resolve_impl) picks by the compile target.
+DECODE_ATTENTION: dict[str, Callable] = {"xla": decode_attention_xla, "tpu": decode_attention_tpu,
+                                         "gpu": decode_attention_gpu}
 
 
 def resolve_impl(impl: str, q_heads: int, pool_shape, dtype) -> str:
-    """The DECODE_ATTENTION entry a call takes: "auto" -> "tpu" when the compile target is a TPU and the kernel
-    takes these shapes, else "xla" (GPU included: JAX's GPU paged attention wants separate K and V pages,
-    heads first, and no sliding window; docs/tpu.md); any other name as given."""
+    """The DECODE_ATTENTION entry a call takes: "auto" -> the compile target's kernel ("tpu" / "gpu") when it
+    takes these shapes (`tpu_unsupported`, `gpu_unsupported`), else "xla"; any other name as given.
+    pool_shape: the interleaved shape (`pool_shape(cfg, pages, page_size)`)."""
     if impl != "auto":
         if impl not in DECODE_ATTENTION:
             raise ValueError(f"decode attention impl must be 'auto' or one of {sorted(DECODE_ATTENTION)}, "
                              f"got {impl!r}")
         return impl
-    if pk.current_target().platform == "tpu" and tpu_unsupported(q_heads, pool_shape, dtype) is None:
+    platform = pk.current_target().platform
+    if platform == "tpu" and tpu_unsupported(q_heads, pool_shape, dtype) is None:
         return "tpu"
+    if platform == "gpu" and gpu_unsupported(q_heads, pool_shape, dtype) is None:
+        return "gpu"
     return "xla"
 
 
@@ -220,23 +345,35 @@ def _entry(axes: tuple):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def pool_spec(mesh, kv_heads: int) -> P:
-    """PartitionSpec of the pool [L, P, page_size, 2*KVH, D]: heads over `kv_head_axes`, the rest whole. A
+def pool_spec(mesh, kv_heads: int, layout: str = "interleaved"):
+    """PartitionSpec of the pool (a pair of them, "split"): heads over `kv_head_axes`, the rest whole. A
     contiguous share of the interleaved heads is whole (K, V) pairs, so each chip's share is itself a pool."""
-    return P(None, None, None, _entry(kv_head_axes(mesh, kv_heads)), None)
+    heads = _entry(kv_head_axes(mesh, kv_heads))
+    if layout == "split":
+        return (P(heads, None, None, None, None),) * 2
+    return P(None, None, None, heads, None)
 
 
-def pool_sharding(mesh, cfg) -> NamedSharding | None:
-    return None if mesh is None else NamedSharding(mesh, pool_spec(mesh, cfg.num_kv_heads))
-
-
-def new_pool(cfg, pages: int, page_size: int, mesh=None) -> jax.Array:
-    """A zeroed pool, laid out for `mesh` (`pool_sharding`): no chip ever holds more than its share."""
-    shape, dtype = pool_shape(cfg, pages, page_size), jnp.dtype(cfg.dtype)
+def pool_sharding(mesh, cfg, layout: str = "interleaved"):
     if mesh is None:
-        return jnp.zeros(shape, dtype)
+        return None
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), pool_spec(mesh, cfg.num_kv_heads, layout))
+
+
+def abstract_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved"):
+    """The pool's ShapeDtypeStruct(s), laid out for `mesh`: what `new_pool` returns, for ahead-of-time compiles."""
+    shape, dtype = pool_shape(cfg, pages, page_size, layout), jnp.dtype(cfg.dtype)
+    sharding = pool_sharding(mesh, cfg, layout)
+    if layout == "split":
+        return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for sh in (sharding or (None, None)))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def new_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved"):
+    """A zeroed pool, laid out for `mesh` (`pool_sharding`): no chip ever holds more than its share."""
     # created sharded (each chip allocates its share); an eager op: compiled once per shape and layout
-    return jnp.zeros(shape, dtype, device=pool_sharding(mesh, cfg))
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
+                        abstract_pool(cfg, pages, page_size, mesh, layout))
 
 
 def _mesh_for(pool) -> tuple[object, tuple[str, ...]] | tuple[None, tuple]:
@@ -248,7 +385,7 @@ def _mesh_for(pool) -> tuple[object, tuple[str, ...]] | tuple[None, tuple]:
     manual = getattr(jax.sharding.AxisType, "Manual", None)
     if any(t == manual for t in (getattr(mesh, "axis_types", ()) or ())):
         return None, ()
-    return mesh, kv_head_axes(mesh, pool.shape[3] // 2)
+    return mesh, kv_head_axes(mesh, kv_heads_of(pool))
 
 
 def _batch_axes(mesh, heads: tuple[str, ...], rows: int) -> tuple[str, ...]:
@@ -267,7 +404,7 @@ class PagedCache:
     decode: tokens [S, 1] at position `lengths - 1` of each slot; `live` slots only (others write to NULL_PAGE).
     """
 
-    pool: jax.Array  # [L, P, page_size, 2*KVH, D]
+    pool: jax.Array | tuple  # [L, P, page_size, 2*KVH, D], or a "split" (K, V) pair (see the module docstring)
     page_table: jax.Array  # [rows, max_pages] int32
     live: jax.Array  # [rows] bool
     layer: jax.Array | int = 0
@@ -277,7 +414,10 @@ class PagedCache:
 
     @property
     def page_size(self) -> int:
-        return self.pool.shape[2]
+        return self.pool[0].shape[3] if is_split(self.pool) else self.pool.shape[2]
+
+    def _spec(self, mesh):
+        return pool_spec(mesh, kv_heads_of(self.pool), "split" if is_split(self.pool) else "interleaved")
 
     def at_layer(self, layer) -> "PagedCache":
         return self.replace(layer=layer)
@@ -294,13 +434,16 @@ class PagedCache:
         offset = jnp.where(live, q_pos % self.page_size, 0)
 
         def store(pool, k, v, page, offset, layer):
+            if is_split(pool):  # [KVH, L, P, page_size, D] at [:, layer, page, offset] is [KVH, R, T, D]
+                return tuple(x.at[:, layer, page, offset].set(jnp.moveaxis(y, 2, 0).astype(x.dtype))
+                             for x, y in ((pool[0], k), (pool[1], v)))
             return pool.at[layer, page, offset].set(interleave(k, v).astype(pool.dtype))
 
         mesh, heads = _mesh_for(self.pool)
         if not heads:  # one device, or a pool whole on every chip: XLA partitions the scatter
             return self.replace(pool=store(self.pool, k, v, page, offset, self.layer))
         # each chip stores its KV heads of every row (rows gathered over the data axes: activation-sized)
-        kv, pool = P(None, None, _entry(heads), None), pool_spec(mesh, self.pool.shape[3] // 2)
+        kv, pool = P(None, None, _entry(heads), None), self._spec(mesh)
         fn = jax.shard_map(store, mesh=mesh, in_specs=(pool, kv, kv, P(), P(), P()), out_specs=pool,
                            check_vma=False)
         return self.replace(pool=fn(self.pool, k, v, page, offset, jnp.asarray(self.layer, jnp.int32)))
@@ -308,7 +451,13 @@ class PagedCache:
     def attend(self, q, q_pos, window):
         """Decode: q [S, 1, H, D] at q_pos [S, 1] against each slot's pages -> [S, 1, H, D]."""
         lengths = jnp.where(self.live, q_pos[:, 0] + 1, 0)
-        impl = resolve_impl(self.impl, q.shape[2], self.pool.shape, self.pool.dtype)
+        impl, layout = self.impl, "split" if is_split(self.pool) else "interleaved"
+        if impl == "auto":  # the Engine passes its resolved impl; here the pool's layout narrows the choice
+            impl = resolve_impl(impl, q.shape[2], interleaved_shape(self.pool), jax.tree.leaves(self.pool)[0].dtype)
+            impl = impl if LAYOUTS[impl] == layout else "xla"
+        if impl != "xla" and LAYOUTS[impl] != layout:
+            raise ValueError(f"decode attention {impl!r} reads a {LAYOUTS[impl]!r} pool; this one is not "
+                             f"(make it with new_pool(..., layout=LAYOUTS[{impl!r}]))")
         fn = functools.partial(DECODE_ATTENTION[impl], window=window, block_pages=self.block_pages)
         mesh, heads = _mesh_for(self.pool)
         if mesh is None or (impl == "xla" and not heads):  # XLA partitions the plain path itself
@@ -318,7 +467,7 @@ class PagedCache:
         rows = _entry(_batch_axes(mesh, heads, q.shape[0]))
         qs = P(rows, _entry(heads), None)
         run = jax.shard_map(lambda q, pool, layer, table, lengths: fn(q, pool, layer, table, lengths), mesh=mesh,
-                            in_specs=(qs, pool_spec(mesh, self.pool.shape[3] // 2), P(), P(rows, None), P(rows)),
+                            in_specs=(qs, self._spec(mesh), P(), P(rows, None), P(rows)),
                             out_specs=qs, check_vma=False)
         return run(q[:, 0], self.pool, jnp.asarray(self.layer, jnp.int32), self.page_table, lengths)[:, None]
 
