@@ -13,7 +13,8 @@
   weights; without the embedding / lm head layout the check fails.
 * The same with packed int4 / NF4 weights (quantized rollouts): the Pallas matmul kernels' shard_map follows the
   decode layout, so no packed weight is gathered per token either.
-* On 8 CPU devices the engine with the pool split over KV heads gives the single-device tokens and log-probs.
+* On 8 CPU devices the engine with the pool split over KV heads gives the single-device tokens and log-probs, also
+  on the GPU kernel's split K/V pool (Pallas interpret mode).
 """
 
 from __future__ import annotations
@@ -251,18 +252,20 @@ def _sharded_engine() -> None:
     config = EngineConfig(slots=8, page_size=4, sync_steps=8)
     sampling = SamplingConfig(temperature=1.0)
 
-    def run(mesh):
+    def run(mesh, impl="auto"):
         model = load_model(tiny)
         if mesh is not None:
             with jax.set_mesh(mesh):
                 model = shard_model(model, mesh)
-        eng = Engine(model, eos_ids=[271], pad_id=0, config=config, mesh=mesh)
+        eng = Engine(model, eos_ids=[271], pad_id=0, config=config, mesh=mesh, impl=impl)
         return eng.generate(model, prompts, max_new_tokens=[12, 30, 7, 30, 20] * 2, sampling=sampling, seed=3)
 
     ref = run(None)
-    for shape in ((2, 4, 1), (2, 2, 2)):  # KV heads (2) over data; over tensor (rows over data x fsdp)
+    # KV heads (2) over data; over tensor (rows over data x fsdp); the GPU kernel (interpret mode) on its split
+    # K/V pool, heads over tensor under the same shard_map
+    for shape, impl in (((2, 4, 1), "auto"), ((2, 2, 2), "auto"), ((2, 2, 2), "gpu")):
         mesh = make_mesh(shape)
-        got = run(mesh)
+        got = run(mesh, impl)
         np.testing.assert_array_equal(got.lengths, ref.lengths, err_msg=str(shape))
         np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=str(shape))
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4, err_msg=str(shape))
