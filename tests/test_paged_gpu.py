@@ -8,6 +8,7 @@
 * "auto" takes the kernel for a GPU target where it takes the shapes (power-of-two head_dim / page_size).
 * The engine with impl="gpu" gives the tokens and log-probs of impl="xla" (olmo3: a sliding layer on the XLA
   fallback; shared prompts; a pool small enough to preempt).
+* The kernel is traced at "highest" precision (Triton would take TF32 for f32 dots otherwise).
 * Lowered for a CUDA target from this CPU host, the engine's decode program holds the Triton kernel call (one
   per full-attention layer run): the kernel lowers to Triton IR for the engine's shapes. Compiling that IR to
   PTX needs a GPU; no test here shows it does.
@@ -134,3 +135,26 @@ def test_decode_lowers_to_the_triton_kernel_for_a_gpu_target(hf_checkpoint):
     pool = args[1]
     assert isinstance(pool, tuple) and pool[0].shape == (2, 2, pool[0].shape[2], 16, 16)  # [KVH, L, P, ps, D]
     assert text.count("__gpu$xla.gpu.triton") == 1 and "paged_attention" in text
+
+
+def _dot_precisions(jaxpr, out):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _dot_precisions(inner, out)
+    return out
+
+
+def test_gpu_kernel_dots_are_full_precision():
+    """Triton would take TF32 for f32 dots at the default precision (~1e-3 off): the kernel is traced at
+    "highest", so an f32 pool gets IEEE dots as on the XLA path."""
+    q, k = jnp.zeros((2, 8, 16)), jnp.zeros((2, 2, 10, 16, 16))
+    table, lengths = jnp.zeros((2, 8), jnp.int32), jnp.ones(2, jnp.int32)
+    with pk.target("gpu"):
+        jaxpr = jax.make_jaxpr(lambda q, pool: paged.decode_attention_gpu(q, pool, 1, table, lengths, None))(q, (k, k))
+    precisions = _dot_precisions(jaxpr.jaxpr, [])
+    assert len(precisions) == 2 and all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in precisions)

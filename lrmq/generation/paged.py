@@ -285,10 +285,11 @@ def decode_attention_gpu(q, pool, layer, page_table, lengths, window, *, block_p
     kvh, n_layers, pages = k.shape[:3]
     flat = lambda x: x.reshape(kvh, n_layers * pages, *x.shape[3:])  # noqa: E731
     per_block, splits = gpu_blocks(page_table.shape[1], block_pages)
-    out = _gpu_kernel()(
-        (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k.dtype), flat(k), flat(v),
-        (page_table + layer * pages).astype(jnp.int32), lengths.astype(jnp.int32), block_h=GPU_BLOCK_H,
-        pages_per_compute_block=per_block, k_splits=splits)
+    with jax.default_matmul_precision("highest"):  # f32 pages: IEEE dots in Triton, not TF32 (the kernel's
+        out = _gpu_kernel()(  # dots take the default precision; 16-bit pages are unaffected)
+            (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k.dtype), flat(k), flat(v),
+            (page_table + layer * pages).astype(jnp.int32), lengths.astype(jnp.int32), block_h=GPU_BLOCK_H,
+            pages_per_compute_block=per_block, k_splits=splits)
     return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
