@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 # Several processes compile for TPU through libtpu at once (tests and the CLIs they launch); without this
@@ -84,3 +85,16 @@ def tiny_train_config(out_dir: str, **sections):
     for k, v in sections.items():
         d.setdefault(k, {}).update(v)
     return config_from_dict(TrainConfig, d)
+
+
+def assert_adam_step_close(actual, desired, *, lr: float, atol: float, err_msg: str = ""):
+    """Parameters after an Adam step taken from two float-equivalent computations (another tiling, mesh or
+    CPU's vector width): every element within atol but a rare few (<= 0.1%), and those within a tenth of a
+    step. Adam divides by sqrt(v), so an element whose gradient is near zero moves by the gradient's float noise
+    scaled up to a fraction of lr; a real difference moves many elements, or some by a whole step."""
+    actual, desired = np.asarray(actual), np.asarray(desired)
+    assert actual.shape == desired.shape, (err_msg, actual.shape, desired.shape)
+    diff = np.abs(actual - desired)
+    outliers = int((diff > atol).sum())
+    assert outliers <= max(1, diff.size // 1000) and diff.max() <= 0.1 * lr, \
+        f"{err_msg}: {outliers} of {diff.size} elements differ by more than {atol}, the largest by {diff.max():.3g}"

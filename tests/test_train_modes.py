@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_adam_step_close
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ASSET = os.path.join(REPO, "lrmq", "assets", "tiny")
 
@@ -247,5 +249,5 @@ def test_train_modes_sharded_8_devices(scratch_ckpt, tmp_path):
             for k in a:
                 if what == "rest" or not np.issubdtype(a[k].dtype, np.floating):
                     np.testing.assert_array_equal(b[k], a[k], err_msg=f"{name} {what} {k}")  # frozen: bit-equal
-                else:  # one Adam step moves every weight by up to lr = 1e-3
-                    np.testing.assert_allclose(b[k], a[k], rtol=0, atol=2e-5, err_msg=f"{name} {what} {k}")
+                else:  # one Adam step of lr = 1e-3 (QAT: a float-noise gradient can flip a rounding)
+                    assert_adam_step_close(b[k], a[k], lr=1e-3, atol=2e-5, err_msg=f"{name} {what} {k}")
