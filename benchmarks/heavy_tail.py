@@ -195,14 +195,20 @@ def main(argv=None) -> int:
             job = {"ckpt": ckpt, "vocab": arch["vocab_size"], "lengths": lengths, "slots": args.slots,
                    "prompts": prompts_for(args.sequences, prompt_len, arch["vocab_size"], args.seed),
                    "base_tree": base_tree}
-            results = {}
-            for name in args.contenders.split(","):
+            results, names = {}, args.contenders.split(",")
+            for name in names:
                 print(f"running {name} ...", file=sys.stderr, flush=True)
                 results[name] = run_worker(name, job, threads, tmp)
                 print(f"  {results[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
+                # written after each contender: a run of hours that is cut short keeps what it measured
+                report(args, arch, lengths, prompt_len, cap, threads, results, complete=len(results) == len(names))
         finally:
             subprocess.run(["git", "-C", common.REPO, "worktree", "remove", "--force", base_tree], capture_output=True)
+    return 0
 
+
+def report(args, arch: dict, lengths: list[int], prompt_len: int, cap: int, threads: int, results: dict, *,
+           complete: bool) -> None:
     useful = sum(lengths)
     ref = results.get("hf", {}).get("tokens")
     rows, figures = [], {}
@@ -222,12 +228,11 @@ def main(argv=None) -> int:
     print(json.dumps(ratios, indent=2))
     info = common.machine_info(threads)
     common.write_json(args.out, {
-        "benchmark": "heavy_tail", "machine": info, "commit": common.source_commit(), "base_commit": BASE,
-        "model": {**arch, "params_approx": _params(arch)}, "sequences": args.sequences, "prompt_len": prompt_len,
-        "lengths": lengths, "useful_tokens": useful, "mean_length": useful / len(lengths), "cap": cap,
-        "lrmq_slots": args.slots or args.sequences, "results": figures, "ratios": ratios,
+        "benchmark": "heavy_tail", "complete": complete, "machine": info, "commit": common.source_commit(),
+        "base_commit": BASE, "model": {**arch, "params_approx": _params(arch)}, "sequences": args.sequences,
+        "prompt_len": prompt_len, "lengths": lengths, "useful_tokens": useful, "mean_length": useful / len(lengths),
+        "cap": cap, "lrmq_slots": args.slots or args.sequences, "results": figures, "ratios": ratios,
         "argv": sys.argv[1:]})
-    return 0
 
 
 def _params(a: dict) -> int:
