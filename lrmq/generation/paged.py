@@ -69,6 +69,10 @@ def is_split(pool) -> bool:
     return isinstance(pool, tuple)
 
 
+def layout_of(pool) -> str:
+    return "split" if is_split(pool) else "interleaved"
+
+
 def interleaved_shape(pool) -> tuple[int, ...]:
     """[L, P, page_size, 2*KVH, D] of a pool in either layout."""
     if is_split(pool):
@@ -114,8 +118,7 @@ def decode_attention_xla(q, pool, layer, page_table, lengths, window, *, block_p
     The loop runs over the blocks the longest slot needs: cost follows the live length.
     """
     s, h, d = q.shape
-    kvh = kv_heads_of(pool)
-    page_size = pool[0].shape[3] if is_split(pool) else pool.shape[2]
+    kvh, page_size = kv_heads_of(pool), interleaved_shape(pool)[2]
     g = h // kvh
     span = block_pages * page_size
     qg = q.reshape(s, kvh, g, d).astype(jnp.float32) * (d ** -0.5)
@@ -415,10 +418,10 @@ class PagedCache:
 
     @property
     def page_size(self) -> int:
-        return self.pool[0].shape[3] if is_split(self.pool) else self.pool.shape[2]
+        return interleaved_shape(self.pool)[2]
 
     def _spec(self, mesh):
-        return pool_spec(mesh, kv_heads_of(self.pool), "split" if is_split(self.pool) else "interleaved")
+        return pool_spec(mesh, kv_heads_of(self.pool), layout_of(self.pool))
 
     def at_layer(self, layer) -> "PagedCache":
         return self.replace(layer=layer)
@@ -452,7 +455,7 @@ class PagedCache:
     def attend(self, q, q_pos, window):
         """Decode: q [S, 1, H, D] at q_pos [S, 1] against each slot's pages -> [S, 1, H, D]."""
         lengths = jnp.where(self.live, q_pos[:, 0] + 1, 0)
-        impl, layout = self.impl, "split" if is_split(self.pool) else "interleaved"
+        impl, layout = self.impl, layout_of(self.pool)
         if impl == "auto":  # the Engine passes its resolved impl; here the pool's layout narrows the choice
             impl = resolve_impl(impl, q.shape[2], interleaved_shape(self.pool), jax.tree.leaves(self.pool)[0].dtype)
             impl = impl if LAYOUTS[impl] == layout else "xla"
