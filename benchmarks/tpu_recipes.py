@@ -7,7 +7,11 @@ file (resumable: finished entries are skipped) and rendered as the markdown tabl
     python benchmarks/tpu_recipes.py --out docs/figures/tpu_recipes.json                 # everything
     python benchmarks/tpu_recipes.py --out F --only qwen3_0.6b_grpo --modes bf16         # a subset
     python benchmarks/tpu_recipes.py --out F --only qwen3_4b_grpo --modes qlora --redo   # after a code change
-    python benchmarks/tpu_recipes.py --out F --table                                     # print the table
+    python benchmarks/tpu_recipes.py --out F --table                                     # print the tables
+    python benchmarks/tpu_recipes.py --out F --only qwen3_0.6b_grpo --modes bf16 --set rollout.max_new_tokens=4096
+
+`--set KEY=VALUE ...` compiles the recipe with those overrides (an entry of its own, keyed by them): the
+long-completion entries of the second table, whose rollout KV pool is sized to the chip (rollout.kv_pages=0).
 """
 
 from __future__ import annotations
@@ -55,31 +59,41 @@ def layers_of(name: str) -> str:
     return layers + ("+pack" if layout == "pack" else "")
 
 
-def run_one(name: str, mode: str, timeout: float) -> dict:
+def run_one(name: str, mode: str, timeout: float, overrides: tuple[str, ...] = ()) -> dict:
     cfg = os.path.join(REPO, "configs", "paper1", name + ".yaml")
     with tempfile.TemporaryDirectory() as tmp:
         rep = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "lrmq.train", "--config", cfg, "--compile-only", "--report", rep, *MODES[mode]]
+        cmd = [sys.executable, "-m", "lrmq.train", "--config", cfg, "--compile-only", "--report", rep, *MODES[mode],
+               *overrides]
         t0, load = time.perf_counter(), os.getloadavg()[0]
         try:
             r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                                text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"recipe": name, "mode": mode, "layers": layers_of(name), "rc": None, "load_avg": load,
+                    "overrides": list(overrides),
                     "error": [f"compile did not finish in {timeout:.0f} s (load average {load:.1f} at start)"]}
         wall = time.perf_counter() - t0
         if not os.path.exists(rep):
-            return {"recipe": name, "mode": mode, "layers": layers_of(name), "error": r.stderr.strip().splitlines()[-1:], "rc": r.returncode}
+            return {"recipe": name, "mode": mode, "layers": layers_of(name), "overrides": list(overrides),
+                    "error": r.stderr.strip().splitlines()[-1:], "rc": r.returncode}
         out = json.load(open(rep))
     out.update(recipe=name, mode=mode, rc=r.returncode, wall_s=wall, layers=layers_of(name), load_avg=load, commit=source_commit(),
+               date=time.strftime("%Y-%m-%d"), overrides=list(overrides), verdict=r.stdout.strip().splitlines()[-1],
+               traceback="Traceback" in r.stderr,
                command="python -m lrmq.train --config " + os.path.relpath(cfg, REPO) + " --compile-only "
-               + " ".join(MODES[mode]))
+               + " ".join([*MODES[mode], *overrides]))
     return out
+
+
+def key_of(r: dict) -> tuple:
+    return r["recipe"], r["mode"], r.get("layers", "loop"), tuple(r.get("overrides", ()))
 
 
 def table(results: list[dict]) -> str:
     gib = lambda b: f"{b / 2 ** 30:.1f}"
     rows = []
+    results = [r for r in results if not r.get("overrides")]  # the recipes as written (overrides: pool_table)
     for r in sorted(results, key=lambda r: (r["recipe"], ["bf16", "qat", "qlora"].index(r["mode"]), r.get("layers", "loop"))):
         if "error" in r:
             rows.append([r["recipe"], r["mode"], r.get("layers", "-"), "-", "-", "-", "-", "-", "error: " + " ".join(r["error"])[:80]])
@@ -94,6 +108,30 @@ def table(results: list[dict]) -> str:
                      "compile s (step / rollout)", "fits with 10% headroom"], rows)
 
 
+def pool_table(results: list[dict]) -> str:
+    """The entries compiled with overrides (long completions): the KV pool each chose and every program's memory."""
+    gib = lambda b: f"{b / 2 ** 30:.2f}"
+    rows = []
+    for r in sorted((r for r in results if r.get("overrides")), key=lambda r: (r["recipe"], r["overrides"])):
+        if "error" in r:
+            rows.append([r["recipe"], " ".join(r["overrides"]), "-", "-", "-", "-", "-", "-",
+                         "error: " + " ".join(r["error"])[:100]])
+            continue
+        mem = {p["name"]: p for p in r["programs"]}
+        cell = lambda n: ("-" if n not in mem else "refused" if mem[n]["memory"] is None
+                          else gib(mem[n]["memory"]["total"]))
+        pool = r.get("kv_pool") or {}
+        pool_cell = (f"{pool['pages']:,} pages, {pool['tokens']:,} tokens, {gib(pool['bytes_per_device'])} GiB "
+                     f"({pool['sized']}; worst case {pool['worst_case_pages']:,})" if pool else "-")
+        secs = " / ".join(f"{mem[n]['seconds']:.0f}" for n in ("train_step", "rollout prefill", "rollout decode")
+                          if n in mem)
+        rows.append([r["recipe"], " ".join(r["overrides"]), r["target"], gib(r["hbm_bytes"]), pool_cell,
+                     cell("train_step"), cell("rollout prefill"), cell("rollout decode"), secs,
+                     ("yes" if r["fits"] else "no") + f" (exit {r['rc']}): {r.get('verdict', '')[:160]}"])
+    return md_table(["recipe", "overrides", "topology", "HBM GiB", "KV pool per chip", "step GiB", "prefill GiB",
+                     "decode GiB", "compile s (step / prefill / decode)", "fits (10% headroom), verdict"], rows)
+
+
 def merge(out: str, res: dict) -> dict:
     """Merge one result into `out`, re-read under an exclusive lock: several invocations (e.g. one per core)
     may share the file, and each must keep the others' entries."""
@@ -101,10 +139,10 @@ def merge(out: str, res: dict) -> dict:
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         payload = json.load(open(out)) if os.path.exists(out) else {"machine": machine_info(), "results": []}
-        key = (res["recipe"], res["mode"], res["layers"])
+        key = key_of(res)
         payload["results"] = [r for r in payload["results"]
-                              if (r["recipe"], r["mode"], r.get("layers", "loop")) != key
-                              and not (r["recipe"] == res["recipe"] and r["mode"] == res["mode"] and "error" in r)]
+                              if key_of(r) != key
+                              and not (key_of(r)[::3] == key[::3] and r["mode"] == res["mode"] and "error" in r)]
         payload["results"].append(res)
         payload["date"] = time.strftime("%Y-%m-%d")
         write_json(out, payload)
@@ -118,22 +156,24 @@ def main() -> int:
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--redo", action="store_true", help="compile again even where a result exists (after a code change)")
-    ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    ap.add_argument("--table", action="store_true", help="print the markdown tables of --out and exit")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for these compiles (an entry of their own)")
     a = ap.parse_args()
     payload = json.load(open(a.out)) if os.path.exists(a.out) else {"machine": machine_info(), "results": []}
     if a.table:
-        print(table(payload["results"]))
+        print(table(payload["results"]) + "\n\n" + pool_table(payload["results"]))
         return 0
-    done = {(r["recipe"], r["mode"], r.get("layers", "loop")) for r in payload["results"] if "error" not in r}
+    done = {key_of(r) for r in payload["results"] if "error" not in r}
     for name in recipes(a.only):
         for mode in a.modes:
-            if (name, mode, layers_of(name)) in done and not a.redo:
+            if (name, mode, layers_of(name), tuple(a.set)) in done and not a.redo:
                 continue
-            res = run_one(name, mode, a.timeout)
+            res = run_one(name, mode, a.timeout, tuple(a.set))
             payload = merge(a.out, res)
             print(f"{name} {mode}: " + ("error " + " ".join(res["error"]) if "error" in res else
                                         f"fits={res['fits']} ({res['wall_s']:.0f} s)"), flush=True)
-    print(table(payload["results"]))
+    print(table(payload["results"]) + "\n\n" + pool_table(payload["results"]))
     return 0
 
 

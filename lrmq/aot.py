@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
-from dataclasses import dataclass
+import re
+import time
+from dataclasses import dataclass, field
 
 import jax
 from flax import nnx
 
 from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError
-from lrmq.generation.engine import Engine, EngineConfig
+from lrmq.generation.engine import Engine, EngineConfig, pool_info
+from lrmq.generation.paged import page_bytes, pool_budget
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
@@ -33,7 +37,7 @@ from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, Update
                                 check_budget, hbm_bytes, lower_compile, memory_report, update_shapes)
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 from lrmq.rl.step import make_optimizer, make_train_step, opt_state_shardings, uses_rollout_logprobs
-from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, make_mesh
+from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, bytes_per_device, make_mesh
 
 
 # ----------------------------------------------------------------------------- targets
@@ -150,9 +154,10 @@ def compile_generate(graphdef, state, mesh, *, model_cfg: ModelConfig, engine: E
     return out
 
 
-def _rollout_programs(cfg: TrainConfig, graphdef, state, mesh, model_cfg: ModelConfig, programs=("prefill", "decode")):
+def _rollout_programs(cfg: TrainConfig, graphdef, state, mesh, model_cfg: ModelConfig, programs=("prefill", "decode"),
+                      engine: EngineConfig | None = None):
     r = cfg.rollout
-    return compile_generate(graphdef, state, mesh, model_cfg=model_cfg, engine=r.engine_config(),
+    return compile_generate(graphdef, state, mesh, model_cfg=model_cfg, engine=engine or r.engine_config(),
                             requests=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len,
                             max_new=r.max_new_tokens, programs=programs,
                             sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
@@ -170,19 +175,22 @@ def rollout_model(run: AbstractRun) -> tuple[object, tuple]:
     return copy.graphdef, copy.abstract_states(run.trainable, run.rest)
 
 
-def compile_rollout(run: AbstractRun, program: str = "decode") -> tuple[object, float]:
+def compile_rollout(run: AbstractRun, program: str = "decode", engine: EngineConfig | None = None
+                    ) -> tuple[object, float]:
     """(compiled, seconds) of one of the rollout engine's programs ("prefill" | "decode") for the run's config
-    (on the packed copy with rollout.quant)."""
+    (on the packed copy with rollout.quant); `engine` overrides `rollout.engine_config()` (a sized pool)."""
     graphdef, states = rollout_model(run)
-    return _rollout_programs(run.cfg, graphdef, states, run.mesh, run.model_cfg, (program,))[program]
+    return _rollout_programs(run.cfg, graphdef, states, run.mesh, run.model_cfg, (program,), engine)[program]
 
 
-def rollout_memory(cfg: TrainConfig, graphdef, state, mesh) -> dict[str, int]:
-    """{"rollout prefill" | "rollout decode": per-device bytes} of the rollout engine's programs, compiled now:
-    the trainer's preflight (`GRPOTrainer(preflight_programs=...)`, wired by lrmq.train) checks them against
-    the budget with the update."""
-    programs = _rollout_programs(cfg, graphdef, state, mesh, model_config(cfg))
+def rollout_memory(cfg: TrainConfig, graphdef, state, mesh, engine: EngineConfig | None = None) -> dict[str, int]:
+    """{"rollout prefill" | "rollout decode": per-device bytes} of the rollout engine's programs (its
+    configuration `engine`, default `rollout.engine_config()`), compiled now: the trainer's preflight
+    (`GRPOTrainer(preflight_programs=...)`, wired by lrmq.train) checks them against the budget with the update."""
+    programs = _rollout_programs(cfg, graphdef, state, mesh, model_config(cfg), engine=engine)
     return {f"rollout {name}": memory_report(compiled)["total"] for name, (compiled, _) in programs.items()}
+
+
 
 
 def abstract_model(mcfg: ModelConfig, mesh, pack: str | None = None):
@@ -200,6 +208,49 @@ def abstract_model(mcfg: ModelConfig, mesh, pack: str | None = None):
 
 
 # ----------------------------------------------------------------------------- the check
+def refusal(e: BaseException) -> str | None:
+    """The compiler's first line when it refused a program for device memory (libtpu raises RESOURCE_EXHAUSTED
+    for a program past HBM instead of compiling it), else None."""
+    if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
+        return str(e).strip().splitlines()[0][:300]
+    return None
+
+
+def program_row(name: str, compile_fn) -> dict:
+    """A report row {name, memory, flops, seconds} of `compile_fn() -> (compiled, seconds)`. A program the compiler
+    refuses for memory is a row too (memory None, "refused": the compiler's line), never a traceback."""
+    t0 = time.perf_counter()
+    try:
+        compiled, secs = compile_fn()
+    except jax.errors.JaxRuntimeError as e:
+        why = refusal(e)
+        if why is None:
+            raise
+        return {"name": name, "memory": None, "refused": why, "flops": 0.0, "seconds": time.perf_counter() - t0}
+    return {"name": name, "memory": memory_report(compiled), "flops": _flops(compiled), "seconds": secs}
+
+
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def refused_bytes(line: str) -> float | None:
+    """The memory a refused program asked for, from the compiler's line ("... HLO temporaries (16.79G) exceeds
+    available HBM (15.75G)"), or None when the line does not say."""
+    m = re.search(r"\(([\d.]+)([KMGT]?)\) exceeds available", line)
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else None
+
+
+def row_total(row: dict) -> float:
+    """A row's per-device bytes (infinite when the compiler refused the program)."""
+    return row["memory"]["total"] if row["memory"] is not None else math.inf
+
+
+def _row_line(row: dict) -> str:
+    if row["memory"] is None:
+        return f"{row['name']}: refused by the compiler after {row['seconds']:.1f} s ({row['refused']})"
+    return f"compiled {row['name']} in {row['seconds']:.1f} s: {row['memory']['total'] / GIB:.2f} GiB per device"
+
+
 def _micro_batch_candidates(cfg: TrainConfig, mesh) -> list[int]:
     """Micro-batch sizes below the configured one that divide the batch and the data axes, largest first."""
     s = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -208,12 +259,28 @@ def _micro_batch_candidates(cfg: TrainConfig, mesh) -> list[int]:
     return [m for m in range(cur - 1, 0, -1) if s % m == 0 and m % div == 0]
 
 
+def pool_line(pool: dict, option: str) -> str:
+    """One line: the KV pool an engine call allocates (`engine.pool_info`) and how it was sized."""
+    how = {"kv_pages": f"{option}={pool['pages']}", "worst case": "the worst case: no sequence is ever preempted",
+           "smallest": "the smallest pool (one sequence), compiled because the worst case was refused",
+           "fitted": f"fitted to the device's memory ({option}=0; the worst case is {pool['worst_case_pages']:,} "
+                     f"pages, preemption covers the rest)"}[pool["sized"]]
+    return (f"KV pool: {pool['pages']:,} pages of {pool['page_size']} tokens ({pool['tokens']:,} tokens for "
+            f"{pool['slots']} slots), {pool['bytes_per_device'] / GIB:.2f} GiB per device; {how}")
+
+
 @dataclass
 class FitReport:
-    rows: list[dict]  # one per compiled program: name, memory, flops, seconds
+    rows: list[dict]  # one per compiled program: name, memory (None: refused by the compiler), flops, seconds
     hbm: int | None
     fits: bool
     largest_fitting_micro_batch: int | None = None
+    pool: dict | None = None  # the engine's KV pool (`engine.pool_info`)
+    fitting_kv_pages: int | None = None  # a set pool that did not fit: the pages found to fit
+
+    @property
+    def budget(self) -> float | None:
+        return self.hbm * (1 - HEADROOM) if self.hbm else None
 
     def table(self) -> str:
         gib = lambda b: f"{b / GIB:.2f}"
@@ -221,6 +288,10 @@ class FitReport:
         lines = [head, "|" + "---|" * 9]
         for r in self.rows:
             m = r["memory"]
+            if m is None:
+                lines.append(f"| {r['name']} | refused by the compiler: {r['refused'][:160]} | | | | | | | "
+                             f"{r['seconds']:.1f} |")
+                continue
             share = f"{m['total'] / self.hbm:.0%}" if self.hbm else "?"
             lines.append(f"| {r['name']} | {gib(m['arguments'])} | {gib(m['temporaries'])} | {gib(m['outputs'])} | "
                          f"{gib(m['aliased'])} | {gib(m['total'])} | {share} | {r['flops'] / 1e12:.2f} | "
@@ -230,50 +301,132 @@ class FitReport:
         return "\n".join(lines)
 
 
-def program_report(programs: dict[str, tuple[object, float]], device) -> FitReport:
-    """The FitReport of compiled programs {name: (compiled, seconds)} against `device`'s HBM minus HEADROOM
-    (fits when HBM is unknown)."""
-    hbm = hbm_bytes(device)
-    rows = [{"name": name, "memory": memory_report(c), "flops": _flops(c), "seconds": secs}
-            for name, (c, secs) in programs.items()]
-    return FitReport(rows, hbm, not hbm or all(r["memory"]["total"] <= hbm * (1 - HEADROOM) for r in rows))
+def _fits(rows: list[dict], budget: float | None) -> bool:
+    return budget is None or all(row_total(r) <= budget for r in rows)
 
 
 def fit_line(report: FitReport) -> str:
     """'fits: X GiB per device of Y GiB usable' (or 'does not fit: ...') for the report's largest program."""
-    total = max(r["memory"]["total"] for r in report.rows) / GIB
-    return (f"{'fits' if report.fits else 'does not fit'}: {total:.2f} GiB per device"
-            + (f" of {report.hbm * (1 - HEADROOM) / GIB:.1f} GiB usable" if report.hbm else ""))
+    worst = max(report.rows, key=row_total)
+    if worst["memory"] is None:
+        return f"does not fit: the compiler ran out of device memory for the {worst['name']} ({worst['refused']})"
+    return (f"{'fits' if report.fits else 'does not fit'}: {worst['memory']['total'] / GIB:.2f} GiB per device"
+            + (f" of {report.budget / GIB:.1f} GiB usable" if report.hbm else ""))
 
 
-def check_generate(graphdef, state, mesh, *, engine: EngineConfig, requests: int, slots_option: str, log=print,
-                   **kw) -> tuple[FitReport | None, str]:
+def fit_pool(attempt, rows: list[dict], pages: int, minimum: int, bytes_per_page: int, budget: float, log=print,
+             tries: int = 4) -> tuple[int, list[dict]] | None:
+    """(pages, rows) of the largest pool found whose programs fit `budget`, starting from the `rows` of a pool of
+    `pages` that did not: each try drops the pages past the budget (memory grows linearly with the pool: at first
+    `bytes_per_page`, then the slope measured between two tries), or scales the pool by what the compiler said
+    it needed when it refused a program, and compiles `attempt(pages) -> rows`. None when the
+    pool is down to `minimum` (one sequence) and still does not fit: then the pool is not what is too large."""
+    prev = None  # (pages, bytes) of the previous try: the measured bytes per page once two pools compiled
+    for _ in range(tries):
+        worst = max(row_total(r) for r in rows)
+        if math.isinf(worst):  # refused: scale the pool by what the compiler said it needed, else halve it
+            asked = [refused_bytes(r["refused"]) for r in rows if r["memory"] is None]
+            smaller = (int(0.95 * pages * budget / max(asked)) if all(asked) else pages // 2)
+        else:
+            slope = bytes_per_page
+            if prev is not None and not math.isinf(prev[1]) and prev[0] > pages:
+                slope = max(slope, (prev[1] - worst) / (prev[0] - pages))
+            smaller = pages - math.ceil(1.02 * (worst - budget) / slope)
+        prev = (pages, worst)
+        smaller = max(minimum, smaller)
+        if smaller >= pages:
+            return None
+        pages = smaller
+        log(f"trying a KV pool of {pages:,} pages")
+        rows = attempt(pages)
+        if _fits(rows, budget):
+            total = max(row_total(r) for r in rows)
+            if not math.isinf(prev[1]):  # two pools compiled: grow back to the budget on the measured slope
+                slope = max(bytes_per_page, (prev[1] - total) / (prev[0] - pages))
+                larger = pages + int((budget - total) / (1.02 * slope))
+                if larger > 1.05 * pages and larger < prev[0]:
+                    log(f"trying a KV pool of {larger:,} pages")
+                    more = attempt(larger)
+                    if _fits(more, budget):
+                        return larger, more
+            return pages, rows
+    return None
+
+
+def _engine_rows(graphdef, state, mesh, engine: EngineConfig, names=("prefill", "decode"), **kw):
+    return [program_row(name, lambda name=name: compile_generate(graphdef, state, mesh, engine=engine,
+                                                                          programs=(name,), **kw)[name])
+            for name in names]
+
+
+def check_generate(graphdef, state, mesh, *, engine: EngineConfig, requests: int, slots_option: str,
+                   pages_option: str = "kv_pages", fraction: float = 0.9, log=print,
+                   **kw) -> tuple[FitReport, str]:
     """Compile the engine's programs (`compile_generate`) and check them against HBM: (report, verdict line).
-    A program the compiler refuses (RESOURCE_EXHAUSTED) or one past the budget does not fit; then fewer
-    decode slots are tried (bisecting over powers of two), and the verdict names the largest count that fits
-    (as `slots_option`, the command's name for it). Never raises for memory: the line says what to change."""
-    def attempt(cfg):
-        try:
-            return program_report(compile_generate(graphdef, state, mesh, engine=cfg, requests=requests, **kw),
-                                  mesh.devices.flat[0]), None
-        except jax.errors.JaxRuntimeError as e:  # the TPU compiler itself refuses a program past HBM
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            return None, str(e).splitlines()[0][:200]
+    With engine.pages = 0 the pool is sized to the device as vLLM's gpu_memory_utilization: the worst-case pool
+    (every slot at full length) when the programs with it take at most `fraction` of the device's memory, else
+    `fraction` of the memory less what the programs need besides the pool (measured: their total with the
+    worst-case pool, or with the smallest pool when the compiler refused that, less the pool), compiled again.
+    The report's `pool` is the pool compiled. A program the compiler refuses (RESOURCE_EXHAUSTED) or one past the
+    budget does not fit: a set pool (`pages_option`) is shrunk to the largest that fits (`fit_pool`); when the
+    pool is not what is too large, fewer decode slots are tried (bisecting over powers of two, worst-case pools)
+    and the verdict names the largest count that fits (as `slots_option`). Never raises for memory."""
+    model_cfg = kw["model_cfg"]
+    sizes = (requests, kw["prompt_len"], kw["max_new"])
+    hbm = hbm_bytes(mesh.devices.flat[0])
+    rows_of = lambda cfg: _engine_rows(graphdef, state, mesh, cfg, requests=requests, **kw)
+    info_of = lambda cfg: pool_info(cfg, model_cfg, mesh, *sizes)
 
-    report, err = attempt(engine)
-    if report is not None and report.fits:
+    def attempt(cfg, sized=True):
+        rows = rows_of(cfg)
+        if sized and not cfg.pages and hbm and max(map(row_total, rows)) > fraction * hbm:
+            worst = info_of(cfg)
+            # what the programs need besides the pool; a program the compiler refused is measured again with
+            # the smallest pool (one sequence)
+            rest = max([row_total(r) - worst["bytes_per_device"] for r in rows if r["memory"] is not None] or [0])
+            refused = tuple(r["name"] for r in rows if r["memory"] is None)
+            if refused:
+                smallest = dataclasses.replace(cfg, pages=_min_pages(worst))
+                probe = []
+                for name in refused:  # one at a time: the first refused again ends the search
+                    probe += _engine_rows(graphdef, state, mesh, smallest, names=(name,), requests=requests, **kw)
+                    if probe[-1]["memory"] is None:
+                        break
+                if not all(r["memory"] for r in probe):  # the pool is not what is too large: the slots are
+                    rows = [next((q for q in probe if q["name"] == r["name"]), r) for r in rows]
+                    return FitReport(rows, hbm, False, pool={**info_of(smallest), "sized": "smallest"})
+                rest = max(rest, max(map(row_total, probe)) - info_of(smallest)["bytes_per_device"])
+            cfg = dataclasses.replace(cfg, pool_bytes=pool_budget(hbm, rest, fraction))
+            log(f"the worst-case KV pool ({worst['pages']:,} pages) does not fit in {fraction:.0%} of the device's "
+                f"memory: compiling {info_of(cfg)['pages']:,} pages")
+            rows = rows_of(cfg)
+        report = FitReport(rows, hbm, False, pool=info_of(cfg))
+        report.fits = _fits(rows, report.budget)
+        return report
+
+    report = attempt(engine)
+    log(pool_line(report.pool, pages_option))
+    if report.fits:
         return report, fit_line(report)
+    why = fit_line(report)
+    if engine.pages:
+        found = fit_pool(lambda p: _engine_rows(graphdef, state, mesh, dataclasses.replace(engine, pages=p),
+                                                requests=requests, **kw),
+                         report.rows, engine.pages, _min_pages(report.pool),
+                         report.pool["bytes_per_device"] // report.pool["pages"], report.budget, log)
+        if found is not None:
+            report.fitting_kv_pages = found[0]
+            return report, f"{why}; {pages_option}={found[0]} fits"
     slots = engine.slots or min(requests, 256)
-    why = fit_line(report) if report is not None else f"does not fit: the compiler ran out of device memory ({err})"
-    # bisect over power-of-two multiples of the data-parallel divisor below `slots`: the largest that fits
+    # bisect over power-of-two multiples of the data-parallel divisor below `slots`: the largest that fits with
+    # the worst-case pool (no preemption; one compile per program and count)
     counts = [batch_divisor(mesh) << k for k in range(64) if batch_divisor(mesh) << k < slots]
     lo, hi, best = 0, len(counts), None  # counts[hi:] do not fit
     while lo < hi:
         mid = (lo + hi) // 2
         log(f"trying {counts[mid]} decode slots")
-        smaller, _ = attempt(dataclasses.replace(engine, slots=counts[mid], pages=0))
-        if smaller is not None and smaller.fits:
+        smaller = attempt(dataclasses.replace(engine, slots=counts[mid], pages=0), sized=False)
+        if smaller.fits:
             lo, best = mid + 1, (counts[mid], smaller)
         else:
             hi = mid
@@ -282,45 +435,79 @@ def check_generate(graphdef, state, mesh, *, engine: EngineConfig, requests: int
     return report, f"{why}; no slot count fits: use more devices, pack the weights, or fewer new tokens"
 
 
+def _min_pages(pool: dict) -> int:
+    """The smallest pool an engine call runs with: the null page and one sequence's pages."""
+    return 1 + (pool["worst_case_pages"] - 1) // pool["slots"]
+
+
 def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_updates: bool = True,
               log=print) -> FitReport:
     """Compile the train step and the rollout for `devices` (default: this process's view of all devices)
-    and compare per-device memory with HBM minus HEADROOM; when the step does not fit, find the largest
-    micro-batch that does (compiling smaller ones, largest first). The step is compiled for every shape of
-    `update_shapes` (`all_updates`, as the trainer does before its first rollout): the first row is the
-    largest ("train_step"), then the rollout, then the smaller update shapes ("train_step 2/5")."""
+    and compare per-device memory with HBM minus HEADROOM. When the step does not fit, find the largest
+    micro-batch that does (compiling smaller ones, largest first). With rollout.kv_pages = 0 the rollout's KV
+    pool is sized to the device (`paged.pool_budget`): rollout.kv_memory_fraction of HBM less the update's
+    per-device total (its weights, optimizer state and peak; the fitting micro-batch's when the configured one
+    does not fit), at most the worst case, then shrunk until the rollout's programs fit (`fit_pool`); a set
+    rollout.kv_pages that does not fit gets the largest pool that does (`fitting_kv_pages`). A program the
+    compiler refuses is a row marked refused, never an exception. The step is compiled for every shape of
+    `update_shapes` (`all_updates`, as the trainer does before its first rollout): the first row is the largest
+    ("train_step"), then the rollout's prefill and decode, then the smaller update shapes ("train_step 2/5")."""
     devices = list(devices) if devices is not None else jax.devices()
     mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), devices=devices)
     hbm = hbm_bytes(devices[0])
-    budget = hbm * (1 - HEADROOM) if hbm else None
+    report = FitReport([], hbm, False)
+    budget = report.budget
+    fits = lambda row: budget is None or row_total(row) <= budget
     run = abstract_run(cfg, mesh)
     shapes = update_shapes(cfg, batch_divisor(mesh))
     n = len(shapes)
-    programs = [("train_step", lambda: compile_train_step(run, shape=shapes[0])),
-                ("rollout prefill", lambda: compile_rollout(run, "prefill")),
-                ("rollout decode", lambda: compile_rollout(run, "decode"))]
-    if all_updates:
-        programs += [(f"train_step {i}/{n}", lambda sh=sh: compile_train_step(run, shape=sh))
-                     for i, sh in enumerate(shapes[1:], start=2)]
-    rows = []
-    for name, fn in programs:
-        if name.startswith("train_step"):
-            i = int(name.split()[1].split("/")[0]) if " " in name else 1
-            log(f"compiling update {i}/{n}: {shapes[i - 1].label()}")
-        compiled, secs = fn()
-        rows.append({"name": name, "memory": memory_report(compiled), "flops": _flops(compiled), "seconds": secs})
-        log(f"compiled {name} in {secs:.1f} s: {rows[-1]['memory']['total'] / GIB:.2f} GiB per device")
-    fits = budget is None or all(r["memory"]["total"] <= budget for r in rows)
-    report = FitReport(rows, hbm, fits)
-    step_fits = budget is None or rows[0]["memory"]["total"] <= budget
-    if not step_fits and search:
+
+    def add(row):
+        report.rows.append(row)
+        log(_row_line(row))
+        return row
+
+    log(f"compiling update 1/{n}: {shapes[0].label()}")
+    reserved = add(program_row("train_step", lambda: compile_train_step(run, shape=shapes[0])))
+    if not fits(reserved) and search:
         for mb in _micro_batch_candidates(cfg, mesh):
-            compiled, secs = compile_train_step(run, mb)
-            total = memory_report(compiled)["total"]
-            log(f"micro-batch {mb}: {total / GIB:.2f} GiB per device ({secs:.1f} s)")
-            if total <= budget:
-                report.largest_fitting_micro_batch = mb
+            row = program_row(f"micro-batch {mb}", lambda mb=mb: compile_train_step(run, mb))
+            log(_row_line(row))
+            if fits(row):
+                report.largest_fitting_micro_batch, reserved = mb, row
                 break
+    r = cfg.rollout
+    engine = r.engine_config()
+    if not r.kv_pages and reserved["memory"] is not None:
+        engine = dataclasses.replace(engine, pool_bytes=pool_budget(hbm, reserved["memory"]["total"],
+                                                                    r.kv_memory_fraction))
+    sizes = dict(requests=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len, max_new=r.max_new_tokens)
+    report.pool = pool_info(engine, run.model_cfg, mesh, *sizes.values())
+    log(pool_line(report.pool, "rollout.kv_pages"))
+
+    def rollout_rows(eng):
+        return [program_row(f"rollout {p}", lambda p=p: compile_rollout(run, p, eng)) for p in ("prefill", "decode")]
+
+    rows = rollout_rows(engine)
+    for row in rows:
+        log(_row_line(row))
+    if budget is not None and not _fits(rows, budget):
+        pool = report.pool
+        found = fit_pool(lambda p: rollout_rows(dataclasses.replace(engine, pages=p)), rows, pool["pages"],
+                         _min_pages(pool), pool["bytes_per_device"] // pool["pages"], budget, log)
+        if found is not None and r.kv_pages:
+            report.fitting_kv_pages = found[0]
+        elif found is not None:  # the default pool is the largest that fits
+            rows = found[1]
+            report.pool = {**pool_info(dataclasses.replace(engine, pages=found[0]), run.model_cfg, mesh,
+                                       *sizes.values()), "sized": "fitted"}
+            log(pool_line(report.pool, "rollout.kv_pages"))
+    report.rows += rows
+    if all_updates:
+        for i, sh in enumerate(shapes[1:], start=2):
+            log(f"compiling update {i}/{n}: {sh.label()}")
+            add(program_row(f"train_step {i}/{n}", lambda sh=sh: compile_train_step(run, shape=sh)))
+    report.fits = _fits(report.rows, budget)
     return report
 
 
@@ -328,25 +515,33 @@ def report_dict(report: FitReport, cfg: TrainConfig, target: str) -> dict:
     """A JSON-able record of a check (docs/tpu.md's table is built from these)."""
     return {"target": target, "hbm_bytes": report.hbm, "headroom": HEADROOM, "fits": report.fits,
             "micro_batch": cfg.optim.micro_batch_size, "largest_fitting_micro_batch": report.largest_fitting_micro_batch,
+            "kv_pool": report.pool, "kv_memory_fraction": cfg.rollout.kv_memory_fraction,
+            "fitting_kv_pages": report.fitting_kv_pages,
             "mode": cfg.quant.mode, "model": cfg.model.shapes or cfg.model.checkpoint, "programs": report.rows}
 
 
 def verdict(report: FitReport, cfg: TrainConfig) -> str:
-    """One line: fits, or what does not and the micro-batch to use instead."""
-    budget = report.hbm * (1 - HEADROOM) if report.hbm else None
+    """One line: fits, or what does not fit and the setting that makes it fit (optim.micro_batch_size,
+    rollout.kv_pages, rollout.generation_batch)."""
+    budget = report.budget
     if report.fits:
         worst = max(r["memory"]["total"] for r in report.rows)
         room = f" of {budget / GIB:.1f} GiB usable per device" if budget else " (device memory unknown)"
         return f"fits: at most {worst / GIB:.2f} GiB{room}"
-    over = ", ".join(f"{r['name']} needs {r['memory']['total'] / GIB:.2f} GiB" for r in report.rows
-                     if r["memory"]["total"] > budget)
+    over = ", ".join(f"{r['name']} needs {r['memory']['total'] / GIB:.2f} GiB" if r["memory"] is not None else
+                     f"the compiler refused the {r['name']} ({r['refused']})"
+                     for r in report.rows if row_total(r) > budget)
     msg = f"does not fit: {over} of {budget / GIB:.1f} GiB usable per device ({HEADROOM:.0%} headroom)"
-    step_over = report.rows[0]["memory"]["total"] > budget
+    step_over = any(r["name"].startswith("train_step") and row_total(r) > budget for r in report.rows)
+    rollout_over = any(r["name"].startswith("rollout") and row_total(r) > budget for r in report.rows)
     if step_over and report.largest_fitting_micro_batch:
         msg += (f"; the largest micro-batch whose train step fits is {report.largest_fitting_micro_batch} "
                 f"(optim.micro_batch_size={report.largest_fitting_micro_batch})")
     elif step_over:
         msg += "; no smaller micro-batch fits either (shard over more chips, or use remat / QLoRA)"
-    if not step_over or any(r["name"] == "rollout" and r["memory"]["total"] > budget for r in report.rows):
-        msg += "; the rollout's KV cache grows with rollout.generation_batch (sequences per generate call): lower it"
+    if rollout_over and report.fitting_kv_pages:
+        msg += f"; the rollout fits with rollout.kv_pages={report.fitting_kv_pages}"
+    elif rollout_over:
+        msg += ("; the rollout does not fit even with the smallest KV pool (one sequence): lower "
+                "rollout.generation_batch (decode slots; the prefill runs them all at once)")
     return msg

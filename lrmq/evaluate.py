@@ -12,6 +12,7 @@ import os
 import sys
 
 import jax
+from flax import nnx
 
 from lrmq import aot, cli, compile_cache, configlib, paths
 from lrmq.checkpoint.load import check_checkpoint, load_model, resolve_checkpoint
@@ -25,10 +26,11 @@ from lrmq.evals.runner import (COMPLETIONS, RESULTS, TABLE, EvalError, markdown_
                                run_suite, score_records, summarize_records)
 from lrmq.atomic import atomic_write_text
 from lrmq.generation.engine import Engine
+from lrmq.generation.paged import pool_budget
 from lrmq.model.config import ModelConfig
 from lrmq.model.presets import preset_config
 from lrmq.quant.lora import DEFAULT_TARGETS, apply_lora
-from lrmq.sharding import make_mesh
+from lrmq.sharding import bytes_per_device, make_mesh
 from lrmq.tokenizer import Tokenizer
 
 RUN_CONFIG = "eval_config.yaml"
@@ -177,11 +179,13 @@ def compile_only(cfg: EvalConfig, args) -> int:
           f"{args.pack or mcfg.param_dtype}", flush=True)
     report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg, engine=g.engine_config(),
                                       requests=g.batch_size, prompt_len=args.prompt_len, max_new=new,
-                                      sampling=sampling_config(g), slots_option="generation.batch_size")
-    if report is not None:
-        print(report.table())
+                                      sampling=sampling_config(g), slots_option="generation.batch_size",
+                                      pages_option="generation.kv_pages", fraction=g.kv_memory_fraction,
+                                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(report.table())
+    print(aot.pool_line(report.pool, "generation.kv_pages"))
     print(line)
-    return 0 if report is not None and report.fits else 3
+    return 0 if report.fits else 3
 
 
 def main(argv=None) -> int:
@@ -224,6 +228,10 @@ def _main(args) -> int:
     check_run_dir(cfg, args.overwrite)
     model, tok, mesh = load_eval_model(cfg)
     engine = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=cfg.generation.engine_config(), mesh=mesh)
+    if not cfg.generation.kv_pages:  # the pool sized to the device: kv_memory_fraction of it less the weights
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        engine.limit_pool(pool_budget(aot.hbm_bytes(device), bytes_per_device(nnx.state(model)),
+                                      cfg.generation.kv_memory_fraction))
     writer = open_writer(cfg.out_dir) if cfg.tensorboard else None
     try:
         results = run_suite(model, tok, items, cfg.generation, suite=suite, engine=engine,

@@ -44,6 +44,9 @@ def parse_args(argv=None):
     ap.add_argument("--chat", action="store_true", help="wrap each prompt with the model's chat template")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt: token_ids, text, logprobs")
+    ap.add_argument("--kv-pages", type=number(int, ge=0), default=0,
+                    help="pages of the engine's KV pool (0 = enough that no sequence is ever preempted; with "
+                         "--compile-only for a TPU topology: what fits, 0.9 of HBM less the programs' other memory)")
     aot = ap.add_argument_group("ahead-of-time compile (no weights are read or allocated)")
     aot.add_argument("--compile-only", action="store_true",
                      help="compile generation for --topology (default: this machine) and print per-device memory")
@@ -83,13 +86,15 @@ def compile_only(args) -> int:
     print(f"target: {args.topology or 'local devices'} ({len(mesh.devices.flat)} devices); {args.batch} decode "
           f"slots, prompt {args.prompt_len} + {args.max_new_tokens} new tokens; weights {args.pack or mcfg.param_dtype}",
           flush=True)
-    report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg, engine=EngineConfig(slots=args.batch),
+    report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg,
+                                      engine=EngineConfig(slots=args.batch, pages=args.kv_pages),
                                       requests=args.batch, prompt_len=args.prompt_len, max_new=args.max_new_tokens,
-                                      sampling=sampling, slots_option="--batch")
-    if report is not None:
-        print(report.table())
+                                      sampling=sampling, slots_option="--batch", pages_option="--kv-pages",
+                                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(report.table())
+    print(aot.pool_line(report.pool, "--kv-pages"))
     print(line)
-    return 0 if report is not None and report.fits else 3
+    return 0 if report.fits else 3
 
 
 def main(argv=None) -> int:
@@ -116,7 +121,7 @@ def generate(args) -> int:
     check_position_limit(model.cfg, len(ids[longest]) + args.max_new_tokens,
                          f"prompt {longest + 1} ({len(ids[longest])} tokens) + --max-new-tokens "
                          f"({args.max_new_tokens})")
-    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig())
+    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig(pages=args.kv_pages))
     t0 = time.perf_counter()
     res = gen.generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     dt = time.perf_counter() - t0

@@ -186,6 +186,17 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(lead, *([None] * (x.ndim - 1))))
 
 
+def bytes_per_device(tree) -> int:
+    """Bytes the largest share of `tree`'s arrays (concrete, or ShapeDtypeStructs with shardings) takes on one
+    device: each leaf's shard shape (its whole shape when unsharded) times its item size."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        sh = getattr(a, "sharding", None)
+        shape = sh.shard_shape(a.shape) if sh is not None else a.shape
+        total += math.prod(shape) * np.dtype(a.dtype).itemsize
+    return total
+
+
 def batch_divisor(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 

@@ -124,6 +124,8 @@ def compile_only(cfg, topology: str, report_path: str | None) -> int:
     print(f"target: {target}; mesh data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}; "
           f"mode {cfg.quant.mode}; micro-batch {cfg.optim.micro_batch_size or 'whole batch'}")
     print(report.table())
+    if report.pool is not None:
+        print(aot.pool_line(report.pool, "rollout.kv_pages"))
     print(aot.verdict(report, cfg))
     if report_path:
         atomic_write_text(report_path, json.dumps(aot.report_dict(report, cfg, target), indent=1) + "\n")

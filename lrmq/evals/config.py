@@ -23,8 +23,13 @@ class GenerationSection:
     batch_size: int = opt(32, "decode slots of the generation engine: sequences decoded at once, the next waiting "
                               "one taking a slot as soon as a sequence stops")
     page_size: int = opt(16, "tokens per page of the engine's paged KV cache")
-    kv_pages: int = opt(0, "pages of the engine's KV pool (0 = enough that no sequence is ever preempted; fewer "
+    kv_pages: int = opt(0, "pages of the engine's KV pool (0 = what fits: generation.kv_memory_fraction of the "
+                           "device's memory less the weights, at most the worst case (every slot at full length: "
+                           "nothing preempted); the worst case where the device's memory is unknown (CPU). Fewer "
                            "pages hold less memory and recompute a preempted sequence later)")
+    kv_memory_fraction: float = opt(0.9, "generation.kv_pages=0 on an accelerator (or a --compile-only TPU "
+                                         "topology): the share of each device's memory the weights and the KV "
+                                         "pool may take together, as vLLM's gpu_memory_utilization", gt=0, le=1)
     seed: int = opt(0, "sampling seed; sequence i (item x sample, in order) uses fold_in(key(seed), i), so "
                        "reruns and resumes repeat")
     max_positions: int = opt(0, "prompt + completion limit (0 = the model's max_position_embeddings)")

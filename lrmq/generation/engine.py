@@ -30,6 +30,7 @@ truncation: the quantity GRPO's importance ratio uses) and lengths (the EOS toke
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,8 +42,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lrmq.generation.paged import (LAYOUTS, NULL_PAGE, PagedCache, abstract_pool, copy_pages, new_pool, pages_for,
-                                   pool_shape, resolve_impl)
+from lrmq.generation.paged import (LAYOUTS, NULL_PAGE, PagedCache, abstract_pool, copy_pages, fitted_pages, new_pool,
+                                   page_bytes, pages_for, pool_shape, resolve_impl)
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.model.decoder import Decoder, layer_runs
 from lrmq.sharding import DECODE_RULES, batch_divisor, batch_sharding, constrain_state, host_array, use_rules
@@ -61,12 +62,15 @@ class EngineConfig:
 
     slots: int = 0  # decode slots: sequences decoded at once (0 = all requests of a call, at most 256)
     page_size: int = 16  # tokens per KV page
-    pages: int = 0  # KV pages in the pool (0 = enough that no request is ever preempted)
+    pages: int = 0  # KV pages in the pool (0 = sized by pool_bytes, else enough that no request is ever preempted)
+    # with pages=0: bytes per device the pool may take (`paged.pool_budget`: a share of the device's memory less
+    # what else lives there); the pool is the worst case capped to it (`paged.fitted_pages`). 0 = no limit
+    pool_bytes: int = 0
     block_pages: int = 8  # pages read per block of decode attention
     sync_steps: int = 64  # decode steps per device call at most (pages are reserved this far ahead)
 
     def __post_init__(self):
-        for name in ("slots", "pages"):
+        for name in ("slots", "pages", "pool_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"engine.{name} must be >= 0 (got {getattr(self, name)})")
         for name in ("page_size", "block_pages", "sync_steps"):
@@ -147,6 +151,33 @@ class _Seq:
 
 
 # ----------------------------------------------------------------------------- device programs
+
+
+def call_sizes(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt: int,
+               max_new: int) -> tuple[int, int, int, int]:
+    """(slots, pages, page-table width, the worst case's pages) of an engine call (`Engine.sizes`); the width
+    covers the longest prompt's bucket; slots are a multiple of the mesh's data-parallel divisor."""
+    multiple = batch_divisor(mesh) if mesh is not None else 1
+    slots = c.slots or min(n_requests, 256)
+    slots = -(-slots // multiple) * multiple
+    prompt = bucket_length(longest_prompt)
+    own = pages_for(max_new + c.sync_steps, c.page_size) + 2  # from the prompt's partial page on
+    width = pages_for(prompt, c.page_size) + own
+    width = -(-width // c.block_pages) * c.block_pages
+    worst = 1 + slots * (own + pages_for(prompt, c.page_size))  # every slot at full length: no preemption
+    pages = c.pages or fitted_pages(c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh), worst,
+                                    minimum=1 + own + pages_for(prompt, c.page_size))
+    return slots, pages, width, worst
+
+
+def pool_info(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt: int, max_new: int) -> dict:
+    """The KV pool an engine call of these sizes allocates: its pages, the tokens they hold (the null page
+    aside), its bytes per device, the worst case's pages (nothing ever preempted), the slots, and how it was
+    sized ("kv_pages": set; "fitted": to `pool_bytes`, below the worst case; "worst case")."""
+    slots, pages, _, worst = call_sizes(c, model_cfg, mesh, n_requests, longest_prompt, max_new)
+    return {"pages": pages, "tokens": (pages - 1) * c.page_size, "page_size": c.page_size,
+            "bytes_per_device": pages * page_bytes(model_cfg, c.page_size, mesh), "worst_case_pages": worst,
+            "slots": slots, "sized": "kv_pages" if c.pages else "fitted" if pages < worst else "worst case"}
 
 
 def _merge(graphdef, state) -> Decoder:
@@ -277,15 +308,13 @@ class Engine:
     # ------------------------------------------------------------------ sizing
     def sizes(self, n_requests: int, longest_prompt: int, max_new: int) -> tuple[int, int, int]:
         """(slots, pages, page-table width) for a call; the width covers the longest prompt's bucket."""
-        c = self.config
-        slots = c.slots or min(n_requests, 256)
-        slots = -(-slots // self.slot_multiple) * self.slot_multiple
-        prompt = bucket_length(longest_prompt)
-        own = pages_for(max_new + c.sync_steps, c.page_size) + 2  # from the prompt's partial page on
-        width = pages_for(prompt, c.page_size) + own
-        width = -(-width // c.block_pages) * c.block_pages
-        pages = c.pages or 1 + slots * (own + pages_for(prompt, c.page_size))
-        return slots, pages, width
+        return call_sizes(self.config, self.model_cfg, self.mesh, n_requests, longest_prompt, max_new)[:3]
+
+    def limit_pool(self, pool_bytes: int) -> None:
+        """Size later calls' pool (when `config.pages` is 0) to at most `pool_bytes` per device (`paged.pool_budget`;
+        0 = the worst case). Only `sizes` reads it: the compiled programs take the pool's shape from their
+        arguments, so this changes no program already built."""
+        self.config = dataclasses.replace(self.config, pool_bytes=int(pool_bytes))
 
     def row_buckets(self, slots: int) -> list[int]:
         """Row counts the programs are compiled for, ascending: the slots, and the data-parallel divisor times

@@ -478,3 +478,32 @@ class PagedCache:
 
 def pages_for(tokens: int, page_size: int) -> int:
     return math.ceil(tokens / page_size)
+
+
+# ----------------------------------------------------------------------------- sizing the pool to the device
+def page_bytes(cfg, page_size: int, mesh=None) -> int:
+    """Bytes one page of the pool takes on each device: K and V of every layer for `page_size` tokens, the
+    device's share of the KV heads (`kv_head_axes`). The same in either layout."""
+    share = math.prod(mesh.shape[a] for a in kv_head_axes(mesh, cfg.num_kv_heads)) if mesh is not None else 1
+    per_page = cfg.num_layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    return per_page // share
+
+
+def pool_budget(hbm: int | None, reserved: int, fraction: float) -> int:
+    """Bytes per device the KV pool may take, as vLLM's gpu_memory_utilization: `fraction` of the device's
+    memory `hbm` less the `reserved` bytes of what else lives there (the weights, the optimizer state and the
+    update's peak when training; the weights when serving). 0 (no limit: the worst-case pool) when the device's
+    memory is unknown (a CPU)."""
+    if not hbm:
+        return 0
+    return max(1, int(fraction * hbm) - int(reserved))
+
+
+def fitted_pages(budget: int, page_bytes: int, cap: int, minimum: int) -> int:
+    """Pages of a pool of at most `budget` bytes per device (`pool_budget`; 0 = no limit), `page_bytes` each,
+    never more than `cap` (the worst case: every slot at full length, nothing ever preempted; preemption covers
+    a smaller pool) nor fewer than `minimum` (the null page and one whole sequence: the engine cannot run
+    with less, and the program's memory check then says it does not fit)."""
+    if budget <= 0:
+        return cap
+    return max(min(minimum, cap), min(cap, budget // page_bytes))

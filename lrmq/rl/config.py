@@ -85,8 +85,14 @@ class RolloutSection:
                                    "waiting one taking a slot as soon as a sequence stops (0 = all prompts x "
                                    "group of a step)", ge=0)
     page_size: int = opt(16, "tokens per page of the rollout engine's paged KV cache", ge=1)
-    kv_pages: int = opt(0, "pages of the rollout engine's KV pool (0 = enough that no sequence is ever preempted; "
-                           "fewer pages hold less memory and recompute a preempted sequence later)", ge=0)
+    kv_pages: int = opt(0, "pages of the rollout engine's KV pool (0 = what fits: rollout.kv_memory_fraction of the "
+                           "device's memory less the update's per-device total (weights, optimizer state and its "
+                           "peak), at most the worst case (every slot at full length: nothing preempted); the worst "
+                           "case where the device's memory is unknown (CPU). Fewer pages hold less memory and "
+                           "recompute a preempted sequence later)", ge=0)
+    kv_memory_fraction: float = opt(0.9, "rollout.kv_pages=0 on an accelerator (or a --compile-only TPU topology): "
+                                         "the share of each device's memory the update and the KV pool may take "
+                                         "together, as vLLM's gpu_memory_utilization", gt=0, le=1)
     sync_steps: int = opt(64, "decode steps per device call of the rollout engine at most (it returns early "
                               "when a sequence stops while others wait)", ge=1)
 

@@ -23,7 +23,8 @@ from lrmq.checkpoint.load import check_checkpoint, resolve_checkpoint
 from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
 from lrmq.data.pipeline import PromptPipeline
 from lrmq.data.prompts import format_prompt
-from lrmq.generation.engine import Engine, bucket_length, left_pad, sequence_keys
+from lrmq.generation.engine import Engine, bucket_length, left_pad, pool_info, sequence_keys
+from lrmq.generation.paged import pool_budget
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.quant.training import export_float_model, trainable_filter
@@ -31,8 +32,8 @@ from lrmq.rl.advantages import compute_advantages
 from lrmq.rl.batch import build_batch, bucketed_arrays, mask_rows, packed_arrays, truncate_left, truncated_rows
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.evaluation import SuiteEval
-from lrmq.rl.precompile import (abstract_update, batch_key, check_budget, lower_compile, memory_report, packed_chooser,
-                                update_shapes)
+from lrmq.rl.precompile import (GIB, abstract_update, batch_key, check_budget, hbm_bytes, lower_compile, memory_report,
+                                packed_chooser, update_shapes)
 from lrmq.rl.rewards import score_completions, weighted_rewards
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant, awq_rollout_scales, calibration_blocks
 from lrmq.rl.run_lock import RunDirLock
@@ -426,23 +427,48 @@ class GRPOTrainer:
                 self.engine.warmup(self.states(), sampling=sampling, **sizes)
         log.info("compiled the rollout engine's programs in %.1f s", time.perf_counter() - t0)
 
+    def size_kv_pool(self, update_bytes: int) -> None:
+        """rollout.kv_pages = 0: cap the engines' KV pool to rollout.kv_memory_fraction of the device's memory
+        (run.hbm_limit_gib when set) less the update's per-device total `update_bytes` (weights, optimizer state,
+        its peak), as vLLM's gpu_memory_utilization; the worst case is the cap and preemption covers the rest. No
+        cap where the device's memory is unknown (CPU without run.hbm_limit_gib)."""
+        r = self.cfg.rollout
+        if r.kv_pages:
+            return
+        hbm = self.cfg.run.hbm_limit_gib * GIB if self.cfg.run.hbm_limit_gib else hbm_bytes(self.mesh.devices.flat[0])
+        budget = pool_budget(hbm, update_bytes, r.kv_memory_fraction)
+        for engine in {id(e): e for e in (self.engine, self.rollout_engine)}.values():
+            engine.limit_pool(budget)
+        if budget:
+            info = pool_info(self.rollout_engine.config, self.model_cfg, self.mesh, r.prompts_per_step * r.group_size,
+                             r.max_prompt_len, r.max_new_tokens)
+            log.info("KV pool: %d pages of %d tokens (worst case %d), %.2f GiB per device (%.0f%% of %.2f GiB less "
+                     "the update's %.2f GiB)", info["pages"], r.page_size, info["worst_case_pages"],
+                     info["bytes_per_device"] / GIB, 100 * r.kv_memory_fraction, hbm / GIB, update_bytes / GIB)
+
     def preflight(self) -> dict | None:
         """Compile every update shape (`compile_updates`); on accelerators (run.preflight) also compile
         `preflight_programs` (the rollout) and raise (naming sizes) when any needs more memory per device than it
         has, before any slice time goes into rollouts."""
         mem = self.compile_updates()
-        self.compile_rollouts()
         r = self.cfg.run
         on_accel = self.mesh.devices.flat[0].platform != "cpu"
-        if r.preflight == "off" or (r.preflight == "auto" and not on_accel):
-            return None
+        check = r.preflight == "on" or (r.preflight == "auto" and on_accel)
         mem = {"train_step": mem["train_step"]}
+        if check:  # an update past the budget is refused before any rollout program is compiled
+            check_budget(mem, self.mesh.devices.flat[0], r.hbm_limit_gib, log=log.info)
+        self.size_kv_pool(mem["train_step"])
+        self.compile_rollouts()
+        if not check:
+            return None
         if self.preflight_programs is not None:
+            engine = self.rollout_engine.config
             if self.rollout_copy is None:
-                mem.update(self.preflight_programs(self.cfg, self.graphdef, self.states(), self.mesh))
+                mem.update(self.preflight_programs(self.cfg, self.graphdef, self.states(), self.mesh, engine))
             else:
                 mem.update(self.preflight_programs(self.cfg, self.rollout_copy.graphdef,
-                                                   self.rollout_copy.states(self.trainable, self.rest), self.mesh))
+                                                   self.rollout_copy.states(self.trainable, self.rest), self.mesh,
+                                                   engine))
         check_budget(mem, self.mesh.devices.flat[0], r.hbm_limit_gib, log=log.info)
         return mem
 
