@@ -302,7 +302,8 @@ class FitReport:
 
 
 def _fits(rows: list[dict], budget: float | None) -> bool:
-    return budget is None or all(row_total(r) <= budget for r in rows)
+    """Every row compiled (a refused program never fits) and within `budget` (None: the memory is unknown)."""
+    return all(r["memory"] is not None and (budget is None or row_total(r) <= budget) for r in rows)
 
 
 def fit_line(report: FitReport) -> str:
@@ -457,7 +458,7 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
     hbm = hbm_bytes(devices[0])
     report = FitReport([], hbm, False)
     budget = report.budget
-    fits = lambda row: budget is None or row_total(row) <= budget
+    fits = lambda row: _fits([row], budget)
     run = abstract_run(cfg, mesh)
     shapes = update_shapes(cfg, batch_divisor(mesh))
     n = len(shapes)
@@ -528,12 +529,13 @@ def verdict(report: FitReport, cfg: TrainConfig) -> str:
         worst = max(r["memory"]["total"] for r in report.rows)
         room = f" of {budget / GIB:.1f} GiB usable per device" if budget else " (device memory unknown)"
         return f"fits: at most {worst / GIB:.2f} GiB{room}"
+    bad = [r for r in report.rows if not _fits([r], budget)]
     over = ", ".join(f"{r['name']} needs {r['memory']['total'] / GIB:.2f} GiB" if r["memory"] is not None else
-                     f"the compiler refused the {r['name']} ({r['refused']})"
-                     for r in report.rows if row_total(r) > budget)
-    msg = f"does not fit: {over} of {budget / GIB:.1f} GiB usable per device ({HEADROOM:.0%} headroom)"
-    step_over = any(r["name"].startswith("train_step") and row_total(r) > budget for r in report.rows)
-    rollout_over = any(r["name"].startswith("rollout") and row_total(r) > budget for r in report.rows)
+                     f"the compiler refused the {r['name']} ({r['refused']})" for r in bad)
+    room = f"{budget / GIB:.1f} GiB usable per device ({HEADROOM:.0%} headroom)" if budget else "the device's memory"
+    msg = f"does not fit: {over} of {room}"
+    step_over = any(r["name"].startswith("train_step") for r in bad)
+    rollout_over = any(r["name"].startswith("rollout") for r in bad)
     if step_over and report.largest_fitting_micro_batch:
         msg += (f"; the largest micro-batch whose train step fits is {report.largest_fitting_micro_batch} "
                 f"(optim.micro_batch_size={report.largest_fitting_micro_batch})")
@@ -542,6 +544,6 @@ def verdict(report: FitReport, cfg: TrainConfig) -> str:
     if rollout_over and report.fitting_kv_pages:
         msg += f"; the rollout fits with rollout.kv_pages={report.fitting_kv_pages}"
     elif rollout_over:
-        msg += ("; the rollout does not fit even with the smallest KV pool (one sequence): lower "
-                "rollout.generation_batch (decode slots; the prefill runs them all at once)")
+        msg += ("; no smaller KV pool tried fits the rollout either: lower rollout.generation_batch (decode slots; "
+                "the prefill runs them all at once)")
     return msg
