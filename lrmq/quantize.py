@@ -2,17 +2,18 @@
 
     python -m lrmq.quantize --checkpoint DIR --method rtn|int8|nf4|awq|gptq|quantlrm [--bits B]
         [--group-size G] [--symmetric] [--targets REGEX] [--calibration FILE] [--base DIR]
-        --out OUT [--export-hf-fake OUT2] [--overwrite]
+        --out OUT [--format packed|fake_quant|compressed_tensors|autoawq] [--export-hf-fake OUT2] [--overwrite]
     python -m lrmq.quantize --run-dir RUN --method quantlrm --calibration FILE --out OUT [...]
     python -m lrmq.quantize --config configs/ptq/NAME.yaml [dotted.key=value ...]
 
 Both forms build one `lrmq.ptq.config.QuantizeConfig` and run one pipeline (`lrmq.ptq.pipeline`:
 inputs checked and read first, then the method of the one registry `PTQ_METHODS`). The flag form
-writes OUT, an lrmq checkpoint whose quantized Linears hold packed `QuantizedKernel`s (orbax,
-restores straight onto a mesh; `python -m lrmq.generate --checkpoint OUT` runs it through the
-quantized matmul kernels), and optionally OUT2, a Hugging Face checkpoint with the same weights
-dequantized ("fake-quantized"), e.g. for HF/vLLM evaluation of exactly the quantized model. The
-config form writes `outputs.dir` (formats, report, QuantLRM importance; see docs/ptq.md).
+writes OUT in one `--format` (default packed: an lrmq checkpoint whose quantized Linears hold packed
+`QuantizedKernel`s, orbax, restores straight onto a mesh; `python -m lrmq.generate --checkpoint OUT`
+runs it through the quantized matmul kernels; compressed_tensors / autoawq: a Hugging Face checkpoint
+in that quantization format, for transformers, compressed-tensors and vLLM; fake_quant: HF with the
+weights dequantized), and optionally OUT2, the fake-quantized HF checkpoint beside it. The config form
+writes `outputs.dir` (several formats, report, QuantLRM importance; see docs/ptq.md).
 
 awq, gptq and quantlrm need calibration data (`--calibration FILE`; there is no built-in default set):
 documents (.txt, or .jsonl/.json/.parquet with a `text` field) or a prompt dataset such as lrmq's own
@@ -39,7 +40,7 @@ from lrmq.cli import USER_ERRORS, ArgumentParser, UsageError, check_disjoint, nu
 from lrmq.configlib import add_config_args, dump_config
 from lrmq.paths import check_dir_path
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
-from lrmq.ptq.exports import packed_kernels
+from lrmq.ptq.exports import FORMATS, packed_kernels, save_format
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
 from lrmq.ptq.pipeline import load_float_model, model_config, prepare, resolve_model_path, run_quantize
 from lrmq.quant.quantizers import check_bits
@@ -70,7 +71,11 @@ def parse_args(argv=None):
     ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None, help="-1: per output channel")
     ap.add_argument("--symmetric", action="store_true")
     ap.add_argument("--targets", default=DEFAULT_TARGETS, help="regex over module paths (lm_head excluded)")
-    ap.add_argument("--out", required=True, help="packed lrmq checkpoint to write")
+    ap.add_argument("--out", required=True, help="the checkpoint to write, in --format")
+    ap.add_argument("--format", default="packed", choices=FORMATS,
+                    help="what --out holds: packed (lrmq checkpoint, default), fake_quant (HF, dequantized), "
+                         "compressed_tensors (HF pack-quantized: transformers / vLLM; vLLM takes 4/8-bit, and "
+                         "zero points only at 4/8 bits), autoawq (HF AutoAWQ GEMM, 4-bit)")
     ap.add_argument("--export-hf-fake", default=None, metavar="OUT2", help="also write a fake-quantized HF checkpoint")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--calibration", default=None,
@@ -94,7 +99,8 @@ def config_from_flags(args):
     calib = dataclasses.replace(cfg.calibration, path=args.calibration,
                                 source=args.calibration_source or sniff_calibration_source(args.calibration))
     qlrm = dataclasses.replace(cfg.quantlrm, base=args.base, run_dir=args.run_dir, plot=False)
-    return dataclasses.replace(cfg, calibration=calib, quantlrm=qlrm)
+    outputs = dataclasses.replace(cfg.outputs, formats=[args.format])
+    return dataclasses.replace(cfg, calibration=calib, quantlrm=qlrm, outputs=outputs)
 
 
 def sniff_calibration_source(path: str | None) -> str:
@@ -167,7 +173,13 @@ def check_flags(args, cfg) -> None:
     try:
         check_method_config(cfg)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(str(e).replace("outputs.formats", "--format")) from None
+    if args.format == "autoawq" and cfg.bits != 4:
+        raise UsageError(f"--format autoawq is 4-bit only (AutoAWQ GEMM), --bits is {cfg.bits}; use --format "
+                         "compressed_tensors for other widths")
+    if args.format == "fake_quant" and args.export_hf_fake:
+        raise UsageError("--export-hf-fake writes the fake_quant format, which --format fake_quant already "
+                         "writes to --out; drop one")
     check_paths({"--out": args.out, "--export-hf-fake": args.export_hf_fake}, cfg)
     for flag, path in (("--out", args.out), ("--export-hf-fake", args.export_hf_fake)):
         if path:
@@ -192,11 +204,17 @@ def check_targets(model, cfg) -> None:
 
 
 def write_flag_outputs(model, result, args, tokenizer_from: str) -> tuple[int, int]:
-    """OUT (packed lrmq checkpoint) and OUT2 (fake-quant HF); returns the model's bytes before / after packing."""
+    """OUT (in --format) and OUT2 (fake-quant HF); returns the model's bytes before / after (packed: in
+    memory; the other formats: OUT's tensor files on disk)."""
     before = param_bytes(model)["total"]
-    with packed_kernels(model, result):
-        after = param_bytes(model)["total"]
-        save_lrmq(model, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
+    if args.format == "packed":
+        with packed_kernels(model, result):
+            after = param_bytes(model)["total"]
+            save_lrmq(model, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
+    else:
+        save_format(args.format, model, result, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
+        after = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out)
+                    if f.endswith(".safetensors"))
     if args.export_hf_fake:  # the model holds the fake-quant kernels: the packed codes, dequantized
         save_hf_model(model, args.export_hf_fake, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
     return before, after
@@ -220,7 +238,7 @@ def run(args) -> dict:
     result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
     before, after = write_flag_outputs(model, result, args, prep.model_path)
     return {"method": args.method, "quantized": len(result.packed), "bytes_before": before, "bytes_after": after,
-            "out": args.out, "hf_fake": args.export_hf_fake}
+            "out": args.out, "format": args.format, "hf_fake": args.export_hf_fake}
 
 
 def config_main(argv) -> int:
@@ -252,7 +270,7 @@ def main(argv=None) -> int:
     def body() -> int:
         s = run(args)
         print(f"quantized {s['quantized']} linears with {s['method']}: {s['bytes_before'] / 2**20:.2f} MiB -> "
-              f"{s['bytes_after'] / 2**20:.2f} MiB; wrote {s['out']}"
+              f"{s['bytes_after'] / 2**20:.2f} MiB; wrote {s['out']} ({s['format']})"
               + (f" and {s['hf_fake']}" if s["hf_fake"] else ""), file=sys.stderr)
         return 0
 

@@ -68,3 +68,38 @@ def test_generate_runs_on_packed_checkpoint(scratch_ckpt, tmp_path, capsys):  # 
     assert generate.main(["--checkpoint", out, "--prompt", "Compute 1+2", "--max-new-tokens", "4", "--greedy",
                           "--json"]) == 0
     assert '"token_ids"' in capsys.readouterr().out
+
+
+def test_flag_form_format_writes_what_the_config_form_writes(scratch_ckpt, tmp_path, capsys):  # noqa: F811
+    """`--format compressed_tensors|autoawq|fake_quant` writes --out in that format: the same files, byte for byte,
+    as the config form's `outputs.formats` subdirectory for the same method; refused combinations name --format."""
+    import json
+
+    from lrmq.checkpoint.load import checkpoint_kind
+    from lrmq.ptq.config import load_quantize_config
+    from lrmq.ptq.pipeline import run_quantize
+
+    rtn = ["--checkpoint", scratch_ckpt, "--method", "rtn", "--bits", "4", "--group-size", "32"]
+    cfg = load_quantize_config(None, [f"model={scratch_ckpt}", "method=rtn", "bits=4", "group_size=32",
+                                      "outputs.formats=[compressed_tensors,autoawq,fake_quant]", "outputs.dtype=float16",
+                                      f"outputs.dir={tmp_path / 'cfg'}", "progress=false"])
+    run_quantize(cfg)
+    for fmt in ("compressed_tensors", "autoawq", "fake_quant"):
+        out = str(tmp_path / fmt)
+        assert qcli.main([*rtn, "--format", fmt, "--out", out]) == 0
+        assert f"({fmt})" in capsys.readouterr().err
+        assert checkpoint_kind(out) == "hf"
+        ref = tmp_path / "cfg" / fmt
+        for name in ("model.safetensors", "config.json"):
+            assert (ref / name).read_bytes() == open(os.path.join(out, name), "rb").read(), (fmt, name)
+    qc = json.load(open(tmp_path / "compressed_tensors" / "config.json"))["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    # refused before any work, naming the flag; nothing written
+    bad = str(tmp_path / "bad")
+    assert qcli.main([*rtn[:4], "--bits", "3", "--format", "autoawq", "--out", bad]) == 2
+    assert "--format autoawq is 4-bit only" in capsys.readouterr().err
+    assert qcli.main(["--checkpoint", scratch_ckpt, "--method", "nf4", "--format", "compressed_tensors", "--out", bad]) == 2
+    assert "--format" in capsys.readouterr().err
+    assert qcli.main([*rtn, "--format", "fake_quant", "--export-hf-fake", str(tmp_path / "f2"), "--out", bad]) == 2
+    assert "--export-hf-fake" in capsys.readouterr().err
+    assert not os.path.exists(bad)

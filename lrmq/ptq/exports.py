@@ -193,6 +193,24 @@ def save_compressed_tensors(model, result, out_dir: str, *, dtype: str = "bfloat
     return out_dir
 
 
+def save_format(fmt: str, model, result, out_dir: str, *, dtype: str = "float16", tokenizer_from: str | None = None,
+                overwrite: bool = False) -> str:
+    """One export format of a PTQ result, written atomically to ``out_dir`` (the one dispatch over FORMATS:
+    ``write_outputs`` writes several as subdirectories, ``lrmq.quantize --format`` one as ``--out``). ``dtype``
+    is the fake_quant weights' and compressed_tensors' float dtype (float32 -> bfloat16 there); packed keeps
+    the model's and autoawq is float16."""
+    kw = dict(tokenizer_from=tokenizer_from, overwrite=overwrite)
+    if fmt == "packed":
+        return save_packed(model, result, out_dir, **kw)
+    if fmt == "fake_quant":
+        return save_fake_quant(model, out_dir, dtype=dtype, **kw)
+    if fmt == "autoawq":
+        return save_autoawq(model, result, out_dir, **kw)
+    if fmt == "compressed_tensors":
+        return save_compressed_tensors(model, result, out_dir, dtype=dtype if dtype != "float32" else "bfloat16", **kw)
+    raise ExportError(f"unknown output format {fmt!r}; known: {list(FORMATS)}")
+
+
 def write_outputs(model, result, out_dir: str, *, formats=("fake_quant",), dtype: str = "float16",
                   tokenizer_from: str | None = None, overwrite: bool = False, extra_files: dict | None = None,
                   before_rename=None) -> str:
@@ -208,16 +226,7 @@ def write_outputs(model, result, out_dir: str, *, formats=("fake_quant",), dtype
         _check_packable(result, "export " + ", ".join(f for f in formats if f != "fake_quant"))
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         for f in formats:
-            sub = os.path.join(tmp, f)
-            if f == "packed":
-                save_packed(model, result, sub, tokenizer_from=tokenizer_from)
-            elif f == "fake_quant":
-                save_fake_quant(model, sub, dtype=dtype, tokenizer_from=tokenizer_from)
-            elif f == "autoawq":
-                save_autoawq(model, result, sub, tokenizer_from=tokenizer_from)
-            else:
-                save_compressed_tensors(model, result, sub, dtype=dtype if dtype != "float32" else "bfloat16",
-                                        tokenizer_from=tokenizer_from)
+            save_format(f, model, result, os.path.join(tmp, f), dtype=dtype, tokenizer_from=tokenizer_from)
         for name, data in (extra_files or {}).items():
             mode = "wb" if isinstance(data, bytes) else "w"
             with open(os.path.join(tmp, name), mode) as fh:

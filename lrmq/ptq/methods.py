@@ -73,7 +73,8 @@ def check_method_config(cfg) -> None:
             raise ValueError(f"method nf4: group_size is the NF4 block size and must be positive, got {cfg.group_size}")
         int_only = [f for f in cfg.outputs.formats if f in ("autoawq", "compressed_tensors")]
         if int_only:
-            raise ValueError(f"method nf4 cannot be exported as {int_only} (int formats); use packed or fake_quant")
+            raise ValueError(f"method nf4 cannot be exported as outputs.formats {int_only} (int formats); use packed or "
+                             "fake_quant")
     if cfg.method in LAYERWISE_METHODS and cfg.targets != DEFAULT_TARGETS:
         raise ValueError(f"method {cfg.method} quantizes every projection of every layer; targets applies to "
                          "rtn, int8 and nf4 only")
