@@ -98,3 +98,32 @@ def test_the_check_catches_four_epochs_at_four_times_the_batch(tmp_path):
     bad.write_text(src.replace("steps: 312 ", "steps: 624 ").replace("312 steps = 9,984", "624 steps = 19,968"))
     with pytest.raises(AssertionError, match="is not 1 epoch"):
         check_recipe(str(bad))
+
+
+PTQ_RECIPES = sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "ptq", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", PTQ_RECIPES, ids=os.path.basename)
+def test_ptq_recipes_name_local_paths_not_hub_ids(path):
+    """configs/ptq name checkpoints as /path/to/... placeholders or lrmq run dirs: lrmq reads no hub ids."""
+    from lrmq.ptq.config import load_quantize_config
+
+    cfg = load_quantize_config(path)
+    for key, value in (("model", cfg.model), ("quantlrm.base", cfg.quantlrm.base)):
+        if value:
+            assert value.startswith(("/path/to/", "runs/")), f"{path}: {key}: {value}"
+    text = open(path).read()
+    if cfg.bits not in (4, 8) and "compressed_tensors" in cfg.outputs.formats:
+        assert "NOT vLLM" in text, f"{path}: W{cfg.bits} compressed_tensors must say it is not for vLLM"
+
+
+def test_a_hub_id_that_is_not_a_directory_says_how_to_get_one(monkeypatch):
+    from lrmq.checkpoint.load import checkpoint_kind
+
+    monkeypatch.chdir(REPO_ROOT)
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download Qwen/Qwen3-8B --local-dir DIR"):
+        checkpoint_kind("Qwen/Qwen3-8B")
+    for local in ("lrmq/none_such", os.path.join(REPO_ROOT, "none_such")):  # a local dir's child, an absolute path
+        with pytest.raises(FileNotFoundError) as e:
+            checkpoint_kind(local)
+        assert "hub" not in str(e.value)

@@ -34,11 +34,22 @@ def is_hf_checkpoint(path: str) -> bool:
         or os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
 
 
+def hub_id_hint(path: str) -> str:
+    """For a missing path shaped like a hub id ("Qwen/Qwen3-8B"): lrmq reads local (or bucket) directories only,
+    never a model hub; say how to get one. Empty otherwise."""
+    parts = path.split("/")
+    if len(parts) == 2 and all(parts) and not path.startswith(".") and "://" not in path \
+            and not os.path.isdir(parts[0]):
+        return (f" (lrmq reads checkpoint directories, not hub ids: download it first, e.g. "
+                f"`huggingface-cli download {path} --local-dir DIR`, and pass DIR)")
+    return ""
+
+
 def checkpoint_kind(path: str) -> str:
     """'lrmq' or 'hf'; raises naming the path (and what was looked for) when it is neither."""
     path = resolve_checkpoint(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file or directory")
+        raise FileNotFoundError(f"{path}: no such file or directory{hub_id_hint(path)}")
     if not os.path.isdir(path):
         raise NotADirectoryError(f"{path}: is a file; a checkpoint is a directory (config.json, weights, "
                                  "tokenizer files)")
