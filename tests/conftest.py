@@ -98,3 +98,43 @@ def assert_adam_step_close(actual, desired, *, lr: float, atol: float, err_msg: 
     outliers = int((diff > atol).sum())
     assert outliers <= max(1, diff.size // 1000) and diff.max() <= 0.1 * lr, \
         f"{err_msg}: {outliers} of {diff.size} elements differ by more than {atol}, the largest by {diff.max():.3g}"
+
+
+# ----------------------------------------------------------------------------- the suite's time budget
+# CONTRIBUTING.md: `make test` within 12 minutes on 2 quiet cores; a test over SLOW_S seconds carries
+# @pytest.mark.slow(reason="one line: why it must take this long"). tools/suite_timing.py records where the time
+# goes when $LRMQ_SUITE_TIMING names a directory.
+SLOW_S = 30.0
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+
+
+def pytest_configure(config):
+    import suite_timing
+
+    suite_timing.pytest_configure(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    bare = [item.nodeid for item in items
+            for m in item.iter_markers("slow") if not str(m.kwargs.get("reason", "")).strip()]
+    if bare:
+        raise pytest.UsageError(f"@pytest.mark.slow needs reason=\"...\" (one line: why it takes over {SLOW_S:.0f} s): "
+                                + ", ".join(bare[:5]))
+
+
+def slow_report(reports, marked: set[str]) -> tuple[list[tuple[float, str]], int]:
+    """(unmarked tests over SLOW_S, slowest first; how many marked slow ran) from pytest's reports."""
+    total: dict[str, float] = {}
+    for r in reports:
+        total[r.nodeid] = total.get(r.nodeid, 0.0) + r.duration
+    over = sorted(((s, n) for n, s in total.items() if s > SLOW_S and n not in marked), reverse=True)
+    return over, sum(n in marked for n in total)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    reports = [r for key in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+               for r in terminalreporter.stats.get(key, []) if hasattr(r, "duration") and hasattr(r, "nodeid")]
+    marked = {r.nodeid for r in reports if "slow" in getattr(r, "keywords", {})}
+    over, n_marked = slow_report(reports, marked)
+    terminalreporter.write_line(f"slow tests: {n_marked} marked slow ran; {len(over)} unmarked over {SLOW_S:.0f} s"
+                                + "".join(f"\n  {s:.0f} s {n}" for s, n in over[:15]))

@@ -1,0 +1,166 @@
+"""Where the test suite's time goes: a pytest plugin and its report.
+
+Plugin (tests/conftest.py loads it; it records only when $LRMQ_SUITE_TIMING names a directory): for every test,
+its wall time per phase (setup / call / teardown), the JAX compile time spent in the test's own process (JAX's
+compile-duration events: tracing, lowering to MLIR, backend compile) and the subprocesses it started (the
+"subprocess.Popen" audit event: CLI runs and multi-device scripts, each of which imports JAX and compiles again;
+their own compile time is inside the parent test's wall time, not in its compile figure). Each pytest process
+(every xdist worker) writes DIR/<worker>.json at the end.
+
+Report: `python tools/suite_timing.py DIR --out FILE.json [--label TEXT]` merges the parts into one JSON
+(per test, per file, totals) and prints the slowest tests and files with their compile share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ENV = "LRMQ_SUITE_TIMING"
+COMPILE_EVENTS = {"/jax/core/compile/backend_compile_duration": "backend_compile_s",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                  "/jax/core/compile/jaxpr_trace_duration": "trace_s"}
+
+
+class SuiteTiming:
+    """The plugin: one record per test id, filled by the hooks and the listeners."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.tests: dict[str, dict] = {}
+        self.current: str | None = None
+        self.started = time.time()
+        sys.addaudithook(self._audit)
+        self._jax_listening = False
+
+    def _record(self, nodeid: str) -> dict:
+        return self.tests.setdefault(nodeid, {"setup_s": 0.0, "call_s": 0.0, "teardown_s": 0.0, "outcome": "",
+                                              "subprocesses": 0, "backend_compile_s": 0.0, "lower_s": 0.0,
+                                              "trace_s": 0.0, "compiles": 0})
+
+    def _audit(self, event: str, args) -> None:
+        if event == "subprocess.Popen" and self.current is not None:
+            self._record(self.current)["subprocesses"] += 1
+
+    def _on_duration(self, name: str, secs: float, **_) -> None:
+        key = COMPILE_EVENTS.get(name)
+        if key and self.current is not None:
+            rec = self._record(self.current)
+            rec[key] += secs
+            rec["compiles"] += key == "backend_compile_s"
+
+    def _listen_to_jax(self) -> None:
+        # registered at the first test, so that loading the plugin never imports JAX by itself
+        if not self._jax_listening:
+            from jax import monitoring
+
+            monitoring.register_event_duration_secs_listener(self._on_duration)
+            self._jax_listening = True
+
+    # pytest hooks
+    def pytest_runtest_protocol(self, item, nextitem):
+        self._listen_to_jax()
+        self.current = item.nodeid
+        self._record(item.nodeid)
+        return None
+
+    def pytest_runtest_logreport(self, report):
+        rec = self._record(report.nodeid)
+        rec[f"{report.when}_s"] += report.duration
+        if report.when == "call" or report.failed or report.skipped:
+            rec["outcome"] = rec["outcome"] or report.outcome
+        if report.when == "teardown":
+            self.current = None
+
+    def pytest_sessionfinish(self, session):
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        os.makedirs(self.out_dir, exist_ok=True)
+        part = {"worker": worker, "started": self.started, "finished": time.time(), "tests": self.tests}
+        tmp = os.path.join(self.out_dir, f".{worker}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(part, f)
+        os.replace(tmp, os.path.join(self.out_dir, f"{worker}.json"))
+
+
+def pytest_configure(config):
+    out = os.environ.get(ENV)
+    if out and not config.pluginmanager.has_plugin("lrmq_suite_timing"):
+        config.pluginmanager.register(SuiteTiming(out), "lrmq_suite_timing")
+
+
+# ----------------------------------------------------------------------------- report
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return ""
+
+
+def merge(parts_dir: str) -> dict:
+    parts = [json.load(open(os.path.join(parts_dir, n))) for n in sorted(os.listdir(parts_dir))
+             if n.endswith(".json") and not n.startswith(".")]
+    if not parts:
+        raise SystemExit(f"{parts_dir}: no timing parts (was ${ENV} set for the run?)")
+    tests = {}
+    for p in parts:
+        for nodeid, rec in p["tests"].items():
+            rec = dict(rec, worker=p["worker"])
+            rec["wall_s"] = rec["setup_s"] + rec["call_s"] + rec["teardown_s"]
+            rec["compile_s"] = rec["backend_compile_s"] + rec["lower_s"] + rec["trace_s"]
+            tests[nodeid] = {k: round(v, 3) if isinstance(v, float) else v for k, v in rec.items()}
+    files = collections.defaultdict(lambda: {"tests": 0, "wall_s": 0.0, "compile_s": 0.0, "subprocesses": 0})
+    for nodeid, rec in tests.items():
+        f = files[nodeid.split("::")[0]]
+        f["tests"] += 1
+        f["wall_s"] += rec["wall_s"]
+        f["compile_s"] += rec["compile_s"]
+        f["subprocesses"] += rec["subprocesses"]
+    files = {k: {kk: round(vv, 2) if isinstance(vv, float) else vv for kk, vv in v.items()}
+             for k, v in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])}
+    elapsed = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
+    totals = {"tests": len(tests), "workers": len(parts), "elapsed_s": round(elapsed, 1),
+              "test_wall_s": round(sum(r["wall_s"] for r in tests.values()), 1),
+              "in_process_compile_s": round(sum(r["compile_s"] for r in tests.values()), 1),
+              "subprocesses": sum(r["subprocesses"] for r in tests.values()),
+              "over_30_s": sum(r["wall_s"] > 30 for r in tests.values())}
+    return {"totals": totals, "files": files,
+            "tests": dict(sorted(tests.items(), key=lambda kv: -kv[1]["wall_s"]))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("parts_dir", help=f"the directory ${ENV} named for the run")
+    ap.add_argument("--out", required=True, help="merged JSON to write")
+    ap.add_argument("--label", default="", help="what ran, on what, beside what (stored in the JSON)")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    report = merge(args.parts_dir)
+    report["meta"] = {"label": args.label, "date": datetime.date.today().isoformat(), "commit": _git_head(),
+                      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, args.out)
+    t = report["totals"]
+    print(f"{t['tests']} tests on {t['workers']} workers in {t['elapsed_s']:.0f} s; test time {t['test_wall_s']:.0f} s, "
+          f"in-process compile {t['in_process_compile_s']:.0f} s, {t['subprocesses']} subprocesses, "
+          f"{t['over_30_s']} tests over 30 s")
+    print(f"\n{'wall s':>8} {'compile s':>9} {'subproc':>7}  test")
+    for nodeid, r in list(report["tests"].items())[:args.top]:
+        print(f"{r['wall_s']:8.1f} {r['compile_s']:9.1f} {r['subprocesses']:7d}  {nodeid}")
+    print(f"\n{'wall s':>8} {'compile s':>9} {'subproc':>7} {'tests':>5}  file")
+    for name, r in list(report["files"].items())[:args.top]:
+        print(f"{r['wall_s']:8.1f} {r['compile_s']:9.1f} {r['subprocesses']:7d} {r['tests']:5d}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
