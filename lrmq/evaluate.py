@@ -29,6 +29,7 @@ from lrmq.generation.engine import Engine
 from lrmq.generation.paged import pool_budget
 from lrmq.model.config import ModelConfig
 from lrmq.model.presets import preset_config
+from lrmq.ptq.qat_export import quantized_policy_of
 from lrmq.quant.lora import DEFAULT_TARGETS, apply_lora
 from lrmq.sharding import bytes_per_device, make_mesh
 from lrmq.tokenizer import Tokenizer
@@ -49,6 +50,9 @@ def parse_args(argv=None):
     ap.add_argument("--limit", type=cli.number(int, ge=0), help="first N items per benchmark")
     ap.add_argument("--out", help="run directory (default eval_runs/SUITE_CHECKPOINT)")
     ap.add_argument("--data-dir", help="local benchmark files (default $LRMQ_EVAL_DATA or ~/.cache/lrmq/evals)")
+    ap.add_argument("--float-qat-policy", action="store_true", default=None,
+                    help="score a QAT run's float master weights (RUN/final_policy); refused otherwise, the run's "
+                         "model being its quantized export RUN/final_policy_quantized/packed")
     ap.add_argument("--rescore", action="store_true", help="re-score --out's completions.jsonl; no generation")
     ap.add_argument("--overwrite", action="store_true", help="discard --out's records of a different config")
     configlib.add_config_args(ap, EvalConfig)  # --config, key=value overrides, --help-config, --print-config
@@ -65,6 +69,18 @@ def parse_args(argv=None):
     return ap.parse_intermixed_args(argv)  # key=value overrides may sit between flags
 
 
+def check_qat_policy(cfg: EvalConfig) -> None:
+    """A QAT run's final_policy is its float master weights; the model the run trained is the quantized export
+    beside it (lrmq.ptq.qat_export). Scoring the float weights answers another question: refused unless asked."""
+    found = quantized_policy_of(cfg.checkpoint)
+    if found and not cfg.float_qat_policy:
+        quantized, scheme = found
+        use = (f"score the model it trained: --checkpoint {quantized}" if scheme != "w8a8" else
+               "w8a8 quantizes activations at run time and has no quantized export")
+        raise ConfigError(f"{cfg.checkpoint} is the float master weights of a QAT run (quant.qat_scheme={scheme}); "
+                          f"{use} (or pass --float-qat-policy to score the float weights)")
+
+
 def build_config(args) -> EvalConfig:
     data, source = {}, "<command line>"
     if args.config:
@@ -74,7 +90,8 @@ def build_config(args) -> EvalConfig:
             raise ConfigError(f"{args.config}: top level must be a mapping")
     flags = []
     for flag, key in (("checkpoint", "checkpoint"), ("suite", "suite"), ("samples", "generation.samples"),
-                      ("limit", "limit"), ("out", "out_dir"), ("data_dir", "data_dir")):
+                      ("limit", "limit"), ("out", "out_dir"), ("data_dir", "data_dir"),
+                      ("float_qat_policy", "float_qat_policy")):
         v = getattr(args, flag)
         if v is not None:
             flags.append(f"{key}={v}")
@@ -221,7 +238,8 @@ def _main(args) -> int:
             errors.append(str(e))
     if errors:
         raise EvalDataError("\n".join(errors))
-    # a missing or broken checkpoint / adapter: said before the run dir is written
+    # a missing or broken checkpoint / adapter, or a QAT run's float weights: said before the run dir is written
+    check_qat_policy(cfg)
     check_checkpoint(cfg.checkpoint, "--checkpoint" if args.checkpoint else "checkpoint")
     if cfg.adapter:
         read_adapter_config(cfg.adapter)

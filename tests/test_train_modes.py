@@ -123,6 +123,55 @@ def test_grpo_qat_runs_without_nan(scratch_ckpt, tmp_path, quant):
     assert _finite_tree(tr.trainable)
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), tr.trainable, before))
     assert max(moved) > 0  # float master weights are updated
+    check_quantized_policy(tr, tmp_path, quant["qat_scheme"])
+
+
+def check_quantized_policy(tr, tmp_path, scheme: str):
+    """The trained QAT policy's quantized export (lrmq.ptq.qat_export): loaded as a packed lrmq checkpoint, its
+    logits equal the trainer's QAT forward of the same (trained) weights and differ from the float policy's;
+    lrmq.evaluate refuses the run's float final_policy, naming the export, unless asked for the float weights."""
+    import json
+
+    from flax import nnx
+
+    from lrmq import evaluate
+    from lrmq.checkpoint.hf import save_hf_model
+    from lrmq.checkpoint.load import load_model
+    from lrmq.configlib import save_config
+    from lrmq.quant.qkernel import QuantizedKernel
+    from lrmq.quant.qat import remove_qat
+    from lrmq.quant.transforms import iter_linears
+
+    tokens = (jnp.arange(24).reshape(2, 12) * 7) % 200
+    qat_logits = np.asarray(nnx.merge(tr.graphdef, tr.trainable, tr.rest)(tokens))
+    float_model = nnx.merge(tr.graphdef, tr.trainable, tr.rest)
+    remove_qat(float_model)
+    float_logits = np.asarray(float_model(tokens))
+    run = tmp_path / "run"
+    out = tr.export_quantized_policy(str(run / "final_policy_quantized"))
+    if scheme == "w8a8":  # activations quantized at run time: no weight-only export
+        assert out is None and not (run / "final_policy_quantized").exists()
+    else:
+        packed = load_model(os.path.join(out, "packed"))
+        assert all(isinstance(lin.kernel, QuantizedKernel) for _, lin in iter_linears(packed))
+        y = np.asarray(packed(tokens))
+        np.testing.assert_allclose(y, qat_logits, atol=2e-5, rtol=1e-5, err_msg=scheme)
+        assert np.abs(y - float_logits).max() > 1e-4, scheme
+        qc = json.load(open(os.path.join(out, "compressed_tensors", "config.json")))["quantization_config"]
+        w = qc["config_groups"]["group_0"]["weights"]
+        assert (w["num_bits"], w["symmetric"]) == (4 if scheme == "int4" else 8, True), w
+        assert json.load(open(os.path.join(out, "qat_policy.json")))["qat_scheme"] == scheme
+    # the run's float policy is refused by lrmq.evaluate before any work, naming what to use
+    save_config(tr.cfg, str(run / "config.yaml"))
+    save_hf_model(float_model, str(run / "final_policy"))
+    argv = ["--checkpoint", str(run / "final_policy"), "--suite", "math500", "--limit", "1",
+            "--out", str(tmp_path / "eval"), "--data-dir", str(tmp_path / "no_data")]
+    with pytest.raises(Exception) as e:
+        evaluate.check_qat_policy(evaluate.build_config(evaluate.parse_args(argv)))
+    assert "float master weights of a QAT run" in str(e.value) and "--float-qat-policy" in str(e.value)
+    if scheme != "w8a8":
+        assert os.path.join("final_policy_quantized", "packed") in str(e.value)
+    evaluate.check_qat_policy(evaluate.build_config(evaluate.parse_args([*argv, "--float-qat-policy"])))
 
 
 def test_grpo_qlora_updates_only_adapters(scratch_ckpt, tmp_path):

@@ -50,6 +50,8 @@ class GenerationSection:
 class EvalConfig:
     checkpoint: str = opt("", "HF or lrmq checkpoint directory (packed int4/int8/NF4 too); 'tiny' = the shipped model")
     adapter: str = opt("", "a PEFT LoRA adapter directory applied unmerged on top of the checkpoint (QLoRA)")
+    float_qat_policy: bool = opt(False, "score a QAT run's float master weights (RUN/final_policy), which is refused "
+                                        "otherwise: the run's model is RUN/final_policy_quantized/packed")
     suite: str = opt("paper1", "paper1, quantlrm, a benchmark name, or comma-separated benchmark names")
     benchmarks: list[str] = opt(help="run only these benchmarks of the suite (empty = all)", factory=list)
     limit: int = opt(0, "first N items of each benchmark (0 = all)")

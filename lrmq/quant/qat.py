@@ -154,23 +154,35 @@ def fake_quant_weight(w, scheme: str, group_size: int = 0, scale=None):
     return _sym_fake_quant(w, bits, group_size, axis=0)
 
 
+def sym_weight_codes(w, bits: int, group_size: int):
+    """The AQT weight schemes' integers and scales of a [K, N] weight: q int32 [K, N] in [-qmax, qmax] and
+    scale f32 [K/g, N] (g = group_size, or K when 0 / not smaller), with q * scale (per group) exactly the weight
+    the QAT forward multiplies by (`fake_quant_weight`). What a QAT policy's packed export stores."""
+    k, n = w.shape
+    g = group_size if group_size and group_size < k else k
+    q, s = _sym_q(w.astype(jnp.float32).reshape(k // g, g, n), bits, axis=1)
+    return q.reshape(k, n).astype(jnp.int32), s.reshape(k // g, n)
+
+
+def _sym_q(a32, bits: int, axis: int):
+    """(q, scale) of symmetric absmax quantization over `axis` of a float32 array (scale keeps the axis)."""
+    qmax = 2 ** (bits - 1) - 1
+    s = jnp.max(jnp.abs(a32), axis=axis, keepdims=True) / qmax
+    # AQT (aqt_tensor.QTensor.quant) multiplies by reciprocal(scale), inf -> 1; it does not divide, so
+    # neither does this reference (a true division would differ from AQT by an ulp at ties).
+    s_inv = jax.lax.reciprocal(s)
+    s_inv = jnp.where(jnp.isinf(s_inv), jnp.ones_like(s_inv), s_inv)
+    return jnp.clip(jnp.round(a32 * s_inv), -qmax, qmax), s
+
+
 def _sym_fake_quant(a, bits: int, group_size: int, axis: int):
     """Symmetric absmax fake-quant over `axis` (groups of `group_size` along it; 0 = whole axis)."""
-    a32 = a.astype(jnp.float32)
-    qmax = 2 ** (bits - 1) - 1
-
-    def q(x, s):
-        # AQT (aqt_tensor.QTensor.quant) multiplies by reciprocal(scale), inf -> 1; it does not divide, so
-        # neither does this reference (a true division would differ from AQT by an ulp at ties).
-        s_inv = jax.lax.reciprocal(s)
-        s_inv = jnp.where(jnp.isinf(s_inv), jnp.ones_like(s_inv), s_inv)
-        return jnp.clip(jnp.round(x * s_inv), -qmax, qmax) * s
-
     if axis == 0 and group_size and group_size < a.shape[0]:
+        q, s = sym_weight_codes(a, bits, group_size)
         k, n = a.shape
-        g = a32.reshape(k // group_size, group_size, n)
-        return q(g, jnp.max(jnp.abs(g), axis=1, keepdims=True) / qmax).reshape(k, n).astype(a.dtype)
-    return q(a32, jnp.max(jnp.abs(a32), axis=axis, keepdims=True) / qmax).astype(a.dtype)
+        return (q.reshape(k // group_size, group_size, n) * s[:, None, :]).reshape(k, n).astype(a.dtype)
+    q, s = _sym_q(a.astype(jnp.float32), bits, axis)
+    return (q * s).astype(a.dtype)
 
 
 def fake_quant_activations(x, bits: int = 8):

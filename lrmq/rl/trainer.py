@@ -27,6 +27,7 @@ from lrmq.generation.engine import Engine, bucket_length, left_pad, pool_info, s
 from lrmq.generation.paged import pool_budget
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
+from lrmq.ptq.qat_export import QUANTIZED_POLICY, export_qat_policy
 from lrmq.quant.training import export_float_model, trainable_filter
 from lrmq.rl.advantages import compute_advantages
 from lrmq.rl.batch import build_batch, bucketed_arrays, mask_rows, packed_arrays, truncate_left, truncated_rows
@@ -501,6 +502,23 @@ class GRPOTrainer:
             model = export_float_model(model)
         save_hf_model(model, out_dir, tokenizer_from=resolve_checkpoint(self.cfg.model.checkpoint), overwrite=True)
 
+    def export_quantized_policy(self, out_dir: str) -> str | None:
+        """QAT runs: the policy as it was trained to run, its weights quantized by the scheme's own quantizer
+        (`lrmq.ptq.qat_export`: packed for lrmq's kernels and compressed-tensors), beside the float final_policy.
+        Returns the directory, or None where the scheme or the run has none (logged)."""
+        q = self.cfg.quant
+        if q.qat_scheme == "w8a8":
+            log.warning("quant.qat_scheme=w8a8 quantizes activations at run time: no quantized export is written "
+                        "(final_policy holds the float master weights)")
+            return None
+        if jax.process_count() > 1:
+            log.warning("%s is not written by a multi-process run (the exporters write from one host); "
+                        "final_policy holds the float master weights", out_dir)
+            return None
+        model = nnx.merge(self.graphdef, self.trainable, self.rest)
+        return export_qat_policy(model, out_dir, scheme=q.qat_scheme, group_size=q.qat_group_size,
+                                 tokenizer_from=resolve_checkpoint(self.cfg.model.checkpoint))
+
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, frame):
         self._stop_signal = signum
@@ -591,6 +609,8 @@ class GRPOTrainer:
                 last.update(final)
             if cfg.run.export_hf:
                 self.export_policy(paths.join(self.run_dir, "final_policy"))
+                if cfg.quant.mode == "qat":
+                    self.export_quantized_policy(paths.join(self.run_dir, QUANTIZED_POLICY))
             return last
         finally:
             bar.close()

@@ -1,0 +1,126 @@
+"""A QAT-in-RL policy in the format it was trained to run in.
+
+A QAT run trains float master weights through a fake-quantized forward (`lrmq.quant.qat`); the model it means
+is that forward. `qat_result(model)` turns every QAT Linear's weight into the integers and scales of *its own*
+scheme's quantizer, exactly as the forward rounds them:
+
+* ``paper_int8``: per-tensor symmetric int8 with the scale frozen from the base weights at load (the
+  `FrozenScale` the run trained with, not one recomputed from the final weights), q in [-128, 127];
+* ``int8`` / ``int4``: AQT's symmetric absmax per output channel (`qat_group_size` 0) or per group, q in
+  [-qmax, qmax], scale = absmax / qmax, rounded as AQT rounds (multiply by the reciprocal).
+
+Each is stored as lrmq's symmetric int `QuantizedWeight` (code = q + 2^(b-1), zero 2^(b-1), the scale per
+group; a per-tensor scale is the same scale in every column), so ``(code - zero) * scale`` is bit for bit the
+weight the QAT forward multiplies by. The result is a `PTQResult`, written by the PTQ exporters: ``packed``
+(lrmq's kernels: `lrmq.evaluate`, `generate`, `perplexity`) and ``compressed_tensors`` (W8A16 / W4A16
+symmetric: transformers, and the formats vLLM's kernels take).
+
+``w8a8`` also quantizes activations per token at run time, which neither lrmq's packed kernels nor a
+weight-only export do: it has no quantized export (`QATExportError`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+
+from lrmq import paths
+from lrmq.ptq.exports import write_outputs
+from lrmq.ptq.result import PTQResult
+from lrmq.quant import packing
+from lrmq.quant.qat import AqtDotGeneral, PerTensorSTEDotGeneral, remove_qat, sym_weight_codes
+from lrmq.quant.quantizers import exact_div
+from lrmq.quant.qweight import QuantizedWeight
+from lrmq.quant.transforms import iter_linears
+
+QUANTIZED_POLICY = "final_policy_quantized"  # beside final_policy in a QAT run's directory
+FORMATS = ("packed", "compressed_tensors")
+INFO_FILE = "qat_policy.json"
+
+
+class QATExportError(ValueError):
+    pass
+
+
+def qat_codes(lin, path: str = "") -> tuple[np.ndarray, np.ndarray, int]:
+    """(q int32 [K, N], scale f32 [K/g, N], bits) of a Linear with a QAT dot_general, as its forward rounds."""
+    dg = lin.dot_general
+    w = jnp.asarray(lin.float_weight(), jnp.float32)
+    if isinstance(dg, PerTensorSTEDotGeneral):
+        s = jnp.asarray(dg.scale[...], jnp.float32)
+        q = jnp.clip(jnp.round(exact_div(w, s)), -(2 ** (dg.bits - 1)), 2 ** (dg.bits - 1) - 1)  # fake_quant_per_tensor
+        return np.asarray(q, np.int32), np.full((1, w.shape[1]), np.float32(s)), dg.bits
+    if isinstance(dg, AqtDotGeneral):
+        if dg.act_bits:
+            raise QATExportError(f"{path}: QAT scheme w8a8 also quantizes activations per token, which lrmq's packed "
+                                 "kernels and weight-only exports do not; it has no quantized export")
+        q, s = sym_weight_codes(w, dg.weight_bits, dg.group_size)
+        return np.asarray(q), np.asarray(s, np.float32), dg.weight_bits
+    raise QATExportError(f"{path}: not a QAT Linear (dot_general {type(dg).__name__})")
+
+
+def qat_weight(lin, path: str = "") -> tuple[np.ndarray, QuantizedWeight]:
+    """(the fake-quantized float32 weight, its packed `QuantizedWeight`) of one QAT Linear."""
+    q, s, bits = qat_codes(lin, path)
+    k, n = q.shape
+    g = k // s.shape[0]
+    half = 2 ** (bits - 1)
+    codes = (q + half).astype(np.uint8)
+    qw = QuantizedWeight(codes=jnp.asarray(packing.pack(codes, bits)), scales=jnp.asarray(s),
+                         zeros=jnp.full(s.shape, half, jnp.uint8), fmt="int", bits=bits, group_size=g,
+                         shape=(k, n), dtype="float32", symmetric=True, double_quant=False)
+    fq = (q.reshape(k // g, g, n).astype(np.float32) * s[:, None, :]).reshape(k, n)
+    return fq, qw
+
+
+def qat_result(model) -> PTQResult:
+    """The model's QAT Linears as a PTQ result (in place: their kernels set to the fake-quantized weights, their
+    dot_generals reset to the plain one, so the float model computes what the QAT forward computed)."""
+    linears = [(p, lin) for p, lin in iter_linears(model, None) if isinstance(lin.dot_general, (PerTensorSTEDotGeneral,
+                                                                                              AqtDotGeneral))]
+    if not linears:
+        raise QATExportError("the model has no QAT Linears (quant.mode is not qat)")
+    packed, widths, groups = {}, set(), set()
+    for path, lin in linears:
+        fq, packed[path] = qat_weight(lin, path)
+        lin.kernel.set_value(jnp.asarray(fq).astype(lin.kernel.get_value().dtype))
+        widths.add(packed[path].bits)
+        groups.add(packed[path].group_size if packed[path].scales.shape[0] > 1 else -1)
+    remove_qat(model)
+    return PTQResult(method="qat", packed=packed, bits=widths.pop(), group_size=groups.pop() if len(groups) == 1 else 0,
+                     symmetric=True)
+
+
+def export_qat_policy(model, out_dir: str, *, scheme: str, group_size: int, tokenizer_from: str | None = None,
+                      formats=FORMATS, overwrite: bool = True) -> str:
+    """`out_dir`/{packed, compressed_tensors}/ and `out_dir`/qat_policy.json, written atomically (`write_outputs`).
+    `model` is changed in place (`qat_result`)."""
+    result = qat_result(model)
+    info = {"quant_mode": "qat", "qat_scheme": scheme, "qat_group_size": group_size, "bits": result.bits,
+            "formats": list(formats), "linears": len(result.packed),
+            "note": "weights quantized by the scheme's own quantizer: what the QAT forward multiplied by"}
+    return write_outputs(model, result, out_dir, formats=formats, dtype="float32", tokenizer_from=tokenizer_from,
+                         overwrite=overwrite, extra_files={INFO_FILE: json.dumps(info, indent=2)})
+
+
+def quantized_policy_of(checkpoint: str) -> tuple[str, str] | None:
+    """For RUN/final_policy of a run trained with quant.mode=qat (its RUN/config.yaml says so; local or URL):
+    (the quantized policy to use instead, the scheme); None for anything else."""
+    import yaml
+
+    ckpt = str(checkpoint).rstrip("/")
+    run, _, name = ckpt.rpartition("/")
+    if name != "final_policy":
+        return None
+    cfg_file = paths.epath_of(paths.join(run or ".", "config.yaml"))
+    try:
+        if not cfg_file.exists():
+            return None
+        quant = (yaml.safe_load(cfg_file.read_text()) or {}).get("quant") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if quant.get("mode") != "qat":
+        return None
+    return paths.join(run or ".", QUANTIZED_POLICY, "packed"), str(quant.get("qat_scheme", "paper_int8"))
