@@ -237,6 +237,34 @@ def test_suite_eval_arm(tmp_path):
     assert not (out / "plots").exists()
 
 
+def test_qat_arms_are_scored_quantized(tmp_path):
+    """A QAT arm's model is its run's quantized export (final_policy_quantized/packed), scored by both eval kinds
+    without a QAT forward of its own; w8a8 (no weight-only export) keeps the held-out QAT forward and is scored
+    on its float weights by the suite path, asked for by name."""
+    from lrmq.configlib import load_config
+    from lrmq.studies.config import StudyConfig
+    from lrmq.studies.runner import Study
+
+    arms = ("arms=[{name: fp, kind: train}, {name: q4, kind: train, baseline: fp, "
+            "train: [quant.mode=qat, quant.qat_scheme=int4, quant.qat_group_size=32]}, "
+            "{name: q8a8, kind: train, baseline: fp, train: [quant.mode=qat, quant.qat_scheme=w8a8]}]")
+    for kind in ("heldout", "suite"):
+        metric = ["eval.metric=headline"] if kind == "suite" else []
+        cfg = load_config(StudyConfig, QUICK, [f"out_dir={tmp_path / kind}", arms, f"eval.kind={kind}", *metric])
+        jobs = {j.arm.name: j for j in Study(cfg, log=lambda s: None).plan()}
+        assert jobs["q4"].model.endswith(os.path.join("run", "final_policy_quantized", "packed"))
+        assert jobs["fp"].model.endswith(os.path.join("run", "final_policy"))
+        assert jobs["q8a8"].model.endswith(os.path.join("run", "final_policy"))
+        for name, job in jobs.items():
+            cmds = [" ".join(st.cmd) for st in job.steps if st.cmd]
+            assert ("--qat-scheme w8a8" in " ".join(cmds)) == (name == "q8a8"), (name, cmds)
+            assert all("--qat-scheme int4" not in c for c in cmds)
+            if kind == "suite":
+                ev = [c for c in cmds if "lrmq.evaluate" in c]
+                assert ev and f"checkpoint={job.model}" in ev[0]
+                assert ("float_qat_policy=true" in ev[0]) == (name == "q8a8")
+
+
 def test_ptq_pairs_are_paired_by_seed():
     from lrmq.studies.report import ptq_pairs
 

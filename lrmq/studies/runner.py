@@ -34,6 +34,7 @@ from lrmq.atomic import atomic_write_text
 from lrmq.config_help import to_plain
 from lrmq.configlib import dump_config, load_config
 from lrmq.ptq.methods import needs_calibration
+from lrmq.ptq.qat_export import QUANTIZED_POLICY
 from lrmq.rl.config import TrainConfig
 from lrmq.studies.config import ArmSpec, StudyConfig
 from lrmq.studies.matrix import expand
@@ -153,8 +154,13 @@ class Study:
         run = os.path.join(job.dir, "run")
         cmd = _py("lrmq.train", "--config", self.cfg.train.config, *self.cfg.train.overrides, *job.arm.train,
                   f"run.out_dir={run}", f"run.seed={job.seed}", "run.progress=false", "run.export_hf=true")
-        job.steps.append(Step("train", _exists(run, "final_policy", "config.json"), cmd))
-        job.model = os.path.join(run, "final_policy")
+        qat = _qat_scheme(job.arm)
+        if qat and qat != "w8a8":  # the QAT policy as it was trained to run: its quantized export (qat_export)
+            job.steps.append(Step("train", _exists(run, QUANTIZED_POLICY, "packed", "config.json"), cmd))
+            job.model = os.path.join(run, QUANTIZED_POLICY, "packed")
+        else:
+            job.steps.append(Step("train", _exists(run, "final_policy", "config.json"), cmd))
+            job.model = os.path.join(run, "final_policy")
 
     def _plan_ptq(self, job: Job) -> None:
         a = job.arm
@@ -192,12 +198,11 @@ class Study:
     def _eval_step(self, job: Job) -> Step:
         e = self.cfg.eval
         a = job.arm
-        qat = _train_value(a.train, "quant.qat_scheme", "paper_int8") if _train_value(a.train, "quant.mode") == "qat" \
-            else None
+        qat = _qat_scheme(a)
         mem = []
         if a.kind == "train":
             mem = ["--train-memory", os.path.join(job.dir, "run", "config.yaml")]
-        if qat:
+        if qat == "w8a8":  # no weight-only export: the held-out eval applies the QAT forward to the float weights
             mem += ["--qat-scheme", qat, "--qat-group-size",
                     _train_value(a.train, "quant.qat_group_size", str(self.train_cfg.quant.qat_group_size))]
         heldout = _py("lrmq.studies.heldout", "--checkpoint", job.model, "--train-config", self.train_cfg_path,
@@ -209,7 +214,8 @@ class Study:
             return Step("eval", _exists(out), cmd)
         out = os.path.join(job.dir, "eval")
         cmd = _py("lrmq.evaluate", "--config", e.config, f"checkpoint={job.model}", f"out_dir={out}",
-                  f"generation.seed={job.seed}", "progress=false", *e.overrides)
+                  f"generation.seed={job.seed}", "progress=false", *e.overrides,
+                  *(["float_qat_policy=true"] if qat == "w8a8" else []))
         job.steps.append(Step("memory", _exists(job.dir, "memory.json"),
                               heldout + ["--out", os.path.join(job.dir, "memory.json"), "--memory-only"]))
         return Step("eval", _exists(out, "results.json"), cmd)
@@ -344,6 +350,13 @@ def write_traces(src: Job, src_arm: ArmSpec, path: str) -> None:
     if not rows:
         raise StudyError(f"{comp} has no correct completion to fine-tune on")
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _qat_scheme(arm) -> Optional[str]:
+    """The QAT scheme an arm trains with (None: not a QAT arm)."""
+    if _train_value(arm.train, "quant.mode") != "qat":
+        return None
+    return _train_value(arm.train, "quant.qat_scheme", "paper_int8")
 
 
 def _train_value(overrides: list[str], key: str, default: Optional[str] = None) -> Optional[str]:
