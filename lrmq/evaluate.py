@@ -230,6 +230,8 @@ def _main(args) -> int:
         raise ConfigError(f"benchmarks {bad} are not in suite {cfg.suite!r} ({names})")
     names = [n for n in names if not cfg.benchmarks or n in cfg.benchmarks]
     data_dir = os.path.expanduser(cfg.data_dir) if cfg.data_dir else default_data_dir()
+    if paths.is_url(data_dir):  # benchmark files in a bucket: read from a per-process local copy
+        data_dir = paths.local_copy(data_dir, "benchmark data directory", f"--data-dir {data_dir}")
     items, errors = [], []
     for n in names:
         try:

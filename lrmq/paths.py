@@ -53,10 +53,22 @@ class FileFormatError(ValueError):
 
 
 def read_bytes(path, what: str = "file", where: str | None = None) -> bytes:
-    """A local file's bytes. `what` is what the file should be ("config file"), `where` how messages name it
+    """A file's bytes, local or in a bucket (a URL). `what` is what the file should be ("config file"), `where` how messages name it
     (default: the path; e.g. "--text-file notes.txt")."""
     path = os.fspath(path)
     where = where or path
+    if is_url(path):  # a bucket object: read whole (data, calibration, config files are small)
+        p = epath_of(resolve(path))
+        try:
+            if p.is_dir():
+                raise FileFormatError(f"{where}: is a directory, expected a {what}")
+            if not p.exists():
+                raise FileNotFoundError(f"{where}: {what} does not exist")
+            return p.read_bytes()
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise FileFormatError(f"{where}: cannot read this {what} ({e})") from None
     if not os.path.exists(path):
         raise FileNotFoundError(f"{where}: {what} does not exist")
     if os.path.isdir(path):
@@ -199,6 +211,34 @@ def download_file(url, local: str) -> bool:
     with p.open("rb") as src, open(local, "wb") as dst:
         shutil.copyfileobj(src, dst, _COPY_CHUNK)
     return True
+
+
+_COPIES: dict[str, str] = {}
+
+
+def local_copy(url, what: str = "file", where: str | None = None) -> str:
+    """A bucket file, or the files of a bucket directory, copied once per process into a temporary directory
+    (for readers that take only local paths, e.g. `datasets`); returns the local path. A missing URL is
+    FileNotFoundError naming `where` (default: the URL)."""
+    import tempfile
+
+    url = resolve(url)
+    if url in _COPIES:
+        return _COPIES[url]
+    p = epath_of(url)
+    if not p.exists():
+        raise FileNotFoundError(f"{where or url}: {what} does not exist")
+    root = tempfile.mkdtemp(prefix="lrmq-copy-")
+    local = os.path.join(root, p.name)
+    if p.is_dir():
+        os.makedirs(local)
+        for f in p.iterdir():
+            if not f.is_dir():
+                download_file(f, os.path.join(local, f.name))
+    else:
+        download_file(p, local)
+    _COPIES[url] = local
+    return local
 
 
 def remove(url) -> None:

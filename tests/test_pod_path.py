@@ -15,6 +15,7 @@ import subprocess
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
@@ -225,18 +226,85 @@ def test_run_logs_mirror_appends(gcs):
     assert off.local_dir == url and not remote.exists()
 
 
+# ----------------------------------------------------------------------------- models and data in the bucket
+TINY = os.path.join(REPO_ROOT, "lrmq", "assets", "tiny")
+
+
+def _bucket_inputs(gcs: str, tmp_path) -> dict[str, str]:
+    """The shipped tiny model, a synthetic prompt split and two benchmark fixtures, uploaded once per bucket."""
+    from lrmq import paths
+
+    urls = {"model": gcs + "/models/tiny", "train": gcs + "/data/train.jsonl", "test": gcs + "/data/test.jsonl",
+            "evals": gcs + "/evals"}
+    if not paths.epath_of(urls["model"] + "/config.json").exists():
+        data = tmp_path / "data"
+        r = subprocess.run([os.environ.get("PYTHON", "python"), "-m", "lrmq.data.synthetic", "--out", str(data),
+                            "--n-train", "256", "--n-eval", "8"], cwd=REPO_ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        paths.publish_dir(TINY, urls["model"])
+        for name in ("train", "test"):
+            paths.upload_file(str(data / f"{name}.jsonl"), urls[name])
+        for name in ("aime24", "amc"):
+            paths.upload_file(os.path.join(REPO_ROOT, "tests", "fixtures", "evals", f"{name}.jsonl"),
+                              f"{urls['evals']}/{name}.jsonl")
+    return urls
+
+
+def test_model_and_data_read_from_the_bucket(gcs, tmp_path):
+    """model.checkpoint / --checkpoint and data files as gs:// URLs: the weights streamed from the bucket equal
+    the local model's bit for bit, no weight file lands on local disk, the prompts equal the local file's."""
+    from lrmq.checkpoint import remote
+    from lrmq.checkpoint.hf import flat_params
+    from lrmq.checkpoint.load import check_checkpoint, checkpoint_kind, load_model, resolve_checkpoint
+    from lrmq.cli import UsageError
+    from lrmq.data.prompts import load_prompt_dataset
+
+    urls = _bucket_inputs(gcs, tmp_path)
+    assert checkpoint_kind(urls["model"]) == "hf"
+    view = resolve_checkpoint(urls["model"])
+    assert remote.remote_url(view) == urls["model"]
+    assert not [f for f in os.listdir(view) if f.endswith(".safetensors")]  # the weights stay in the bucket
+    ours, local = flat_params(load_model(urls["model"])), flat_params(load_model(TINY))
+    assert ours.keys() == local.keys()
+    for k in ours:
+        np.testing.assert_array_equal(np.asarray(ours[k].get_value()), np.asarray(local[k].get_value()), err_msg=k)
+    reader = remote.open_safetensors(urls["model"] + "/model.safetensors")
+    assert reader.bytes_read <= os.path.getsize(os.path.join(TINY, "model.safetensors"))
+    with pytest.raises(UsageError, match="--checkpoint: .*no-such-model"):
+        check_checkpoint(gcs + "/models/no-such-model", "--checkpoint")
+    rows = load_prompt_dataset([urls["train"]])
+    assert len(rows) == 256 and rows[0]["problem"]
+    with pytest.raises(FileNotFoundError, match="data.train_files .*missing.jsonl"):
+        load_prompt_dataset([gcs + "/data/missing.jsonl"], option="data.train_files")
+
+
 # ----------------------------------------------------------------------------- a pod run, offline
+@pytest.mark.slow(reason="two JAX processes x 4 CPU devices train one step from the bucket, then lrmq.evaluate")
 @pytest.mark.skipif(os.environ.get("LRMQ_SKIP_MULTIPROCESS") == "1", reason="LRMQ_SKIP_MULTIPROCESS=1")
 def test_two_process_launch_gs_run_dir(gcs, tmp_path):
-    """The pod recipe's shape: 2 processes x 4 CPU devices, run.out_dir=gs://..., HF export on."""
+    """The pod recipe's shape: 2 processes x 4 CPU devices, run.out_dir=gs://..., HF export on, the model and the
+    prompts read from the bucket (each process streams its own rows of the weights); then lrmq.evaluate scores
+    the run's final_policy straight from the bucket, with its benchmark files there too."""
+    import sys
+
     from test_train_loop import check_exported_run, launch_two_processes
 
+    urls = _bucket_inputs(gcs, tmp_path)
     run_dir = gcs + "/runs/mp"
     leaked = os.path.join(REPO_ROOT, "gs:")  # what os.path.abspath("gs://...") used to create
     existed = os.path.exists(leaked)
-    launch_two_processes(run_dir, "run.export_hf=true")
+    launch_two_processes(run_dir, "run.export_hf=true", f"model.checkpoint={urls['model']}",
+                         f"data.train_files=[{urls['train']}]", f"data.eval_files=[{urls['test']}]")
     assert existed or not os.path.exists(leaked)
     check_exported_run(run_dir, tmp_path / "exported")
     from etils import epath
 
     assert (epath.Path(run_dir) / "checkpoints" / "1" / "commit_success.txt").exists()  # orbax's GCS commit
+    out = tmp_path / "eval"
+    r = subprocess.run([sys.executable, "-m", "lrmq.evaluate", "--checkpoint", run_dir + "/final_policy",
+                        "--suite", "aime24,amc", "--limit", "2", "--greedy", "prompt=arith", "--data-dir", urls["evals"],
+                        "--out", str(out), "tensorboard=false", "progress=false"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["checkpoint"] == run_dir + "/final_policy" and set(res["benchmarks"]) == {"aime24", "amc"}

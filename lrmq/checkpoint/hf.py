@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 
 from lrmq import paths
 from lrmq.atomic import atomic_dir
+from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf_names import expand
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
@@ -52,7 +53,10 @@ def flat_params(model: nnx.Module) -> dict[str, nnx.Variable]:
 
 
 def tensor_index(ckpt_dir: str) -> dict[str, str]:
-    """HF tensor name -> safetensors file, for single-file and sharded (index.json) checkpoints."""
+    """HF tensor name -> safetensors file, for single-file and sharded (index.json) checkpoints; the files are
+    URLs for a bucket checkpoint's local view (`remote.local_view`)."""
+    if remote.is_remote_view(ckpt_dir):
+        return _remote_index(ckpt_dir)
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     single = os.path.join(ckpt_dir, "model.safetensors")
     if os.path.exists(index):
@@ -73,6 +77,34 @@ def tensor_index(ckpt_dir: str) -> dict[str, str]:
     if os.path.exists(single):
         return {name: single for name in _names_in(single)}
     raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _remote_index(view: str) -> dict[str, str]:
+    url, files = remote.remote_url(view), set(remote.weight_files(view))
+    index = os.path.join(view, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            wm = paths.read_json(index, what="safetensors index").get("weight_map")
+        except paths.FileFormatError as e:
+            raise CheckpointError(str(e)) from None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) and "/" not in v for v in wm.values()):
+            raise CheckpointError(f"{url}/model.safetensors.index.json: weight_map must map tensor names to file "
+                                  "names in the checkpoint directory")
+        missing = sorted(set(wm.values()) - files)
+        if missing:
+            raise CheckpointError(f"{url}/model.safetensors.index.json lists files that do not exist: {missing}")
+        return {k: paths.join(url, v) for k, v in wm.items()}
+    if "model.safetensors" in files:
+        single = paths.join(url, "model.safetensors")
+        return {name: single for name in _remote(single).keys()}
+    raise CheckpointError(f"{url}: no model.safetensors or model.safetensors.index.json")
+
+
+def _remote(url: str) -> "remote.RemoteSafetensors":
+    try:
+        return remote.open_safetensors(url)
+    except remote.SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def inside_dir(directory: str, name: str) -> bool:
@@ -110,6 +142,10 @@ def _shapes(index: dict[str, str]) -> dict[str, tuple[int, ...]]:
         by_file.setdefault(p, []).append(n)
     shapes = {}
     for path, names in by_file.items():
+        if paths.is_url(path):  # the header only; a truncated file is refused by its reader
+            reader = _remote(path)
+            shapes.update((n, reader.shape(n)) for n in names)
+            continue
         size = os.path.getsize(path)
         try:
             with safe_open(path, framework="numpy") as f:
@@ -170,6 +206,11 @@ def load_hf_model(ckpt_dir: str, *, mesh=None, dtype: str | None = None, param_d
     try:
         for hf_name, (ours, tr) in mapping.items():
             path = index[hf_name]
+            if paths.is_url(path):  # streamed: this host's rows of each tensor, nothing on disk
+                var = params[ours]
+                var.set_value(_place_remote(_remote(path), hf_name, tr, var.get_value().dtype,
+                                            var.get_metadata().get(LOGICAL_AXES_KEY), mesh))
+                continue
             if path not in handles:
                 handles[path] = safe_open(path, framework="numpy").__enter__()
             var = params[ours]
@@ -187,6 +228,39 @@ def load_hf_model(ckpt_dir: str, *, mesh=None, dtype: str | None = None, param_d
         for h in handles.values():
             h.__exit__(None, None, None)
     return abstract
+
+
+def _checked(arr: np.ndarray, dtype, where: str, name: str) -> np.ndarray:
+    if not _finite(arr):
+        raise CheckpointError(f"{where}: tensor {name} has non-finite values (NaN or Inf)")
+    arr = np.asarray(arr).astype(dtype)
+    if not _finite(arr):
+        raise CheckpointError(f"{where}: tensor {name} overflows {dtype} (values past its range)")
+    return arr
+
+
+def _place_remote(reader, hf_name: str, tr: str, dtype, axes, mesh) -> jax.Array:
+    """A bucket tensor placed on `mesh` (or the default device) reading, for each of this host's devices, only
+    the rows of the stored tensor its shard covers (with "T": the stored tensor is ours transposed, so our
+    column shards are its row ranges). Devices holding the same rows share one read."""
+    shape = reader.shape(hf_name)
+    ours = shape[::-1] if tr == "T" else shape
+    if mesh is None:
+        arr = _checked(reader.tensor(hf_name), dtype, reader.url, hf_name)
+        return jnp.asarray(arr.T if tr == "T" else arr)
+    sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(axes, ours, mesh))
+    rows_read: dict[tuple, np.ndarray] = {}
+
+    def shard(idx):
+        stored = tuple(idx)[::-1] if tr == "T" else tuple(idx)
+        rows = stored[0] if stored else slice(None)
+        key = rows.indices(shape[0]) if shape else ()
+        if key not in rows_read:
+            rows_read[key] = _checked(reader.tensor(hf_name, rows if shape else None), dtype, reader.url, hf_name)
+        part = rows_read[key][(slice(None), *stored[1:])] if shape else rows_read[key]
+        return part.T if tr == "T" else part
+
+    return jax.make_array_from_callback(ours, sharding, shard)
 
 
 def _finite(arr: np.ndarray) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from lrmq import paths
+from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf import CheckpointError, load_hf_model
 from lrmq.checkpoint.orbax_io import (CONFIG_FILE, PARAMS_DIR, STATE_FILE, is_lrmq_checkpoint, load_lrmq,
                                       read_lrmq_config)
@@ -24,13 +26,19 @@ ALIASES = {"tiny": TINY_MODEL_DIR}
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint path, with the alias "tiny" for the shipped tiny model (idempotent)."""
-    return ALIASES.get(path, path)
+    """A checkpoint path, with the alias "tiny" for the shipped tiny model (idempotent); a bucket URL
+    (gs://...) becomes its local view: the small files copied, the weights streamed from the bucket
+    (`lrmq.checkpoint.remote`)."""
+    path = ALIASES.get(path, path)
+    if isinstance(path, str) and paths.is_url(path):
+        return remote.local_view(path)
+    return path
 
 
 def is_hf_checkpoint(path: str) -> bool:
+    weights = set(remote.weight_files(path)) if remote.is_remote_view(path) else set()
     return os.path.isfile(os.path.join(path, "config.json")) and (
-        os.path.isfile(os.path.join(path, "model.safetensors"))
+        os.path.isfile(os.path.join(path, "model.safetensors")) or "model.safetensors" in weights
         or os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
 
 

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from lrmq.data.text import label, read_records
-from lrmq.paths import FileFormatError, kind_of
+from lrmq.paths import FileFormatError, is_url, kind_of, local_copy
 from lrmq.registry import Registry
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ def _why_unreadable(files: Sequence[str], option: Optional[str]) -> None:
 def _load_one(path: str, split: str, cache_dir: Optional[str], option: Optional[str] = None) -> "datasets.Dataset":
     ds_lib = _datasets()
     where = label(path, option)
+    if is_url(path):  # a bucket file or directory of files: read from a per-process local copy
+        path = local_copy(path, "prompt dataset", where)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{where}: prompt dataset not found" if option else f"prompt dataset not found: {path}")
     if os.path.isdir(path):

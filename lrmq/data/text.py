@@ -72,11 +72,12 @@ def read_records(path: str, option: str | None = None) -> list[tuple[str, Any]]:
     where = label(path, option)
     ext = suffix(path)
     if ext == ".parquet":
-        read_bytes(path, option)  # missing / directory / unreadable: the same messages as the others
+        data = read_bytes(path, option)  # missing / directory / unreadable: the same messages as the others
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
-            rows = pq.read_table(path).to_pylist()
+            rows = pq.read_table(pa.BufferReader(data)).to_pylist()
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for files that are not Parquet
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise TextFileError(f"{where}: not a readable Parquet file ({first})") from None

@@ -72,6 +72,8 @@ def calibration_tokens(cfg: QuantizeConfig, tokenizer_dir: str, option: str = "c
     """int32 [n_blocks, block_size] from ``cfg.calibration`` (lrmq.ptq.calibration recipes); ``option``: what
     the messages call the path (the flag form: --calibration)."""
     c = cfg.calibration
+    if paths.is_url(c.path):  # a bucket file: read from a per-process local copy
+        c = dataclasses.replace(c, path=paths.local_copy(c.path, "calibration file", f"{option} {c.path}"))
     if not os.path.exists(c.path):
         raise FileNotFoundError(f"{option} {c.path}: calibration file does not exist")
     tok = load_tokenizer(tokenizer_dir, "tokenizer" if cfg.tokenizer else None)
