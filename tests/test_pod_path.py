@@ -268,6 +268,15 @@ def test_model_and_data_read_from_the_bucket(gcs, tmp_path):
     assert ours.keys() == local.keys()
     for k in ours:
         np.testing.assert_array_equal(np.asarray(ours[k].get_value()), np.asarray(local[k].get_value()), err_msg=k)
+    # an lrmq (orbax) checkpoint too, e.g. a QAT run's final_policy_quantized/packed: orbax reads the bucket
+    from lrmq import paths
+    from lrmq.checkpoint.orbax_io import save_lrmq
+
+    save_lrmq(load_model(TINY), str(tmp_path / "lrmq_tiny"), tokenizer_from=TINY)
+    paths.publish_dir(str(tmp_path / "lrmq_tiny"), gcs + "/models/tiny_lrmq")
+    assert checkpoint_kind(gcs + "/models/tiny_lrmq") == "lrmq"
+    for k, v in flat_params(load_model(gcs + "/models/tiny_lrmq")).items():
+        np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(local[k].get_value()), err_msg=k)
     reader = remote.open_safetensors(urls["model"] + "/model.safetensors")
     assert reader.bytes_read <= os.path.getsize(os.path.join(TINY, "model.safetensors"))
     with pytest.raises(UsageError, match="--checkpoint: .*no-such-model"):

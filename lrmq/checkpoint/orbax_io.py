@@ -24,6 +24,7 @@ from flax import nnx
 
 from lrmq import paths
 from lrmq.atomic import atomic_dir
+from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf import CheckpointError, copy_tokenizer_files
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
@@ -256,8 +257,9 @@ def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: st
 
     ckptr = ocp.StandardCheckpointer()
     try:
-        restored = ckptr.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)),
-                                 _nest({p: target(p) for p in variables}))
+        url = remote.remote_url(path)  # a bucket checkpoint's local view: orbax reads the arrays from the bucket
+        where = paths.join(url, PARAMS_DIR) if url else os.path.abspath(os.path.join(path, PARAMS_DIR))
+        restored = ckptr.restore(where, _nest({p: target(p) for p in variables}))
     except Exception as e:  # orbax/tensorstore raise many types; name the checkpoint and the cause (one line:
         # tensorstore appends its whole multi-line spec)
         first = (str(e).strip().splitlines() or [""])[0].removesuffix(" See full TensorStore details.")
