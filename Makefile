@@ -25,9 +25,16 @@ demo: $(STAMP)
 # Two worker processes (TEST_WORKERS=0 runs in one): most of the suite is XLA compiles and Python, each
 # mostly single-threaded, so two processes use both cores of a 2-core machine. A file's tests stay in one
 # worker (--dist loadfile): module fixtures are built once.
+# One JAX compilation cache for the whole run, shared by the workers and the CLIs the tests start (the same tiny
+# programs compile once), in a temporary directory made here and removed at the end: nothing is cached across
+# runs, so a compile failure can never hide behind an earlier run's cache. The last line is the run's time
+# (the budget: CONTRIBUTING.md).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+	@start=$$(date +%s); cache=$$(mktemp -d "$${TMPDIR:-/tmp}/lrmq-test-jax-cache.XXXXXX"); \
+	LRMQ_COMPILE_CACHE=$$cache JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q --durations=15 \
+	  $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests; rc=$$?; \
+	rm -rf "$$cache"; echo "make test: $$(( $$(date +%s) - start )) s (budget 720 s on 2 quiet cores)"; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/generate.py --quick

@@ -76,7 +76,10 @@ def tiny_train_config(out_dir: str, **sections):
     d = {
         "model": {"checkpoint": os.environ.get("LRMQ_TEST_TINY", TINY_MODEL_DIR)},
         "data": {"synthetic_train_size": 256, "synthetic_eval_size": 16},
-        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_prompt_len": 32, "max_new_tokens": 40},
+        # one packed update shape (the worst case; the default 5 cost 4 more compiles per trainer): the shapes
+        # themselves are tested in test_precompile.py
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_prompt_len": 32, "max_new_tokens": 40,
+                    "update_shapes": 1},
         "algo": {"reward": "boxed_exact"},
         "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
         "run": {"out_dir": out_dir, "steps": 4, "save_every": 2, "eval_size": 16, "export_hf": False,

@@ -81,7 +81,7 @@ def test_no_update_compiles_after_the_first_step(tmp_path):
     from lrmq.rl.trainer import GRPOTrainer
 
     cfg = tiny_train_config(str(tmp_path), run={"steps": 20, "save_every": 1000, "eval_size": 0,
-                                                "compile_cache": "off"},
+                                                "compile_cache": "off"}, rollout={"update_shapes": 5},
                             data={"synthetic_train_size": 400, "synthetic_eval_size": 8})
     trainer = GRPOTrainer(cfg)
     events: list[tuple[int, str, bool]] = []  # (trainer.step when it compiled, program, after the first rollout)

@@ -44,7 +44,8 @@ def test_quantlrm_on_a_grpo_run_dir(tmp_path, calib_file):
     run = tmp_path / "run"
     _run(["lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run}",
           "run.steps=2", "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
-          "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "optim.lr=1e-3", "run.progress=false"])
+          "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "optim.lr=1e-3", "run.progress=false",
+          "rollout.update_shapes=1"])
     assert (run / "initial_policy" / "model.safetensors").exists() and (run / "final_policy" / "config.json").exists()
     out = tmp_path / "qlrm"
     _run(["lrmq.quantize", "--config", os.path.join(REPO_ROOT, "configs", "ptq", "quantlrm_tiny_grpo_run.yaml"),

@@ -186,7 +186,8 @@ def test_kill_9_during_training_resumes_exactly(tmp_path):
     cmd = [sys.executable, "-m", "lrmq.train", "--config", os.path.join(REPO, "configs", "tiny_demo.yaml"),
            f"run.steps={steps}", "run.save_every=1", "run.keep_checkpoints=10", "run.eval_size=4",
            "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
-           "rollout.max_new_tokens=24", "data.synthetic_train_size=64", "data.synthetic_eval_size=4"]
+           "rollout.max_new_tokens=24", "data.synthetic_train_size=64", "data.synthetic_eval_size=4",
+           "rollout.update_shapes=1"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     ref, run = str(tmp_path / "ref"), str(tmp_path / "run")
     r = subprocess.run(cmd + [f"run.out_dir={ref}"], env=env, capture_output=True, text=True, timeout=600)
@@ -232,7 +233,7 @@ def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys):
     rc = train.main(["--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), f"run.out_dir={run}", "run.steps=1",
                      "run.eval_size=4", "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=2",
                      "rollout.group_size=2", "rollout.max_new_tokens=8", "data.synthetic_train_size=16",
-                     "data.synthetic_eval_size=4"])
+                     "data.synthetic_eval_size=4", "rollout.update_shapes=1"])
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if x.startswith("lrmq.train: error:")]
     assert rc == 2 and len(line) == 1 and f"no space left on device while writing {run}" in line[0], err

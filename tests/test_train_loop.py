@@ -56,7 +56,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     cmd = [sys.executable, "-m", "lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"),
            f"run.out_dir={out}", "run.steps=200", "run.save_every=100", "run.eval_size=8",
            "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
-           "data.synthetic_train_size=256", "data.synthetic_eval_size=8"]
+           "data.synthetic_train_size=256", "data.synthetic_eval_size=8", "rollout.update_shapes=1"]
     if os.environ.get("LRMQ_TEST_TINY"):
         cmd.append(f"model.checkpoint={os.environ['LRMQ_TEST_TINY']}")
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -128,7 +128,8 @@ def launch_two_processes(run_dir: str, *extra: str, timeout: float = 300) -> sub
     cmd = ["bash", os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh"), "2", "4", "--config",
            os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run_dir}", "run.steps=1",
            "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",
-           "data.synthetic_train_size=256", "data.synthetic_eval_size=8", "optim.warmup_steps=0", *extra]
+           "data.synthetic_train_size=256", "data.synthetic_eval_size=8", "optim.warmup_steps=0",
+           "rollout.update_shapes=1", *extra]
     if os.environ.get("LRMQ_TEST_TINY"):
         cmd.append(f"model.checkpoint={os.environ['LRMQ_TEST_TINY']}")
     env = dict(os.environ, PYTHON=sys.executable)

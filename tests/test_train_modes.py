@@ -54,6 +54,7 @@ def grpo_config(ckpt: str, out_dir: str, *, mode="none", steps=2, lr=1e-5, mesh=
     cfg.data.synthetic_train_size, cfg.data.synthetic_eval_size = 64, 4
     cfg.rollout.group_size, cfg.rollout.prompts_per_step = 2, prompts
     cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens = 64, 8
+    cfg.rollout.update_shapes = 1  # one packed update shape: one compile per trainer (shapes: test_precompile.py)
     cfg.optim.lr, cfg.optim.schedule, cfg.optim.warmup_steps = lr, "constant", 0
     cfg.quant.mode = mode
     for k, v in quant.items():

@@ -110,7 +110,12 @@ def merge(parts_dir: str) -> dict:
     if not parts:
         raise SystemExit(f"{parts_dir}: no timing parts (was ${ENV} set for the run?)")
     tests = {}
-    for p in parts:
+    # With xdist the controller ("main") also sees every report (wall times only, no compile or subprocess
+    # figures): the workers' records win, the controller's fill in nothing else.
+    workers = [p for p in parts if p["worker"] != "main"] or parts
+    for p in sorted(parts, key=lambda p: p["worker"] != "main"):
+        if p["worker"] == "main" and len(workers) != len(parts):
+            continue
         for nodeid, rec in p["tests"].items():
             rec = dict(rec, worker=p["worker"])
             rec["wall_s"] = rec["setup_s"] + rec["call_s"] + rec["teardown_s"]
@@ -126,7 +131,7 @@ def merge(parts_dir: str) -> dict:
     files = {k: {kk: round(vv, 2) if isinstance(vv, float) else vv for kk, vv in v.items()}
              for k, v in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])}
     elapsed = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
-    totals = {"tests": len(tests), "workers": len(parts), "elapsed_s": round(elapsed, 1),
+    totals = {"tests": len(tests), "workers": len(workers), "elapsed_s": round(elapsed, 1),
               "test_wall_s": round(sum(r["wall_s"] for r in tests.values()), 1),
               "in_process_compile_s": round(sum(r["compile_s"] for r in tests.values()), 1),
               "subprocesses": sum(r["subprocesses"] for r in tests.values()),
