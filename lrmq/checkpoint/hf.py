@@ -60,12 +60,7 @@ def tensor_index(ckpt_dir: str) -> dict[str, str]:
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     single = os.path.join(ckpt_dir, "model.safetensors")
     if os.path.exists(index):
-        try:
-            wm = paths.read_json(index, what="safetensors index").get("weight_map")
-        except paths.FileFormatError as e:
-            raise CheckpointError(str(e)) from None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+        wm = _weight_map(index, index)
         outside = sorted({v for v in wm.values() if not inside_dir(ckpt_dir, v)})
         if outside:
             raise CheckpointError(f"{index} names files outside the checkpoint directory {ckpt_dir}: {outside}")
@@ -79,17 +74,26 @@ def tensor_index(ckpt_dir: str) -> dict[str, str]:
     raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def _weight_map(index: str, where: str) -> dict[str, str]:
+    """The `weight_map` of a safetensors index file: {tensor name: file name} (CheckpointError naming `where`)."""
+    try:
+        wm = paths.read_json(index, what="safetensors index").get("weight_map")
+    except paths.FileFormatError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError(f"{where}: weight_map must map tensor names to file names")
+    return wm
+
+
 def _remote_index(view: str) -> dict[str, str]:
     url, files = remote.remote_url(view), set(remote.weight_files(view))
     index = os.path.join(view, "model.safetensors.index.json")
     if os.path.exists(index):
-        try:
-            wm = paths.read_json(index, what="safetensors index").get("weight_map")
-        except paths.FileFormatError as e:
-            raise CheckpointError(str(e)) from None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) and "/" not in v for v in wm.values()):
-            raise CheckpointError(f"{url}/model.safetensors.index.json: weight_map must map tensor names to file "
-                                  "names in the checkpoint directory")
+        wm = _weight_map(index, f"{url}/model.safetensors.index.json")
+        outside = sorted(v for v in wm.values() if "/" in v)
+        if outside:
+            raise CheckpointError(f"{url}/model.safetensors.index.json names files outside the checkpoint directory: "
+                                  f"{outside}")
         missing = sorted(set(wm.values()) - files)
         if missing:
             raise CheckpointError(f"{url}/model.safetensors.index.json lists files that do not exist: {missing}")

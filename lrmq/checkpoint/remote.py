@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from lrmq import paths
-from lrmq.checkpoint.safetensors_mmap import _DTYPES, SafetensorsError, _np_dtype
+from lrmq.checkpoint.safetensors_mmap import SafetensorsError, header_entries
 
 MARKER = "remote.json"
 _VIEWS: dict[str, str] = {}
@@ -104,21 +104,7 @@ class RemoteSafetensors:
             header = json.loads(self._read(8, 8 + n))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SafetensorsError(f"{url}: cannot read the safetensors header ({e})") from None
-        header.pop("__metadata__", None)
-        self._base = 8 + n
-        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-        for name, e in header.items():
-            try:
-                dtype = _np_dtype(_DTYPES[e["dtype"]])
-                shape = tuple(int(d) for d in e["shape"])
-                begin, end = (int(o) for o in e["data_offsets"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise SafetensorsError(f"{url}: tensor {name}: bad header entry {e!r} ({err!r})") from None
-            want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if end - begin != want or begin < 0 or self._base + end > self.size:
-                raise SafetensorsError(f"{url}: tensor {name}: data_offsets {[begin, end]} do not hold "
-                                       f"{e['dtype']}{list(shape)} inside the file (truncated?)")
-            self.entries[name] = (dtype, shape, self._base + begin, want)
+        self.entries = header_entries(header, 8 + n, self.size, url)
 
     def _read(self, start: int, end: int) -> bytes:
         data = self.fs.cat_file(self._path, start=start, end=end)

@@ -36,6 +36,28 @@ def _np_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def header_entries(header: dict, base: int, size: int, where: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+    """{name: (dtype, shape, absolute offset, bytes)} of a parsed safetensors header whose data starts at `base`
+    in a file of `size` bytes; every entry checked against the file (SafetensorsError naming `where`)."""
+    entries = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _np_dtype(_DTYPES[e["dtype"]])
+            shape = tuple(int(d) for d in e["shape"])
+            begin, end = (int(o) for o in e["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise SafetensorsError(f"{where}: tensor {name}: bad header entry {e!r} ({err!r})") from None
+        want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end - begin != want or begin < 0 or base + end > size:
+            raise SafetensorsError(
+                f"{where}: tensor {name}: data_offsets {[begin, end]} do not hold {e['dtype']}{list(shape)} "
+                f"({want} bytes) inside the file ({size - base} data bytes)")
+        entries[name] = (dtype, shape, base + begin, want)
+    return entries
+
+
 class MappedSafetensors:
     """``f = MappedSafetensors(path)``; ``f.keys()``, ``f.shape(name)``, ``f[name]`` (read-only view)."""
 
@@ -57,22 +79,8 @@ class MappedSafetensors:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SafetensorsError(f"{path}: header is not valid JSON: {e}") from None
-        header.pop("__metadata__", None)
         self._base = 8 + n
-        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-        for name, e in header.items():
-            try:
-                dtype = _np_dtype(_DTYPES[e["dtype"]])
-                shape = tuple(int(d) for d in e["shape"])
-                begin, end = (int(o) for o in e["data_offsets"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise SafetensorsError(f"{path}: tensor {name}: bad header entry {e!r} ({err!r})") from None
-            want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if end - begin != want or begin < 0 or self._base + end > size:
-                raise SafetensorsError(
-                    f"{path}: tensor {name}: data_offsets {[begin, end]} do not hold {e['dtype']}{list(shape)} "
-                    f"({want} bytes) inside the file ({size - self._base} data bytes)")
-            self._entries[name] = (dtype, shape, self._base + begin, want)
+        self._entries = header_entries(header, self._base, size, path)
 
     def keys(self) -> list[str]:
         return list(self._entries)
