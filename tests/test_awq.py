@@ -263,6 +263,7 @@ def test_packed_equals_fake_quant_forward(hf_checkpoint):
     np.testing.assert_allclose(packed, fake, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow(reason="AWQ's scale search over every layer of the structured model, then both perplexities")
 def test_awq_beats_rtn_w3(structured):
     from lrmq.checkpoint.load import load_model
     from lrmq.ptq.awq import AWQOptions, awq_quantize_model

@@ -37,6 +37,7 @@ def test_greedy_matches_transformers_generate(hf_checkpoint, variant):
         assert len(ours) == len(ref)
 
 
+@pytest.mark.slow(reason="engine compiles plus the full forward to compare the log-probs against")
 def test_logprobs_match_full_forward_and_stops_per_sequence(hf_checkpoint):
     path, _ = hf_checkpoint("qwen3")
     model = load_hf_model(path)
@@ -77,6 +78,7 @@ SCHEDULES = [
 
 
 @pytest.mark.parametrize("variant", ["olmo3"])  # sliding and full layers, post-norm
+@pytest.mark.slow(reason="the engine compiled at many slot, page and steps-per-call settings")
 def test_results_do_not_depend_on_scheduling(hf_checkpoint, variant):
     """The same per-sequence keys give the same tokens whatever the slots, pages, page size, steps per call,
     preemption or request order; duplicated prompts (a GRPO group) equal the same prompts run alone."""

@@ -45,6 +45,7 @@ def test_bucket_sizes():
     assert bucket(5, 8) == 8
 
 
+@pytest.mark.slow(reason="compiles the update at bucketed and at full width to compare them")
 def test_bucketed_update_equals_full_width(scratch_ckpt, tmp_path):
     cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"))
     cfg.rollout.update_padding = "max"  # prompts padded to max_prompt_len (the rollout buckets them otherwise)
@@ -68,6 +69,7 @@ def test_bucketed_update_equals_full_width(scratch_ckpt, tmp_path):
 # ----------------------------------------------------------------------------- no unneeded forward
 
 
+@pytest.mark.slow(reason="compiles both update paths (on-policy reuse and the separate old-logprob forward)")
 def test_on_policy_first_update_replaces_the_old_logprob_forward(scratch_ckpt, tmp_path):
     """old_logprobs=recompute, mu=2: the first update is on-policy and hands its own log-probs to the second;
     the result equals the textbook path (a separate forward for the old log-probs, then two updates)."""
@@ -187,6 +189,7 @@ class _RecordingWriter:
         pass
 
 
+@pytest.mark.slow(reason="an in-process GRPO run on the scratch checkpoint with completion logging")
 def test_completions_are_logged(scratch_ckpt, tmp_path):
     from lrmq.rl.trainer import GRPOTrainer
 

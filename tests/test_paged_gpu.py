@@ -96,6 +96,7 @@ def test_a_pool_of_the_wrong_layout_is_refused():
         cache.attend(jnp.zeros((1, 1, 2, 16)), jnp.zeros((1, 1), jnp.int32), None)
 
 
+@pytest.mark.slow(reason="the engine compiled four times: XLA and the GPU kernel, each at two engine configs")
 def test_engine_on_the_gpu_kernel_equals_xla(hf_checkpoint):
     model = load_hf_model(hf_checkpoint("olmo3")[0])  # a full-attention layer on the kernel, a sliding one not
     prompts = [[9, 10, 11, 12, 13, 14, 15], [5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], list(range(4, 25))]

@@ -235,6 +235,7 @@ def _runs_only_layout(mesh):
 
 
 # ------------------------------------------------------------------- 8 CPU devices (numerics, sharded)
+@pytest.mark.slow(reason="an 8-CPU-device subprocess compiling the sharded engine and the single-device one")
 def test_sharded_engine_matches_one_device(multi_device_run):
     out = multi_device_run("test_paged_tpu.py", "sharded-engine", n_devices=8, timeout=900)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

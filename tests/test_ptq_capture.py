@@ -106,6 +106,7 @@ def test_layer_forward_ignores_the_model_compute_dtype(hf_checkpoint):
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "olmo3"])
+@pytest.mark.slow(reason="compiles the full capture forward and each inputs-only program of every layer")
 def test_inputs_only_equal_full_captures(hf_checkpoint, variant):
     """``LayerContext.inputs_only`` (a program returning just some captures, the rest of the layer
     dead code for XLA: GPTQ's true-sequential stages) gives the full capture forward's inputs bit for bit."""

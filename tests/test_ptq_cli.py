@@ -40,6 +40,7 @@ def test_awq_flag_form_then_generate(tmp_path, calib_file):
     assert row["token_ids"] and len(row["logprobs"]) == len(row["token_ids"])
 
 
+@pytest.mark.slow(reason="two subprocesses: lrmq.train makes the run dir, then the QuantLRM quantize CLI reads it")
 def test_quantlrm_on_a_grpo_run_dir(tmp_path, calib_file):
     run = tmp_path / "run"
     _run(["lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run}",

@@ -171,6 +171,7 @@ def test_dropout_mask_is_a_fair_counter_hash_not_threefry():
     assert "threefry" not in jax.jit(lambda x: _drop(x, 0.3, 0, 1)[0]).lower(x).as_text()
 
 
+@pytest.mark.slow(reason="learning is the point: enough QLoRA GRPO steps for the reward to rise")
 def test_qlora_grpo_improves_reward_on_tiny_model(tmp_path):
     """Lead-run check: QLoRA GRPO on the shipped tiny model raises the mean reward on its training prompts."""
     from test_train_modes import TINY_ASSET, grpo_config, make_trainer, run_steps

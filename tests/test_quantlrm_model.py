@@ -54,6 +54,7 @@ def qcfg(s, out, **kw):
     return load_quantize_config(None, ov + [f"{k}={v}" for k, v in kw.items()])
 
 
+@pytest.mark.slow(reason="the full QuantLRM pipeline (importance, quantize, export, reload) on the tiny model")
 def test_end_to_end(setup):
     from lrmq.checkpoint.load import load_model
     from lrmq.ptq.pipeline import run_quantize

@@ -300,6 +300,7 @@ def _step_setup(tmp_path, **algo):
 
 
 @pytest.mark.parametrize("old_logprobs", ["rollout", "recompute"])
+@pytest.mark.slow(reason="compiles the GRPO step with and without the feature to compare them bit for bit")
 def test_none_is_bit_identical_to_the_step_without_the_feature(tmp_path, monkeypatch, old_logprobs):
     """rollout_correction none (and auto, which is none while the rollout runs the learner's weights): parameters,
     optimizer state, loss, gradient norm and every metric that existed before are bit for bit those of the step

@@ -199,6 +199,7 @@ def test_uncorrected_ratio_against_the_sampler_is_warned(tmp_path):
     assert rollout_quant_warning(cfg(algo={"rollout_correction": "none"})) is None  # the learner samples
 
 
+@pytest.mark.slow(reason="three in-process GRPO steps with the int4 rollout copy packed and refreshed")
 def test_trainer_samples_from_a_copy_refreshed_every_k_updates(tmp_path):
     """rollout.quant=int4, quant_refresh=2: the warm-up packs the initial policy (step 1 samples from it), the
     copy is re-quantized before step 3's rollout and not before step 2's; every step logs the mismatch between

@@ -119,6 +119,7 @@ def quick_study(tmp_path_factory):
     return out, p
 
 
+@pytest.mark.slow(reason="its fixture runs the quick study (base, GRPO and PTQ arms, evaluation) as one lrmq.study subprocess")
 def test_quick_study_results(quick_study):
     out, _ = quick_study
     res = json.loads((out / "results.json").read_text())
@@ -173,6 +174,7 @@ def test_heldout_matches_the_trainer(quick_study):
         assert ev[k] == pytest.approx(last[f"eval/{k}"], abs=1e-6), k
 
 
+@pytest.mark.slow(reason="reruns the quick study's lrmq.study subprocesses to check that finished arms are skipped")
 def test_quick_study_resumes(quick_study):
     out, _ = quick_study
     results = {n: (out / "runs" / n / "seed0" / "result.json") for n in ("base", "grpo", "grpo-ptq-rtn-w4")}

@@ -210,6 +210,7 @@ def test_tiles_follow_the_generation():
 
 
 # ----------------------------------------------------------------------- real Mosaic compiles
+@pytest.mark.slow(reason="one real Mosaic compile per legality class of the v5e grids")
 def test_kernels_compile_v5e_every_legality_class(tpu):
     """v5e: one compile per legality class of the full bf16 grid and of the f32 decode grid;
     f32 prefill (HIGHEST-precision dots, the slowest Mosaic compiles) once per format family."""
@@ -223,6 +224,7 @@ def test_kernels_compile_v5e_every_legality_class(tpu):
 
 
 @pytest.mark.parametrize("gen_name", ["v5p", "v6e"])
+@pytest.mark.slow(reason="real Mosaic compiles of the decode and prefill classes")
 def test_kernels_compile_decode_and_prefill(tpu, gen_name):
     """v5p (megacore tiles) and v6e (256-wide MXU tiles): decode and prefill classes, bf16."""
     gen = pk_tpu.GENERATIONS[gen_name]
@@ -253,6 +255,7 @@ def _vmem_estimate(gen, case) -> int:
 
 
 @pytest.mark.parametrize("gen_name", ["v4", "v5p"])
+@pytest.mark.slow(reason="real Mosaic (libtpu) compiles of the largest tiles")
 def test_largest_vmem_tiles_compile_where_vmem_is_small(tpu, gen_name):
     """Where the VMEM budget decides the tile (v4: 12 MiB limit; v5p: 48 MiB, with full-K
     blocks such as K=9728 and f32 activations, whose HIGHEST-precision dots split both operands
@@ -336,6 +339,7 @@ def test_auto_compiles_mosaic_for_a_tpu_mesh_and_xla_for_cpu(tpu):
 
 
 # ----------------------------------------------------------------- sharded programs (shard_map)
+@pytest.mark.slow(reason="an 8-CPU-device subprocess compiling the sharded and unsharded kernel calls")
 def test_sharded_kernel_calls_match_unsharded(multi_device_run):
     out = multi_device_run("test_tpu_compile.py", "sharded-numerics", n_devices=8, timeout=600)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -174,6 +174,7 @@ def test_sigterm_during_start_up_exits_with_a_message(tmp_path):
     assert "lrmq.train: error: interrupted by SIGTERM during start-up" in rest and "Traceback" not in rest
 
 
+@pytest.mark.slow(reason="three lrmq.train subprocesses: the killed run, its resume and the uninterrupted reference")
 def test_kill_9_during_training_resumes_exactly(tmp_path):
     """SIGKILL at a random moment after the first checkpoint (a save may be in flight; the lock is left
     behind by the dead process), then the same command again: it takes over the stale lock, resumes, and ends
@@ -219,6 +220,7 @@ def test_kill_9_during_training_resumes_exactly(tmp_path):
     assert not os.path.exists(os.path.join(run, ".lock"))  # released at the end
 
 
+@pytest.mark.slow(reason="lrmq.train.main in process: one tiny_demo step and its compiles before the save fails with ENOSPC")
 def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys):
     import errno
 

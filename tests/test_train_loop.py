@@ -28,6 +28,7 @@ def _metrics(run_dir: str) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
+@pytest.mark.slow(reason="an interrupted and an uninterrupted in-process training run must end bit for bit equal")
 def test_resume_is_exact(tmp_path):
     from lrmq.rl.trainer import GRPOTrainer
 
@@ -51,6 +52,7 @@ def test_resume_is_exact(tmp_path):
     assert os.path.exists(tmp_path / "a" / "config.yaml")
 
 
+@pytest.mark.slow(reason="two lrmq.train subprocesses: SIGTERM mid-run, then the resume")
 def test_sigterm_saves_and_resume_continues(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"),
@@ -82,6 +84,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert steps[-1] == saved + 1  # resumed from the saved step, not from scratch
 
 
+@pytest.mark.slow(reason="compiles the step on one device and on a sharded mesh of CPU devices (a subprocess) to compare them")
 def test_sharded_step_matches_single_device(tmp_path):
     from lrmq.rl.trainer import GRPOTrainer
 
@@ -195,6 +198,7 @@ def test_two_process_launch(tmp_path):
     check_exported_run(str(out), tmp_path / "exported")
 
 
+@pytest.mark.slow(reason="learning is the point: enough GRPO steps on the tiny model for the reward to rise")
 def test_short_grpo_run_improves_reward(tmp_path):
     """The shipped tiny model learns: training accuracy over the last steps beats the first steps."""
     from lrmq.rl.trainer import GRPOTrainer

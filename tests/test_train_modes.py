@@ -250,6 +250,7 @@ print("RESULT " + json.dumps(res))
 """
 
 
+@pytest.mark.slow(reason="one GRPO step per train mode on 8 CPU devices in a subprocess, compared with the single-device step")
 def test_train_modes_sharded_8_devices(scratch_ckpt, tmp_path):
     """One GRPO step per train mode on 8 devices; QAT and QLoRA equal the same step on this process's single
     device: the same rollouts (rewards), loss and gradient norm, and the same parameters afterwards (QLoRA: the
