@@ -36,7 +36,9 @@ def _rollout_batch(rng, s, prompt_cols, n, max_prompt):
 
 
 def test_update_shapes_per_layout(tmp_path):
-    cfg = lambda layout, **r: tiny_train_config(str(tmp_path), rollout={"update_padding": layout, **r})
+    # the rollout's default 5 packed shapes (tiny_train_config asks for 1 to keep the trainers' compiles few)
+    cfg = lambda layout, **r: tiny_train_config(str(tmp_path), rollout={"update_padding": layout, "update_shapes": 5,
+                                                                        **r})
     pack = update_shapes(cfg("pack"), 1)
     # 16 sequences of at most 32 + 40 tokens: one per row and 40 slots each at worst, then down by sqrt(2)
     assert [(s.rows, s.slots) for s in pack] == [(16, 640), (12, 512), (8, 384), (6, 256), (4, 256)]
@@ -74,6 +76,7 @@ def test_host_layouts_only_make_precompiled_shapes(tmp_path, layout, micro):
         assert batch_key(arrays, ref) in keys, (trial, {k: v.shape for k, v in arrays.items()})
 
 
+@pytest.mark.slow(reason="the shapes are the point: every update shape compiled, then tiny-model steps checked to compile none")
 def test_no_update_compiles_after_the_first_step(tmp_path):
     """20 steps of a demo-like run (the tiny model, arithmetic prompts, the default packed layout): every update
     shape and the rollout engine's programs compile before the first rollout, and no program compiles after step 1. Compiles are
