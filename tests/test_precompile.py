@@ -53,7 +53,8 @@ def test_update_shapes_per_layout(tmp_path):
 def test_host_layouts_only_make_precompiled_shapes(tmp_path, layout, micro):
     """Whatever a batch's prompt and completion lengths, the trainer's host layout has the shape of one of the
     abstract batches compiled before the first rollout (the key the compiled programs are looked up by)."""
-    cfg = tiny_train_config(str(tmp_path), rollout={"update_padding": layout, "prompts_per_step": 4, "group_size": 4},
+    cfg = tiny_train_config(str(tmp_path), rollout={"update_padding": layout, "prompts_per_step": 4, "group_size": 4,
+                                                              "update_shapes": 5},  # the default, not the tests' 1
                             optim={"micro_batch_size": micro}, algo={"beta": 0.04})
     mesh = make_mesh()
     shapes = update_shapes(cfg, 1)
