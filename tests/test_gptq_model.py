@@ -15,6 +15,7 @@ def structured(tmp_path_factory):
     return structured_model(tmp_path_factory)
 
 
+@pytest.mark.slow(reason="the structured model's fixture trains it first (~35 s), then GPTQ and RTN at W3")
 def test_gptq_beats_rtn_w3(structured):
     from lrmq.checkpoint.load import load_model
     from lrmq.ptq.rtn import rtn_quantize_model

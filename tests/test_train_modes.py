@@ -107,6 +107,7 @@ QAT_CASES = [dict(qat_scheme="paper_int8"), dict(qat_scheme="int8"), dict(qat_sc
              dict(qat_scheme="w8a8", qat_stochastic_rounding=True)]
 
 
+@pytest.mark.slow(reason="two GRPO steps per QAT scheme, then its quantized export loaded and compared (~15-35 s)")
 @pytest.mark.parametrize("quant", QAT_CASES, ids=lambda q: "-".join(str(v) for v in q.values()))
 def test_grpo_qat_runs_without_nan(scratch_ckpt, tmp_path, quant):
     from lrmq.quant.qat import is_qat
