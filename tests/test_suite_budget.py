@@ -1,0 +1,92 @@
+"""The suite's time budget (CONTRIBUTING.md): every slow marker carries its reason, the summary lists unmarked
+tests over the limit, and tools/suite_timing.py merges the workers' records. Pure Python: milliseconds."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import SLOW_S, TESTS_DIR, pytest_collection_modifyitems, slow_report
+
+import suite_timing  # tools/, put on sys.path by conftest
+
+
+def _is_slow(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "slow" and isinstance(node.value, ast.Attribute) \
+        and node.value.attr == "mark"
+
+
+def _slow_markers(path: str):
+    """(line, reason or None) of every pytest.mark.slow(...) and bare pytest.mark.slow in a test file."""
+    tree = ast.parse(open(path).read(), path)
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _is_slow(node.func):
+            called.add(id(node.func))
+            reason = next((str(kw.value.value).strip() for kw in node.keywords
+                           if kw.arg == "reason" and isinstance(kw.value, ast.Constant)), "")
+            yield node.lineno, reason or None
+    for node in ast.walk(tree):
+        if _is_slow(node) and id(node) not in called:
+            yield node.lineno, None
+
+
+def test_every_slow_marker_in_the_suite_has_a_reason():
+    """Collection refuses a bare marker only in the files it collects; this reads every test file."""
+    bare, n = [], 0
+    for path in sorted(glob.glob(os.path.join(TESTS_DIR, "**", "*.py"), recursive=True)):
+        if os.path.samefile(path, __file__):  # this file builds bare markers on purpose
+            continue
+        for line, reason in _slow_markers(path):
+            n += 1
+            if reason is None:
+                bare.append(f"{os.path.relpath(path, TESTS_DIR)}:{line}")
+    assert n > 0  # the scan finds the suite's markers
+    assert not bare, f"@pytest.mark.slow without reason=: {bare}"
+
+
+def test_a_bare_slow_marker_stops_collection():
+    def item(nodeid, *marks):
+        return SimpleNamespace(nodeid=nodeid, iter_markers=lambda name: [m for m in marks if m.name == name])
+
+    ok = [item("t.py::a", pytest.mark.slow(reason="one step too many").mark), item("t.py::b")]
+    pytest_collection_modifyitems(None, ok)  # reasons given: nothing raised
+    for mark in (pytest.mark.slow.mark, pytest.mark.slow(reason=" ").mark):
+        with pytest.raises(pytest.UsageError, match="t.py::c"):
+            pytest_collection_modifyitems(None, [*ok, item("t.py::c", mark)])
+
+
+def test_slow_report_lists_unmarked_tests_over_the_limit():
+    r = lambda nodeid, s: SimpleNamespace(nodeid=nodeid, duration=s)  # noqa: E731
+    reports = [r("a", 1.0), r("a", SLOW_S), r("a", 0.1),  # setup + call + teardown: over the limit together
+               r("b", SLOW_S + 5), r("c", SLOW_S - 1), r("d", 2 * SLOW_S)]
+    over, n_marked = slow_report(reports, marked={"b"})
+    assert [n for _, n in over] == ["d", "a"] and over[1][0] == pytest.approx(SLOW_S + 1.1)
+    assert n_marked == 1
+
+
+def test_suite_timing_merges_the_workers_parts(tmp_path):
+    rec = lambda call, **kw: {"setup_s": 1.0, "call_s": call, "teardown_s": 0.5, "outcome": "passed",  # noqa: E731
+                              "subprocesses": 0, "backend_compile_s": 0.0, "lower_s": 0.0, "trace_s": 0.0,
+                              "compiles": 0, **kw}
+    parts = {"gw0": {"f.py::a": rec(10.0, backend_compile_s=4.0, lower_s=1.0, trace_s=0.5, compiles=2)},
+             "gw1": {"g.py::b": rec(40.0, subprocesses=3), "g.py::c": rec(2.0)},
+             # the controller sees every test without compile figures: the workers' records win
+             "main": {"f.py::a": rec(10.0), "g.py::b": rec(40.0), "g.py::c": rec(2.0)}}
+    for i, (worker, tests) in enumerate(parts.items()):
+        (tmp_path / f"{worker}.json").write_text(json.dumps({"worker": worker, "started": 100.0 + i,
+                                                             "finished": 200.0 + i, "tests": tests}))
+    (tmp_path / ".gw2.json.tmp").write_text("{not json: a part being written")
+    out = suite_timing.merge(str(tmp_path))
+    t = out["totals"]
+    assert (t["tests"], t["workers"], t["elapsed_s"], t["subprocesses"], t["over_30_s"]) == (3, 2, 102.0, 3, 1)
+    assert t["test_wall_s"] == pytest.approx(11.5 + 41.5 + 3.5)
+    a = out["tests"]["f.py::a"]
+    assert a["worker"] == "gw0" and a["compile_s"] == pytest.approx(5.5) and a["compiles"] == 2
+    assert list(out["files"]) == ["g.py", "f.py"] and out["files"]["g.py"]["tests"] == 2
+    assert list(out["tests"])[0] == "g.py::b"  # slowest first
