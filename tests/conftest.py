@@ -23,13 +23,6 @@ if "LRMQ_COMPILE_CACHE" not in os.environ:
     os.environ["LRMQ_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="lrmq-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["LRMQ_COMPILE_CACHE"], True)
 
-# The suite is mostly XLA CPU compiles of tiny programs that then run for milliseconds: compile them without
-# LLVM's expensive optimizations (JAX's own switch: XLA backend optimization level 0), for this process and the
-# CLIs it launches. What the programs compute is unchanged (every numeric check of the suite passes either way);
-# TPU ahead-of-time compiles ignore it (same optimized HLO and memory figures, checked on a v5e:2x2 program).
-# Set JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite on fully optimized CPU code.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 
