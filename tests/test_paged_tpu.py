@@ -194,6 +194,7 @@ def test_decode_on_a_slice_gathers_weights_once_per_call_and_splits_the_pool(mon
 
 
 @pytest.mark.parametrize("pack", ["int4", "nf4"])
+@pytest.mark.slow(reason="TPU AOT compiles of the packed decode programs on a v5e:2x4 slice (int4: 26-30 s)")
 def test_packed_decode_on_a_slice_keeps_weights_split(monkeypatch, pack):
     """Quantized rollouts on v5e:2x4: the packed kernels' shard_map follows the decode layout (the weights split
     over tensor x fsdp, activations gathered), so no packed weight is gathered in the loop; each chip holds 1/8
