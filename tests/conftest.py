@@ -59,6 +59,18 @@ def run_with_devices(script: str, *args: str, n_devices: int = 8, timeout: float
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture
+def optimized_xla():
+    """Fully optimized XLA CPU code for one test whose run time, not its compiles, dominates (many training
+    steps): JAX_DISABLE_MOST_OPTIMIZATIONS (above) is a JAX option read at each compile, so it can be lifted."""
+    import jax
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture(scope="session")
 def multi_device_run():
     """The `run_with_devices` helper as a fixture (tests need not import conftest)."""

@@ -203,8 +203,9 @@ def test_two_process_launch(tmp_path):
 
 
 @pytest.mark.slow(reason="learning is the point: enough GRPO steps on the tiny model for the reward to rise")
-def test_short_grpo_run_improves_reward(tmp_path):
-    """The shipped tiny model learns: training accuracy over the last steps beats the first steps."""
+def test_short_grpo_run_improves_reward(tmp_path, optimized_xla):
+    """The shipped tiny model learns: training accuracy over the last steps beats the first steps. 40 steps of
+    rollouts: optimized XLA code (38.9 s on a quiet machine, 48.2 s without LLVM's optimizations)."""
     from lrmq.rl.trainer import GRPOTrainer
 
     cfg = tiny_train_config(str(tmp_path), data={"synthetic_train_size": 16, "synthetic_eval_size": 8},
