@@ -62,7 +62,8 @@ def run_with_devices(script: str, *args: str, n_devices: int = 8, timeout: float
 @pytest.fixture
 def optimized_xla():
     """Fully optimized XLA CPU code for one test whose run time, not its compiles, dominates (many training
-    steps): JAX_DISABLE_MOST_OPTIMIZATIONS (above) is a JAX option read at each compile, so it can be lifted."""
+    steps), where the suite runs with JAX_DISABLE_MOST_OPTIMIZATIONS=1 (not the default since c247c93; a no-op
+    then): it is a JAX option read at each compile, so it can be lifted for one test."""
     import jax
 
     before = jax.config.read("jax_disable_most_optimizations")
