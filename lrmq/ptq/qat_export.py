@@ -30,8 +30,8 @@ from lrmq import paths
 from lrmq.ptq.exports import write_outputs
 from lrmq.ptq.result import PTQResult
 from lrmq.quant import packing
-from lrmq.quant.qat import AqtDotGeneral, PerTensorSTEDotGeneral, remove_qat, sym_weight_codes
-from lrmq.quant.quantizers import exact_div
+from lrmq.quant.qat import AqtDotGeneral, PerTensorSTEDotGeneral, is_qat, remove_qat, sym_weight_codes
+from lrmq.quant.quantizers import per_tensor_codes
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.quant.transforms import iter_linears
 
@@ -49,8 +49,7 @@ def qat_codes(lin, path: str = "") -> tuple[np.ndarray, np.ndarray, int]:
     dg = lin.dot_general
     w = jnp.asarray(lin.float_weight(), jnp.float32)
     if isinstance(dg, PerTensorSTEDotGeneral):
-        s = jnp.asarray(dg.scale[...], jnp.float32)
-        q = jnp.clip(jnp.round(exact_div(w, s)), -(2 ** (dg.bits - 1)), 2 ** (dg.bits - 1) - 1)  # fake_quant_per_tensor
+        q, s = per_tensor_codes(w, dg.bits, scale=dg.scale[...])  # what fake_quant_per_tensor multiplies out
         return np.asarray(q, np.int32), np.full((1, w.shape[1]), np.float32(s)), dg.bits
     if isinstance(dg, AqtDotGeneral):
         if dg.act_bits:
@@ -78,8 +77,7 @@ def qat_weight(lin, path: str = "") -> tuple[np.ndarray, QuantizedWeight]:
 def qat_result(model) -> PTQResult:
     """The model's QAT Linears as a PTQ result (in place: their kernels set to the fake-quantized weights, their
     dot_generals reset to the plain one, so the float model computes what the QAT forward computed)."""
-    linears = [(p, lin) for p, lin in iter_linears(model, None) if isinstance(lin.dot_general, (PerTensorSTEDotGeneral,
-                                                                                              AqtDotGeneral))]
+    linears = [(p, lin) for p, lin in iter_linears(model, None) if is_qat(lin)]
     if not linears:
         raise QATExportError("the model has no QAT Linears (quant.mode is not qat)")
     packed, widths, groups = {}, set(), set()

@@ -171,15 +171,20 @@ def per_tensor_scale(w, bits: int = 8):
     return jnp.maximum(exact_div(absmax, 2 ** (bits - 1) - 1), _PER_TENSOR_SCALE_MIN)
 
 
-def fake_quant_per_tensor(w, bits: int = 8, scale=None):
-    """clamp(round(w / S), -2^(b-1), 2^(b-1) - 1) * S, S = per_tensor_scale(w) unless given.
-
-    Paper-1 QAT fixes S from the base weights at load and passes it here on every step.
-    """
+def per_tensor_codes(w, bits: int = 8, scale=None):
+    """(q, S): q = clamp(round(w / S), -2^(b-1), 2^(b-1) - 1) in float32, S = per_tensor_scale(w) unless given."""
     bits = check_bits(bits)
     _check_float("w", w)
     s = per_tensor_scale(w, bits) if scale is None else jnp.asarray(scale, jnp.float32)
-    q = jnp.clip(jnp.round(exact_div(w.astype(jnp.float32), s)), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    return jnp.clip(jnp.round(exact_div(w.astype(jnp.float32), s)), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1), s
+
+
+def fake_quant_per_tensor(w, bits: int = 8, scale=None):
+    """q * S of `per_tensor_codes`, in w's dtype.
+
+    Paper-1 QAT fixes S from the base weights at load and passes it here on every step.
+    """
+    q, s = per_tensor_codes(w, bits, scale)
     return (q * s).astype(w.dtype)
 
 
