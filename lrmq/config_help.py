@@ -130,7 +130,20 @@ def describe_type(tp: Any) -> str:
         return f"{describe_type(inner)} or null"
     if typing.get_origin(tp) is Literal:
         return "|".join(str(a) for a in typing.get_args(tp))
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, tuple, dict) and args:  # list[ArmSpec], not list[lrmq.studies.config.ArmSpec]
+        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else describe_type(a) for a in args)}]"
     return type_name(tp)
+
+
+def element_dataclass(tp: Any) -> type | None:
+    """The dataclass of a `list[D]` (or `list[D] | None`) field, whose items --help-config lists; None
+    for any other type."""
+    inner = strip_optional(tp)
+    args = typing.get_args(inner)
+    if typing.get_origin(inner) is list and len(args) == 1 and is_dataclass_type(args[0]):
+        return args[0]
+    return None
 
 
 def suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
@@ -166,10 +179,16 @@ def _flow(v: Any) -> str:
 
 
 def options_help(cls: type) -> str:
-    """The --help-config text: every option of `cls` with its type, default, description and known names."""
+    """The --help-config text: every option of `cls` with its type, default, description and known names;
+    a list of dataclasses (a study's `arms`) is followed by the fields of each item, keyed `arms[].name`."""
     lines = [f"{cls.__name__} options: keys of the YAML file, or dotted overrides key=value (YAML values)", ""]
-    for key, tp, f in iter_options(cls):
-        depth = key.count(".")
+    _options_lines(cls, "", 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _options_lines(cls: type, prefix: str, base_depth: int, lines: list[str]) -> None:
+    for key, tp, f in iter_options(cls, prefix):
+        depth = base_depth + key[len(prefix):].count(".")
         pad = "  " * depth
         if is_dataclass_type(strip_optional(tp)):
             lines += ([""] if depth == 0 and lines[-1] else []) + [f"{pad}{key}:  {field_help(f)}"]
@@ -187,7 +206,10 @@ def options_help(cls: type) -> str:
             kind, names = known_names(f)
             unset = ' (or "" for none)' if f.metadata.get(EMPTY_OK) else ""
             lines.append(f"{pad}    known {kind} names: {', '.join(names)}{unset}")
-    return "\n".join(lines) + "\n"
+        item = element_dataclass(tp)
+        if item is not None:
+            lines.append(f"{pad}    each item a mapping with these keys:")
+            _options_lines(item, f"{key}[].", depth + 1, lines)
 
 
 # ----------------------------------------------------------------------------- YAML out

@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=tuple(DTYPES), help="store parameters in this dtype (default: keep)")
     ap.add_argument("--max-shard-gb", type=number(float, gt=0), default=2.0, help="HF output: safetensors shard size")
     ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    ap.add_argument("src", metavar="SRC")
-    ap.add_argument("dst", metavar="DST")
+    ap.add_argument("src", metavar="SRC", help="checkpoint directory to read (HF or lrmq; local or gs://)")
+    ap.add_argument("dst", metavar="DST", help="directory to write, in --to's format")
     args = ap.parse_args(argv)
 
     def body() -> int:

@@ -35,12 +35,14 @@ def parse_args(argv=None):
     src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     src.add_argument("--prompts-file", help="plain-text file, one prompt per line, or .jsonl/.json/.parquet with a "
                                             "'prompt' field")
-    ap.add_argument("--max-new-tokens", type=number(int, ge=1), default=128)
-    ap.add_argument("--greedy", action="store_true")
-    ap.add_argument("--temperature", type=number(float, gt=0), default=1.0)
-    ap.add_argument("--top-p", type=number(float, gt=0, le=1), default=1.0)
+    ap.add_argument("--max-new-tokens", type=number(int, ge=1), default=128,
+                    help="tokens generated per prompt at most (fewer when EOS comes first)")
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding (--temperature/--top-p/--top-k unused)")
+    ap.add_argument("--temperature", type=number(float, gt=0), default=1.0, help="sampling temperature")
+    ap.add_argument("--top-p", type=number(float, gt=0, le=1), default=1.0,
+                    help="nucleus sampling: keep the smallest set of tokens with this much probability (1 = off)")
     ap.add_argument("--top-k", type=number(int, ge=0), default=0, help="0 = off")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same tokens)")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt with the model's chat template")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt: token_ids, text, logprobs")

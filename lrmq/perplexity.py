@@ -101,18 +101,20 @@ def main(argv=None) -> int:
                                                          "'tiny' = the shipped model)")
     ap.add_argument("--text-file", required=True, help="plain text (.txt, .md), or .jsonl/.json/.parquet with a "
                                                         "text field (--text-field)")
-    ap.add_argument("--text-field", default="text")
+    ap.add_argument("--text-field", default="text", help="the record field holding the text (.jsonl/.json/.parquet)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir or checkpoint ('tiny' = the shipped model; "
                                                        "default: the checkpoint)")
     ap.add_argument("--window", type=number(int, ge=2), default=None,
                     help=f"tokens per window (default: {DEFAULT_WINDOW}, the reference protocol's, or the model's "
                          "max_position_embeddings when smaller; a larger window is refused)")
-    ap.add_argument("--max-windows", type=number(int, ge=1), default=None)
-    ap.add_argument("--batch-size", type=number(int, ge=1), default=1)
+    ap.add_argument("--max-windows", type=number(int, ge=1), default=None,
+                    help="score only the first N windows (default: every whole window of the text)")
+    ap.add_argument("--batch-size", type=number(int, ge=1), default=1, help="windows per forward pass")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
     ap.add_argument("--fake-quant", default=None, help="apply a QUANTIZERS entry (rtn_asym, rtn_sym, int8, nf4)")
-    ap.add_argument("--bits", type=number(int, ge=2, le=8), default=4)
-    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=128)
+    ap.add_argument("--bits", type=number(int, ge=2, le=8), default=4, help="--fake-quant: weight bits")
+    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=128,
+                    help="--fake-quant: input rows per scale group (-1 = per output channel)")
     ap.add_argument("--no-bos", action="store_true",
                     help="tokenize without special tokens (no BOS; lrmq before 2026-12): not the reference "
                          "protocol, scores one token less when the tokenizer adds a BOS")

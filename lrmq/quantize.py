@@ -67,9 +67,11 @@ def parse_args(argv=None):
                     help="float HF or lrmq checkpoint directory ('tiny' = the shipped model; required unless "
                          "--run-dir gives it: RUN/final_policy)")
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
-    ap.add_argument("--bits", type=int, default=None)
-    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None, help="-1: per output channel")
-    ap.add_argument("--symmetric", action="store_true")
+    ap.add_argument("--bits", type=int, default=None,
+                    help="weight bits, 2..8 (default: 4; int8: 8; nf4 and --format autoawq take 4 only)")
+    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None, help="input rows per scale group (default: 128; nf4: 64; int8: -1); -1 = per output channel")
+    ap.add_argument("--symmetric", action="store_true",
+                    help="symmetric quantization: no zero point (default: asymmetric, a zero point per group)")
     ap.add_argument("--targets", default=DEFAULT_TARGETS, help="regex over module paths (lm_head excluded)")
     ap.add_argument("--out", required=True, help="the checkpoint to write, in --format")
     ap.add_argument("--format", default="packed", choices=FORMATS,
@@ -77,7 +79,8 @@ def parse_args(argv=None):
                          "compressed_tensors (HF pack-quantized: transformers / vLLM; vLLM takes 4/8-bit, and "
                          "zero points only at 4/8 bits), autoawq (HF AutoAWQ GEMM, 4-bit)")
     ap.add_argument("--export-hf-fake", default=None, metavar="OUT2", help="also write a fake-quantized HF checkpoint")
-    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace --out (and --export-hf-fake) when it exists (default: refuse)")
     ap.add_argument("--calibration", default=None,
                     help="awq/gptq/quantlrm (required there): documents (.txt, or .jsonl/.json/.parquet with a "
                          "'text' field) or a prompt dataset (a 'problem' field, e.g. lrmq's data JSONL)")

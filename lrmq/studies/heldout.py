@@ -106,12 +106,15 @@ def parse_args(argv=None):
     ap.add_argument("--train-config", required=True, help="train config whose held-out problems and rollout "
                                                           "settings are used")
     ap.add_argument("--out", required=True, help="result JSON to write")
-    ap.add_argument("--size", type=number(int, ge=1), default=256)
-    ap.add_argument("--samples", type=number(int, ge=1), default=1)
-    ap.add_argument("--no-greedy", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--qat-scheme", choices=sorted(QAT_PACKING), default=None)
-    ap.add_argument("--qat-group-size", type=number(int, ge=0), default=0)
+    ap.add_argument("--size", type=number(int, ge=1), default=256, help="the first N held-out problems")
+    ap.add_argument("--samples", type=number(int, ge=1), default=1,
+                    help="sampled completions per problem (at the train config's rollout temperature)")
+    ap.add_argument("--no-greedy", action="store_true", help="skip the greedy evaluation (sampled only)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--qat-scheme", choices=sorted(QAT_PACKING), default=None,
+                    help="evaluate with this QAT scheme's fake quantization (a QAT arm's float policy)")
+    ap.add_argument("--qat-group-size", type=number(int, ge=0), default=0,
+                    help="--qat-scheme int8/int4: input rows per scale group (0 = per output channel)")
     ap.add_argument("--train-memory", default=None, help="a run's config.yaml: add training-time memory")
     ap.add_argument("--memory-only", action="store_true", help="no evaluation: the memory figures only")
     return ap.parse_args(argv)
