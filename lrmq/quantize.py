@@ -69,7 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
     ap.add_argument("--bits", type=int, default=None,
                     help="weight bits, 2..8 (default: 4; int8: 8; nf4 and --format autoawq take 4 only)")
-    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None, help="input rows per scale group (default: 128; nf4: 64; int8: -1); -1 = per output channel")
+    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None,
+                    help="input rows per scale group (default: 128; nf4: 64; int8: -1); -1 = per output channel")
     ap.add_argument("--symmetric", action="store_true",
                     help="symmetric quantization: no zero point (default: asymmetric, a zero point per group)")
     ap.add_argument("--targets", default=DEFAULT_TARGETS, help="regex over module paths (lm_head excluded)")

@@ -137,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = ArgumentParser("data.synthetic", description="Write train.jsonl / test.jsonl of synthetic arithmetic")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--n-train", type=number(int, ge=1), default=2000, help="problems in train.jsonl")
-    p.add_argument("--n-eval", type=number(int, ge=0), default=200, help="problems in test.jsonl (none shared with train)")
+    p.add_argument("--n-eval", type=number(int, ge=0), default=200,
+                   help="problems in test.jsonl (none shared with train)")
     p.add_argument("--seed", type=int, default=0, help="the same seed writes the same files")
     p.add_argument("--min-ops", type=number(int, ge=1), default=1, help="fewest operators per problem (1..3)")
     p.add_argument("--max-ops", type=number(int, ge=1), default=3, help="most operators per problem (1..3)")

@@ -159,7 +159,8 @@ def pseudo_finetune(checkpoint: str, traces: str, out_dir: str, opts: PseudoFTOp
 def main(argv=None) -> int:
     select_platforms()  # before JAX starts a backend (lrmq.cli)
     ap = ArgumentParser("ptq.pseudo_ft", description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True, help="the model to fine-tune (HF or lrmq; 'tiny' = the shipped model)")
+    ap.add_argument("--checkpoint", required=True,
+                    help="the model to fine-tune (HF or lrmq; 'tiny' = the shipped model)")
     ap.add_argument("--traces", required=True, help="jsonl: text, or prompt + completion")
     ap.add_argument("--out", required=True, help="directory to write: OUT/before and OUT/after (HF checkpoints)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir or checkpoint (default: --checkpoint's)")
