@@ -74,8 +74,8 @@ def test_suite_timing_merges_the_workers_parts(tmp_path):
     rec = lambda call, **kw: {"setup_s": 1.0, "call_s": call, "teardown_s": 0.5, "outcome": "passed",  # noqa: E731
                               "subprocesses": 0, "backend_compile_s": 0.0, "lower_s": 0.0, "trace_s": 0.0,
                               "compiles": 0, **kw}
-    parts = {"gw0": {"f.py::a": rec(10.0, backend_compile_s=4.0, lower_s=1.0, trace_s=0.5, compiles=2)},
-             "gw1": {"g.py::b": rec(40.0, subprocesses=3), "g.py::c": rec(2.0)},
+    parts = {"gw0": {"f.py::a": rec(10.0, backend_compile_s=4.0, lower_s=1.0, trace_s=0.5, compiles=2, cpu_s=9.0)},
+             "gw1": {"g.py::b": rec(40.0, subprocesses=3, cpu_s=70.0), "g.py::c": rec(2.0, cpu_s=1.0)},
              # the controller sees every test without compile figures: the workers' records win
              "main": {"f.py::a": rec(10.0), "g.py::b": rec(40.0), "g.py::c": rec(2.0)}}
     for i, (worker, tests) in enumerate(parts.items()):
@@ -86,7 +86,27 @@ def test_suite_timing_merges_the_workers_parts(tmp_path):
     t = out["totals"]
     assert (t["tests"], t["workers"], t["elapsed_s"], t["subprocesses"], t["over_30_s"]) == (3, 2, 102.0, 3, 1)
     assert t["test_wall_s"] == pytest.approx(11.5 + 41.5 + 3.5)
+    assert t["cpu_s"] == 80.0 and t["quiet_lower_bound_s"] == 40.0  # the CPU time over the 2 workers
+    assert out["files"]["g.py"]["cpu_s"] == 71.0
     a = out["tests"]["f.py::a"]
     assert a["worker"] == "gw0" and a["compile_s"] == pytest.approx(5.5) and a["compiles"] == 2
     assert list(out["files"]) == ["g.py", "f.py"] and out["files"]["g.py"]["tests"] == 2
     assert list(out["tests"])[0] == "g.py::b"  # slowest first
+
+
+def test_suite_timing_records_the_cpu_time_of_a_test_and_its_subprocesses(tmp_path):
+    """The plugin's CPU figure counts the test's own CPU time and that of the subprocesses it waited for."""
+    import subprocess
+    import sys
+
+    plugin = suite_timing.SuiteTiming(str(tmp_path))
+    plugin._listen_to_jax = lambda: None  # no JAX needed for this record
+    item = type("Item", (), {"nodeid": "t.py::busy"})()
+    plugin.pytest_runtest_protocol(item, None)
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.3: pass"], check=True)
+    report = type("Report", (), {"nodeid": "t.py::busy", "when": "teardown", "duration": 0.0, "failed": False,
+                                 "skipped": False, "outcome": "passed"})()
+    plugin.pytest_runtest_logreport(report)
+    assert plugin.tests["t.py::busy"]["cpu_s"] >= 0.3
+

@@ -4,8 +4,11 @@ Plugin (tests/conftest.py loads it; it records only when $LRMQ_SUITE_TIMING name
 its wall time per phase (setup / call / teardown), the JAX compile time spent in the test's own process (JAX's
 compile-duration events: tracing, lowering to MLIR, backend compile) and the subprocesses it started (the
 "subprocess.Popen" audit event: CLI runs and multi-device scripts, each of which imports JAX and compiles again;
-their own compile time is inside the parent test's wall time, not in its compile figure). Each pytest process
-(every xdist worker) writes DIR/<worker>.json at the end.
+their own compile time is inside the parent test's wall time, not in its compile figure), and the CPU time the
+test used (user + system, of its process and of the subprocesses it waited for). CPU time hardly depends on what
+else runs on the machine, so the report's "quiet lower bound" (total CPU time / workers) bounds what a quiet
+machine would take from a run measured on a loaded one. Each pytest process (every xdist worker) writes
+DIR/<worker>.json at the end.
 
 Report: `python tools/suite_timing.py DIR --out FILE.json [--label TEXT]` merges the parts into one JSON
 (per test, per file, totals) and prints the slowest tests and files with their compile share.
@@ -43,7 +46,7 @@ class SuiteTiming:
     def _record(self, nodeid: str) -> dict:
         return self.tests.setdefault(nodeid, {"setup_s": 0.0, "call_s": 0.0, "teardown_s": 0.0, "outcome": "",
                                               "subprocesses": 0, "backend_compile_s": 0.0, "lower_s": 0.0,
-                                              "trace_s": 0.0, "compiles": 0})
+                                              "trace_s": 0.0, "compiles": 0, "cpu_s": 0.0})
 
     def _audit(self, event: str, args) -> None:
         if event == "subprocess.Popen" and self.current is not None:
@@ -65,10 +68,16 @@ class SuiteTiming:
             self._jax_listening = True
 
     # pytest hooks
+    @staticmethod
+    def _cpu() -> float:
+        t = os.times()  # children: the subprocesses waited for (and theirs, once they waited for them)
+        return t.user + t.system + t.children_user + t.children_system
+
     def pytest_runtest_protocol(self, item, nextitem):
         self._listen_to_jax()
         self.current = item.nodeid
         self._record(item.nodeid)
+        self._cpu_start = self._cpu()
         return None
 
     def pytest_runtest_logreport(self, report):
@@ -77,6 +86,7 @@ class SuiteTiming:
         if report.when == "call" or report.failed or report.skipped:
             rec["outcome"] = rec["outcome"] or report.outcome
         if report.when == "teardown":
+            rec["cpu_s"] += self._cpu() - self._cpu_start
             self.current = None
 
     def pytest_sessionfinish(self, session):
@@ -121,12 +131,14 @@ def merge(parts_dir: str) -> dict:
             rec["wall_s"] = rec["setup_s"] + rec["call_s"] + rec["teardown_s"]
             rec["compile_s"] = rec["backend_compile_s"] + rec["lower_s"] + rec["trace_s"]
             tests[nodeid] = {k: round(v, 3) if isinstance(v, float) else v for k, v in rec.items()}
-    files = collections.defaultdict(lambda: {"tests": 0, "wall_s": 0.0, "compile_s": 0.0, "subprocesses": 0})
+    files = collections.defaultdict(lambda: {"tests": 0, "wall_s": 0.0, "compile_s": 0.0, "cpu_s": 0.0,
+                                             "subprocesses": 0})
     for nodeid, rec in tests.items():
         f = files[nodeid.split("::")[0]]
         f["tests"] += 1
         f["wall_s"] += rec["wall_s"]
         f["compile_s"] += rec["compile_s"]
+        f["cpu_s"] += rec.get("cpu_s", 0.0)
         f["subprocesses"] += rec["subprocesses"]
     files = {k: {kk: round(vv, 2) if isinstance(vv, float) else vv for kk, vv in v.items()}
              for k, v in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])}
@@ -135,6 +147,9 @@ def merge(parts_dir: str) -> dict:
               "test_wall_s": round(sum(r["wall_s"] for r in tests.values()), 1),
               "in_process_compile_s": round(sum(r["compile_s"] for r in tests.values()), 1),
               "subprocesses": sum(r["subprocesses"] for r in tests.values()),
+              "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in tests.values()), 1),
+              # a quiet machine with one core per worker cannot take less: the CPU time spread evenly over the workers
+              "quiet_lower_bound_s": round(sum(r.get("cpu_s", 0.0) for r in tests.values()) / len(workers), 1),
               "over_30_s": sum(r["wall_s"] > 30 for r in tests.values())}
     return {"totals": totals, "files": files,
             "tests": dict(sorted(tests.items(), key=lambda kv: -kv[1]["wall_s"]))}
@@ -157,13 +172,13 @@ def main(argv=None) -> int:
     t = report["totals"]
     print(f"{t['tests']} tests on {t['workers']} workers in {t['elapsed_s']:.0f} s; test time {t['test_wall_s']:.0f} s, "
           f"in-process compile {t['in_process_compile_s']:.0f} s, {t['subprocesses']} subprocesses, "
-          f"{t['over_30_s']} tests over 30 s")
-    print(f"\n{'wall s':>8} {'compile s':>9} {'subproc':>7}  test")
+          f"{t['over_30_s']} tests over 30 s; CPU time {t['cpu_s']:.0f} s, at least {t['quiet_lower_bound_s']:.0f} s")
+    print(f"\n{'wall s':>8} {'cpu s':>7} {'compile s':>9} {'subproc':>7}  test")
     for nodeid, r in list(report["tests"].items())[:args.top]:
-        print(f"{r['wall_s']:8.1f} {r['compile_s']:9.1f} {r['subprocesses']:7d}  {nodeid}")
-    print(f"\n{'wall s':>8} {'compile s':>9} {'subproc':>7} {'tests':>5}  file")
+        print(f"{r['wall_s']:8.1f} {r.get('cpu_s', 0):7.1f} {r['compile_s']:9.1f} {r['subprocesses']:7d}  {nodeid}")
+    print(f"\n{'wall s':>8} {'cpu s':>7} {'compile s':>9} {'subproc':>7} {'tests':>5}  file")
     for name, r in list(report["files"].items())[:args.top]:
-        print(f"{r['wall_s']:8.1f} {r['compile_s']:9.1f} {r['subprocesses']:7d} {r['tests']:5d}  {name}")
+        print(f"{r['wall_s']:8.1f} {r['cpu_s']:7.1f} {r['compile_s']:9.1f} {r['subprocesses']:7d} {r['tests']:5d}  {name}")
     return 0
 
 
