@@ -119,6 +119,13 @@ def read_yaml_file(path: str | os.PathLike, what: str = "config file") -> Any:
 # ----------------------------------------------------------------------------- type helpers
 
 
+def removed_key(cls: type, key: str, full: str) -> str | None:
+    """The error for a key that `cls` once had and no longer takes (a class attribute
+    `REMOVED_KEYS = {"name": "why, and what to do instead"}`), or None."""
+    why = getattr(cls, "REMOVED_KEYS", {}).get(key)
+    return None if why is None else f"{full!r} was removed from lrmq: {why}; delete it from the config"
+
+
 def _hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls)
@@ -241,7 +248,8 @@ class _Builder:
         for k in v:
             if k not in names:
                 full = f"{path}.{k}" if path else str(k)
-                self.err(full, f"unknown key {full!r} for {cls.__name__}{suggest(str(k), names, path + '.' if path else '')}")
+                self.err(full, removed_key(cls, k, full)
+                         or f"unknown key {full!r} for {cls.__name__}{suggest(str(k), names, path + '.' if path else '')}")
                 ok = False
         kwargs = {}
         for f in fields:
@@ -359,6 +367,8 @@ def _field_type_at(cls: type, keys: list[str], text: str) -> Any:
             names = [f.name for f in _init_fields(inner)]
             if k not in names:
                 prefix = ".".join(keys[:i]) + "." if i else ""
+                if removed_key(inner, k, dotted):
+                    raise ConfigError(f"override {text!r}: {removed_key(inner, k, dotted)}")
                 raise ConfigError(f"override {text!r}: unknown key {dotted!r} for {inner.__name__}{suggest(k, names, prefix)}")
             tp = hints[k]
         elif inner is dict or typing.get_origin(inner) is dict:

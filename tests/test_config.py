@@ -182,3 +182,51 @@ def test_sections_are_described_dataclasses():
         for key, tp, f in iter_options(cls):
             if dataclasses.is_dataclass(strip_optional(tp)):
                 assert field_help(f), key
+
+
+@pytest.mark.parametrize("how", ["yaml", "override"])
+def test_removed_run_log_every_is_refused_by_name(tmp_path, how):
+    """run.log_every did nothing and was removed: an old config that sets it fails naming the key and why."""
+    if how == "yaml":
+        p = tmp_path / "old.yaml"
+        p.write_text("run:\n  steps: 3\n  log_every: 10\n")
+        with pytest.raises(ConfigError) as e:
+            load_config(TrainConfig, p)
+        assert str(p) in str(e.value)
+    else:
+        with pytest.raises(ConfigError) as e:
+            load_config(TrainConfig, None, ["run.log_every=5"])
+    msg = str(e.value)
+    assert "'run.log_every' was removed from lrmq" in msg and "delete it from the config" in msg
+    assert "unknown key" not in msg
+
+
+def test_no_option_is_documented_as_unused():
+    from lrmq.evals.config import EvalConfig
+    from lrmq.studies.config import StudyConfig
+
+    for cls in (TrainConfig, QuantizeConfig, EvalConfig, StudyConfig):
+        for key, _, f in iter_options(cls):
+            text = field_help(f).lower()
+            assert "not used" not in text and "kept so older configs" not in text, (cls.__name__, key)
+
+
+@pytest.mark.parametrize("steps,iters,warmup_steps,ratio,want", [
+    (100, 1, 1, 0.0, 1),     # the count alone (lrmq's default)
+    (100, 1, 0, 0.1, 10),    # TRL's warmup_ratio: ceil(0.1 x 100)
+    (30, 2, 1, 0.05, 3),     # of all optimizer updates: ceil(0.05 x 60)
+    (100, 1, 20, 0.1, 20),   # the larger of the two
+    (10, 1, 0, 1.0, 10),     # never past the last update
+])
+def test_warmup_ratio_schedule(steps, iters, warmup_steps, ratio, want):
+    from lrmq.rl.step import make_optimizer
+
+    cfg = load_config(TrainConfig, None, [f"run.steps={steps}", f"algo.num_iterations={iters}",
+                                          f"optim.warmup_steps={warmup_steps}", f"optim.warmup_ratio={ratio}",
+                                          "optim.lr=1.0", "optim.schedule=constant"])
+    assert cfg.optim.warmup_updates(steps * iters) == want
+    _, sched = make_optimizer(cfg)
+    lrs = [float(sched(i)) for i in range(want + 2)]
+    assert lrs[want] == pytest.approx(1.0) and lrs[want - 1] == pytest.approx((want - 1) / want)
+    with pytest.raises(ConfigError, match="optim.warmup_ratio"):
+        load_config(TrainConfig, None, ["optim.warmup_ratio=1.5"])

@@ -6,8 +6,9 @@ registry entry carry the registry, so a typo fails when the config is read, with
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from lrmq.configlib import ConfigError, check_data_parallel_batch, opt
 from lrmq.data.prompts import PROMPT_TEMPLATES
@@ -208,6 +209,9 @@ class OptimSection:
                                                                       "cosine decay to 0 at the last update, "
                                                                       "or constant")
     warmup_steps: int = opt(1, "optimizer updates of linear warmup from 0 to lr", ge=0)
+    warmup_ratio: float = opt(0.0, "warmup as a fraction of all optimizer updates (run.steps x algo.num_iterations), "
+                                   "rounded up, as TRL's warmup_ratio; the warmup is the larger of this and "
+                                   "warmup_steps", ge=0, le=1)
     weight_decay: float = opt(0.0, "AdamW decoupled weight decay", ge=0, lt=float("inf"))
     b1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
     b2: float = opt(0.999, "AdamW beta2", ge=0, lt=1)
@@ -215,6 +219,11 @@ class OptimSection:
     max_grad_norm: float = opt(1.0, "clip gradients to this global norm (0 = no clipping)", ge=0, lt=float("inf"))
     micro_batch_size: int = opt(0, "sequences per micro-batch for gradient accumulation (0 = the whole batch); "
                                    "the update equals the whole-batch one", ge=0)
+
+    def warmup_updates(self, total: int) -> int:
+        """Optimizer updates of warmup out of `total`: max(warmup_steps, ceil(warmup_ratio x total)), at most
+        `total` (TRL/HF: ceil(warmup_ratio x max_steps) when warmup_steps is 0)."""
+        return min(max(self.warmup_steps, math.ceil(self.warmup_ratio * total)), total)
 
 
 @dataclass
@@ -248,6 +257,9 @@ class MeshSection:
 
 @dataclass
 class RunSection:
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "log_every": "it never did anything; every step's metrics go to TensorBoard and metrics.jsonl"}
+
     out_dir: str = opt("runs/default", "run directory (local or gs:// URL): config.yaml, checkpoints, logs, HF "
                                        "exports; rerunning resumes from it")
     steps: int = opt(100, "training steps (each: one rollout batch, num_iterations updates)", ge=1)
@@ -272,7 +284,6 @@ class RunSection:
     compile_cache: str = opt("auto", "JAX persistent compilation cache dir, so a rerun of the same config skips "
                                      "compiling: auto = $LRMQ_COMPILE_CACHE or ~/.cache/lrmq/jax; off = none",
                              empty_ok=True)
-    log_every: int = opt(1, "not used: metrics are logged every step (kept so older configs still load)")
     export_hf: bool = opt(True, "write HF exports of the policy before (initial_policy/) and after "
                                 "(final_policy/) training, e.g. for QuantLRM")
     preflight: Literal["auto", "on", "off"] = opt(

@@ -19,7 +19,7 @@ from lrmq.rl.losses import (AGGREGATIONS, CORRECTION_METRICS, MISMATCH_METRICS, 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     o = cfg.optim
     total = max(cfg.run.steps * cfg.algo.num_iterations, 1)
-    warm = min(o.warmup_steps, total)
+    warm = o.warmup_updates(total)
     if o.schedule == "constant":
         decay = optax.constant_schedule(o.lr)
     elif o.schedule == "cosine":
