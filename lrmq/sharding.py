@@ -93,6 +93,45 @@ def rules_in_effect() -> dict:
     return _RULES_IN_EFFECT.get() or RULES
 
 
+# ----------------------------------------------------------------------------- mesh axes of a PartitionSpec
+# One helper per concept for code that partitions by hand (the paged cache, splash attention, the packed-weight
+# kernels): a spec entry from its axes and back, the size of some axes, the axes that divide a dimension, and
+# whether a program is already inside a shard_map.
+
+
+def spec_entry(axes) -> str | tuple[str, ...] | None:
+    """The PartitionSpec entry of a dimension split over `axes`: None (whole), one name, or the tuple of them."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of a PartitionSpec entry or a rule's target (None, a name, or names): `spec_entry` undone."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def axes_size(mesh, axes) -> int:
+    """Devices along `axes` of `mesh` (1 for none)."""
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def dividing_axes(mesh, names, size: int, exclude=()) -> tuple[str, ...]:
+    """The axes of `names` that `mesh` has with more than one device (those in `exclude` aside), trailing ones
+    dropped until their product divides `size` (a decode batch smaller than the mesh: () = replicated)."""
+    axes = tuple(a for a in names if a not in exclude and a in mesh.shape and mesh.shape[a] > 1)
+    while axes and size % axes_size(mesh, axes):
+        axes = axes[:-1]
+    return axes
+
+
+def is_manual(mesh) -> bool:
+    """Whether some axis of `mesh` is Manual: the program is inside a shard_map already, the caller partitions."""
+    manual = getattr(AxisType, "Manual", None)
+    return any(t == manual for t in (getattr(mesh, "axis_types", ()) or ()))
+
+
 def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh, rules=None) -> P:
     """PartitionSpec for logical axes; an axis whose size the mesh axis does not divide stays replicated."""
     if not axes:
@@ -103,14 +142,12 @@ def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...],
         if target is None:
             out.append(None)
             continue
-        names = (target,) if isinstance(target, str) else tuple(target)
-        names = tuple(a for a in names if a not in used and mesh.shape[a] > 1)
-        size = math.prod(mesh.shape[a] for a in names) if names else 1
-        if not names or dim % size:
+        names = tuple(a for a in entry_axes(target) if a not in used and mesh.shape[a] > 1)
+        if not names or dim % axes_size(mesh, names):
             out.append(None)
             continue
         used.update(names)
-        out.append(names[0] if len(names) == 1 else names)
+        out.append(spec_entry(names))
     return P(*out)
 
 
@@ -165,8 +202,7 @@ def _matches(axes, shape) -> bool:
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Shard the leading (batch) dimension over data x fsdp."""
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-    lead = axes if len(axes) > 1 else (axes[0] if axes else None)
-    return NamedSharding(mesh, P(lead, *([None] * (ndim - 1))))
+    return NamedSharding(mesh, P(spec_entry(axes), *([None] * (ndim - 1))))
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -179,11 +215,9 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     if mesh.empty:
         return x
     axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
-    size = math.prod(mesh.shape[a] for a in axes)
-    if not axes or x.ndim == 0 or x.shape[0] % size:
+    if not axes or x.ndim == 0 or x.shape[0] % axes_size(mesh, axes):
         return x
-    lead = axes if len(axes) > 1 else axes[0]
-    return jax.lax.with_sharding_constraint(x, P(lead, *([None] * (x.ndim - 1))))
+    return jax.lax.with_sharding_constraint(x, P(spec_entry(axes), *([None] * (x.ndim - 1))))
 
 
 def bytes_per_device(tree) -> int:

@@ -29,7 +29,6 @@ truncation: the quantity GRPO's importance ratio uses) and lengths (the EOS toke
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
@@ -293,10 +292,9 @@ class Engine:
     def resolved_impl(self, mesh=None) -> str:
         """The decode attention a call made now takes (`paged.resolve_impl` for the compile target: the mesh's
         devices, or a `pallas_kernels.target`); its pool layout is `paged.LAYOUTS[...]` of it."""
-        cfg, mesh = self.model_cfg, mesh if mesh is not None else self.mesh
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            return resolve_impl(self.impl, cfg.num_heads, pool_shape(cfg, 1, self.config.page_size),
-                                jnp.dtype(cfg.dtype))
+        cfg = self.model_cfg
+        return resolve_impl(self.impl, cfg.num_heads, pool_shape(cfg, 1, self.config.page_size), jnp.dtype(cfg.dtype),
+                            mesh=mesh if mesh is not None else self.mesh)
 
     def _decode_for(self, sampling: SamplingConfig, impl: str):
         if (sampling, impl) not in self._decode:

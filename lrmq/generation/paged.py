@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pallas_kernels as pk
 from pallas_kernels.tpu_tiles import generation
 
-from lrmq.sharding import DECODE_RULES, logical_to_spec
+from lrmq.sharding import DECODE_RULES, axes_size, dividing_axes, entry_axes, is_manual, logical_to_spec, spec_entry
 
 NULL_PAGE = 0  # the page rows that are not live write to; never allocated
 _NEG = -1e30  # finite: a block with nothing visible must not turn the running max into NaN
@@ -302,21 +302,25 @@ DECODE_ATTENTION: dict[str, Callable] = {"xla": decode_attention_xla, "tpu": dec
                                          "gpu": decode_attention_gpu}
 
 
-def resolve_impl(impl: str, q_heads: int, pool_shape, dtype) -> str:
-    """The DECODE_ATTENTION entry a call takes: "auto" -> the compile target's kernel ("tpu" / "gpu") when it
-    takes these shapes (`tpu_unsupported`, `gpu_unsupported`), else "xla"; any other name as given.
-    pool_shape: the interleaved shape (`pool_shape(cfg, pages, page_size)`)."""
+def resolve_impl(impl: str, q_heads: int, pool_shape, dtype, *, layout: str | None = None, mesh=None) -> str:
+    """The DECODE_ATTENTION entry a call takes (the one place "auto" is decided): "auto" -> the compile target's
+    kernel ("tpu" / "gpu") when it takes these shapes (`tpu_unsupported`, `gpu_unsupported`) and reads a pool of
+    `layout` (None: any, the pool is made for the choice), else "xla"; any other name as given. pool_shape: the
+    interleaved shape (`pool_shape(cfg, pages, page_size)`); mesh: decide for its devices (`jax.set_mesh`), not
+    the target in effect."""
     if impl != "auto":
         if impl not in DECODE_ATTENTION:
             raise ValueError(f"decode attention impl must be 'auto' or one of {sorted(DECODE_ATTENTION)}, "
                              f"got {impl!r}")
         return impl
+    if mesh is not None:
+        with jax.set_mesh(mesh):
+            return resolve_impl(impl, q_heads, pool_shape, dtype, layout=layout)
     platform = pk.current_target().platform
-    if platform == "tpu" and tpu_unsupported(q_heads, pool_shape, dtype) is None:
-        return "tpu"
-    if platform == "gpu" and gpu_unsupported(q_heads, pool_shape, dtype) is None:
-        return "gpu"
-    return "xla"
+    unsupported = {"tpu": tpu_unsupported, "gpu": gpu_unsupported}.get(platform)
+    if unsupported is None or layout not in (None, LAYOUTS[platform]):
+        return "xla"
+    return platform if unsupported(q_heads, pool_shape, dtype) is None else "xla"
 
 
 # --------------------------------------------------------------------------------- the pool on a mesh
@@ -334,25 +338,21 @@ def kv_head_axes(mesh, kv_heads: int) -> tuple[str, ...]:
         return ()
     entry = logical_to_spec(("kv_heads",), (kv_heads,), mesh, DECODE_RULES)[0]
     if entry is not None:
-        return (entry,) if isinstance(entry, str) else tuple(entry)
+        return entry_axes(entry)
     axes = [a for a in _HEAD_AXES if a in mesh.shape and mesh.shape[a] > 1]
     best = ()
     for n in range(len(axes), 0, -1):
         for combo in itertools.combinations(axes, n):
-            size = math.prod(mesh.shape[a] for a in combo)
-            if kv_heads % size == 0 and size > math.prod(mesh.shape[a] for a in best):
+            size = axes_size(mesh, combo)
+            if kv_heads % size == 0 and size > axes_size(mesh, best):
                 best = combo
     return best
-
-
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def pool_spec(mesh, kv_heads: int, layout: str = "interleaved"):
     """PartitionSpec of the pool (a pair of them, "split"): heads over `kv_head_axes`, the rest whole. A
     contiguous share of the interleaved heads is whole (K, V) pairs, so each chip's share is itself a pool."""
-    heads = _entry(kv_head_axes(mesh, kv_heads))
+    heads = spec_entry(kv_head_axes(mesh, kv_heads))
     if layout == "split":
         return (P(heads, None, None, None, None),) * 2
     return P(None, None, None, heads, None)
@@ -384,20 +384,9 @@ def _mesh_for(pool) -> tuple[object, tuple[str, ...]] | tuple[None, tuple]:
     """(mesh, KV-head axes) when the program being traced is partitioned over a multi-device mesh (not
     already inside a shard_map), else (None, ())."""
     mesh = pk.mesh_in_effect()
-    if mesh is None or mesh.size == 1:
-        return None, ()
-    manual = getattr(jax.sharding.AxisType, "Manual", None)
-    if any(t == manual for t in (getattr(mesh, "axis_types", ()) or ())):
+    if mesh is None or mesh.size == 1 or is_manual(mesh):
         return None, ()
     return mesh, kv_head_axes(mesh, kv_heads_of(pool))
-
-
-def _batch_axes(mesh, heads: tuple[str, ...], rows: int) -> tuple[str, ...]:
-    """The data axes not splitting heads whose product divides `rows` (trailing ones dropped until it does)."""
-    axes = tuple(a for a in _BATCH_AXES if a not in heads and a in mesh.shape and mesh.shape[a] > 1)
-    while axes and rows % math.prod(mesh.shape[a] for a in axes):
-        axes = axes[:-1]
-    return axes
 
 
 @struct.dataclass
@@ -447,7 +436,7 @@ class PagedCache:
         if not heads:  # one device, or a pool whole on every chip: XLA partitions the scatter
             return self.replace(pool=store(self.pool, k, v, page, offset, self.layer))
         # each chip stores its KV heads of every row (rows gathered over the data axes: activation-sized)
-        kv, pool = P(None, None, _entry(heads), None), self._spec(mesh)
+        kv, pool = P(None, None, spec_entry(heads), None), self._spec(mesh)
         fn = jax.shard_map(store, mesh=mesh, in_specs=(pool, kv, kv, P(), P(), P()), out_specs=pool,
                            check_vma=False)
         return self.replace(pool=fn(self.pool, k, v, page, offset, jnp.asarray(self.layer, jnp.int32)))
@@ -455,10 +444,9 @@ class PagedCache:
     def attend(self, q, q_pos, window):
         """Decode: q [S, 1, H, D] at q_pos [S, 1] against each slot's pages -> [S, 1, H, D]."""
         lengths = jnp.where(self.live, q_pos[:, 0] + 1, 0)
-        impl, layout = self.impl, layout_of(self.pool)
-        if impl == "auto":  # the Engine passes its resolved impl; here the pool's layout narrows the choice
-            impl = resolve_impl(impl, q.shape[2], interleaved_shape(self.pool), jax.tree.leaves(self.pool)[0].dtype)
-            impl = impl if LAYOUTS[impl] == layout else "xla"
+        layout = layout_of(self.pool)  # "auto" (the Engine passes its choice): a kernel that reads this pool
+        impl = resolve_impl(self.impl, q.shape[2], interleaved_shape(self.pool), jax.tree.leaves(self.pool)[0].dtype,
+                            layout=layout)
         if impl != "xla" and LAYOUTS[impl] != layout:
             raise ValueError(f"decode attention {impl!r} reads a {LAYOUTS[impl]!r} pool; this one is not "
                              f"(make it with new_pool(..., layout=LAYOUTS[{impl!r}]))")
@@ -468,8 +456,9 @@ class PagedCache:
             return fn(q[:, 0], self.pool, self.layer, self.page_table, lengths)[:, None]
         # Mosaic kernels are not partitioned automatically, and a head-split pool must be read where it lies:
         # each chip attends with its heads for the rows of its remaining data axes
-        rows = _entry(_batch_axes(mesh, heads, q.shape[0]))
-        qs = P(rows, _entry(heads), None)
+        # (the data axes not splitting heads, trailing ones dropped until they divide the rows)
+        rows = spec_entry(dividing_axes(mesh, _BATCH_AXES, q.shape[0], exclude=heads))
+        qs = P(rows, spec_entry(heads), None)
         run = jax.shard_map(lambda q, pool, layer, table, lengths: fn(q, pool, layer, table, lengths), mesh=mesh,
                             in_specs=(qs, self._spec(mesh), P(), P(rows, None), P(rows)),
                             out_specs=qs, check_vma=False)
@@ -484,7 +473,7 @@ def pages_for(tokens: int, page_size: int) -> int:
 def page_bytes(cfg, page_size: int, mesh=None) -> int:
     """Bytes one page of the pool takes on each device: K and V of every layer for `page_size` tokens, the
     device's share of the KV heads (`kv_head_axes`). The same in either layout."""
-    share = math.prod(mesh.shape[a] for a in kv_head_axes(mesh, cfg.num_kv_heads)) if mesh is not None else 1
+    share = axes_size(mesh, kv_head_axes(mesh, cfg.num_kv_heads)) if mesh is not None else 1
     per_page = cfg.num_layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     return per_page // share
 

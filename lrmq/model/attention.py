@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from lrmq.sharding import RULES
+from lrmq.sharding import RULES, dividing_axes, entry_axes, is_manual, spec_entry
 
 IMPLS = ("auto", "xla", "splash", "cudnn")
 # Tiles of the XLA path (CPU): queries x keys per step. A sequence up to a block long is one tile.
@@ -336,39 +336,17 @@ def _splash_local(q, k, v, q_pos, segments, window, interpret):
     return _uniform_rows(out, v, jnp.broadcast_to((q_pos < 0)[..., None], out.shape[:3]))
 
 
-def _mesh_axes(mesh, names, size: int) -> tuple:
-    """The mesh axes of `names` (>1 device) whose product divides `size`, dropping trailing ones until it does."""
-    axes = tuple(a for a in names if a in mesh.shape and mesh.shape[a] > 1)
-    while axes and size % math.prod(mesh.shape[a] for a in axes):
-        axes = axes[:-1]
-    return axes
-
-
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def _rule(name: str) -> tuple:
-    r = RULES.get(name)
-    return () if r is None else (r,) if isinstance(r, str) else tuple(r)
-
-
 def splash_specs(mesh, q_shape, k_shape) -> tuple[P, P, P]:
     """shard_map specs (q / out, k / v, positions / segments) of a splash call on `mesh`: the batch over the
     mesh's batch axes, heads over the tensor axis when it divides both H and KVH; the sequence whole."""
-    batch = _entry(_mesh_axes(mesh, _rule("batch"), q_shape[0]))
-    heads = _mesh_axes(mesh, _rule("heads"), math.gcd(q_shape[2], k_shape[2]))
-    return P(batch, None, _entry(heads), None), P(batch, None, _entry(heads), None), P(batch, None)
-
-
-def _manual(mesh) -> bool:
-    manual = getattr(jax.sharding.AxisType, "Manual", None)
-    return any(a == manual for a in (getattr(mesh, "axis_types", ()) or ()))
+    batch = spec_entry(dividing_axes(mesh, entry_axes(RULES.get("batch")), q_shape[0]))
+    heads = spec_entry(dividing_axes(mesh, entry_axes(RULES.get("heads")), math.gcd(q_shape[2], k_shape[2])))
+    return P(batch, None, heads, None), P(batch, None, heads, None), P(batch, None)
 
 
 def _splash(q, k, v, q_pos, segments, window, interpret):
     mesh = pk.mesh_in_effect()
-    if mesh is None or mesh.size == 1 or _manual(mesh):
+    if mesh is None or mesh.size == 1 or is_manual(mesh):
         return _splash_local(q, k, v, q_pos, segments, window, interpret)
     qs, kvs, rows = splash_specs(mesh, q.shape, k.shape)
     body = functools.partial(_splash_local, window=window, interpret=interpret)

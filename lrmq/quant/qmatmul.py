@@ -27,7 +27,6 @@ weight crosses the interconnect per decoded token.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from lrmq.quant.formats import PACKINGS, Packing, dequantize, packing_of
 from lrmq.quant.qweight import QuantizedWeight
-from lrmq.sharding import logical_to_spec, rules_in_effect
+from lrmq.sharding import (axes_size, dividing_axes, entry_axes, is_manual, logical_to_spec, rules_in_effect,
+                           spec_entry)
 
 
 def _dequant_dot(x, qw: QuantizedWeight):
@@ -63,29 +63,10 @@ class KernelSpecs:
     psum: tuple
 
 
-def _axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _size(mesh, axes) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
-
-
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def _batch_axes(mesh, lead: int | None, rules: dict) -> tuple:
     """Mesh axes the activation's leading dim is split over: the `batch` rule's axes, dropping
     trailing ones until the size divides (decode batches smaller than the mesh: replicated)."""
-    axes = tuple(a for a in _axes(rules.get("batch")) if a in mesh.shape and mesh.shape[a] > 1)
-    if lead is None:
-        return ()
-    while axes and lead % _size(mesh, axes):
-        axes = axes[:-1]
-    return axes
+    return () if lead is None else dividing_axes(mesh, entry_axes(rules.get("batch")), lead)
 
 
 def _weight_axes(qw: QuantizedWeight, packing: Packing, axes, mesh, rules: dict) -> tuple[tuple, tuple]:
@@ -96,13 +77,13 @@ def _weight_axes(qw: QuantizedWeight, packing: Packing, axes, mesh, rules: dict)
     whole groups."""
     if axes is None or len(axes) != 2:
         return (), ()
-    batch = set(_axes(rules.get("batch")))
+    batch = set(entry_axes(rules.get("batch")))
     spec = tuple(logical_to_spec(tuple(axes), (qw.K, qw.N), mesh, rules)) + (None, None)
-    k_ax, n_ax = (tuple(a for a in _axes(s) if a not in batch) for s in spec[:2])
-    if n_ax and qw.N % _size(mesh, n_ax):
+    k_ax, n_ax = (tuple(a for a in entry_axes(s) if a not in batch) for s in spec[:2])
+    if n_ax and qw.N % axes_size(mesh, n_ax):
         n_ax = ()
     if k_ax:
-        t = _size(mesh, k_ax)
+        t = axes_size(mesh, k_ax)
         unit, groups = packing.k_split(qw)
         if qw.K % (t * unit) or (groups > 1 and groups % t):
             k_ax = ()
@@ -118,15 +99,9 @@ def kernel_specs(x_shape: tuple, qw: QuantizedWeight, packing: Packing | str, ax
     k_ax, n_ax = _weight_axes(qw, packing, axes, mesh, rules)
     batch = _batch_axes(mesh, x_shape[0] if len(x_shape) > 1 else None, rules)
     mid = [None] * max(len(x_shape) - 2, 0)
-    lead = [_entry(batch)] if len(x_shape) > 1 else []
-    k, n = _entry(k_ax), _entry(n_ax)
+    lead = [spec_entry(batch)] if len(x_shape) > 1 else []
+    k, n = spec_entry(k_ax), spec_entry(n_ax)
     return KernelSpecs(P(*lead, *mid, k), packing.specs(k, n, qw), P(*lead, *mid, n), k_ax)
-
-
-def _manual(mesh) -> bool:
-    """Inside a shard_map already (some mesh axis is Manual): the caller partitions."""
-    manual = getattr(jax.sharding.AxisType, "Manual", None)
-    return any(t == manual for t in (getattr(mesh, "axis_types", ()) or ()))
 
 
 def _sharded_call(packing: Packing, qw, impl, x, operands, axes, mesh, target):
@@ -155,7 +130,7 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, impl: str = "auto", axes=None)
     operands = packing.operands(qw)
     impl_r, _ = pk.resolve_impl(impl)
     mesh = pk.mesh_in_effect()
-    if impl_r == "xla" or mesh is None or mesh.size == 1 or _manual(mesh):
+    if impl_r == "xla" or mesh is None or mesh.size == 1 or is_manual(mesh):
         y = packing.call(x, *operands, qw=qw, impl=impl)
     else:
         y = _sharded_call(packing, qw, impl, x, operands, axes, mesh, pk.current_target())
