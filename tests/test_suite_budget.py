@@ -109,4 +109,7 @@ def test_suite_timing_records_the_cpu_time_of_a_test_and_its_subprocesses(tmp_pa
                                  "skipped": False, "outcome": "passed"})()
     plugin.pytest_runtest_logreport(report)
     assert plugin.tests["t.py::busy"]["cpu_s"] >= 0.3
+    controller = suite_timing.SuiteTiming(str(tmp_path))  # xdist's controller: reports without a protocol
+    controller.pytest_runtest_logreport(report)
+    assert controller.tests["t.py::busy"]["cpu_s"] == 0.0
 

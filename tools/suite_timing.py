@@ -42,6 +42,7 @@ class SuiteTiming:
         self.started = time.time()
         sys.addaudithook(self._audit)
         self._jax_listening = False
+        self._cpu_start = 0.0
 
     def _record(self, nodeid: str) -> dict:
         return self.tests.setdefault(nodeid, {"setup_s": 0.0, "call_s": 0.0, "teardown_s": 0.0, "outcome": "",
@@ -86,7 +87,8 @@ class SuiteTiming:
         if report.when == "call" or report.failed or report.skipped:
             rec["outcome"] = rec["outcome"] or report.outcome
         if report.when == "teardown":
-            rec["cpu_s"] += self._cpu() - self._cpu_start
+            if self.current == report.nodeid:  # not on xdist's controller, which only hears the workers' reports
+                rec["cpu_s"] += self._cpu() - self._cpu_start
             self.current = None
 
     def pytest_sessionfinish(self, session):
