@@ -87,7 +87,7 @@ def worker_lrmq(job: dict) -> dict:
     res = eng.generate(model, job["prompts"], max_new_tokens=job["lengths"], sampling=SamplingConfig(greedy=True))
     wall = time.perf_counter() - t0
     assert res.lengths.tolist() == job["lengths"]
-    return {"seconds": wall, "compile_seconds": compiled[0], "stats": eng.stats,
+    return {"seconds": wall, "compile_seconds": compiled[0], "stats": res.stats,
             "tokens": [res.tokens[i, :n].tolist() for i, n in enumerate(job["lengths"])]}
 
 

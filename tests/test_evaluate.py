@@ -175,6 +175,8 @@ def test_run_suite_streams_records_from_a_state_and_engine(tmp_path):
 
     model, tok = load_model(TINY_MODEL_DIR), Tokenizer.from_dir(TINY_MODEL_DIR)
     gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
+    results, generate = [], gen.generate  # what run_suite's engine calls returned (their stats)
+    gen.generate = lambda *a, **k: results.append(generate(*a, **k)) or results[-1]
 
     from flax import nnx
 
@@ -203,7 +205,7 @@ def test_run_suite_streams_records_from_a_state_and_engine(tmp_path):
     a = sorted((json.loads(l) for l in _lines(tmp_path / "a")), key=key)
     b = sorted((json.loads(l) for l in _lines(tmp_path / "b")), key=key)
     assert len(a) == 4 and [r["completion"] for r in a] == [r["completion"] for r in b]
-    assert gen.stats["prefilled_prompts"] == 2  # each item's two samples share its prompt
+    assert [r.stats["prefilled_prompts"] for r in results] == [2]  # each item's two samples share its prompt
 
 
 def test_cli_on_two_devices(tmp_path):

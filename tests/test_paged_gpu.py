@@ -111,8 +111,8 @@ def test_engine_on_the_gpu_kernel_equals_xla(hf_checkpoint):
         for config in configs:
             eng = Engine(model, eos_ids=[127], pad_id=0, config=config, impl=impl)
             assert eng.resolved_impl() == impl
-            runs[impl, config.pages] = eng.generate(model, prompts, max_new_tokens=budgets, sampling=s, keys=keys)
-            assert eng.stats["preempted"] > 0 if config.pages else eng.stats["prefilled_prompts"] == 3
+            res = runs[impl, config.pages] = eng.generate(model, prompts, max_new_tokens=budgets, sampling=s, keys=keys)
+            assert res.stats["preempted"] > 0 if config.pages else res.stats["prefilled_prompts"] == 3
     ref = runs["xla", 0]
     assert len(set(ref.lengths.tolist())) > 2
     for res in (runs["gpu", 0], runs["gpu", 7], runs["xla", 7]):

@@ -12,25 +12,27 @@ one prefill compile per (rows, prompt length) bucket, never one per step.
   first decode input, so nothing else differs between a shared and an unshared prompt.
 * Token t of a sequence is sampled with `fold_in(key_of_sequence, t)`: results do not depend on the
   slot, the pages, the batch composition or the order in which the scheduler admits requests.
-* The host schedules, the device decodes: one call runs up to `sync_steps` decode steps in a
-  `lax.while_loop`, returning early when a row finishes while requests wait (its slot is refilled), or,
-  with nobody waiting, when the live rows fit a smaller row bucket (the slots, and the data-parallel divisor
-  times powers of 4 below them): they then move to the front and decode in that program, so a long tail
-  runs at the cost of its own rows. `warmup` compiles every bucket's programs ahead of a run. Pages are reserved
-  `sync_steps` tokens ahead; when the pool runs out the youngest slot is preempted and recomputed later
-  (same key, so the same tokens).
+* The host schedules (`lrmq.generation.scheduler.Scheduler`: admission, pages, preemption, row buckets), the
+  device decodes: one call takes a `DecodeBatch` (`lrmq.generation.batch`) and runs up to `sync_steps` decode
+  steps in a `lax.while_loop`, returning early when a row finishes while requests wait (its slot is refilled),
+  or, with nobody waiting, when the live rows fit a smaller row bucket (the slots, and the data-parallel
+  divisor times powers of 4 below them): they then move to the front and decode in that program, so a long
+  tail runs at the cost of its own rows. `warmup` compiles every bucket's programs ahead of a run. Pages are
+  reserved `sync_steps` tokens ahead; when the pool runs out the youngest slot is preempted and recomputed
+  later (same key, so the same tokens). `generate` is the loop: admit -> prefill -> reserve -> plan -> decode
+  -> apply.
 * Before a call the layers are stacked once into their decode layout (`layer_runs`); the loop body scans
   over them, and on a mesh the weights are relaid once per call (tensor parallel, `sharding.DECODE_RULES`),
   never moved per token.
 
 Returns generated ids, the log-probability of each sampled token (temperature applied, before top-k/top-p
-truncation: the quantity GRPO's importance ratio uses) and lengths (the EOS token is counted and kept).
+truncation: the quantity GRPO's importance ratio uses), lengths (the EOS token is counted and kept) and the
+scheduler's counters (`GenerationResult.stats`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Sequence
@@ -39,13 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lrmq.generation.paged import (LAYOUTS, NULL_PAGE, PagedCache, abstract_pool, copy_pages, fitted_pages, new_pool,
-                                   page_bytes, pages_for, pool_shape, resolve_impl)
+from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch
+from lrmq.generation.paged import (LAYOUTS, PagedCache, abstract_pool, copy_pages, fitted_pages, new_pool, page_bytes,
+                                   pages_for, pool_shape, resolve_impl)
 from lrmq.generation.sampling import SamplingConfig, sample
+from lrmq.generation.scheduler import Scheduler, Seq, SharedPrompt, prefill_batch, row_buckets, rows_for
 from lrmq.model.decoder import Decoder, layer_runs
-from lrmq.sharding import DECODE_RULES, batch_divisor, batch_sharding, constrain_state, host_array, use_rules
+from lrmq.sharding import DECODE_RULES, batch_divisor, constrain_state, host_array, use_rules
 
 
 @dataclass
@@ -53,6 +56,8 @@ class GenerationResult:
     tokens: np.ndarray  # [B, max_new_tokens] int32, pad after the end
     logprobs: np.ndarray  # [B, max_new_tokens] float32, 0 after the end
     lengths: np.ndarray  # [B] int32, generated tokens including EOS
+    # what the call did (`Scheduler.stats`): decode_calls, prefill_calls, prefilled_prompts, preempted, steps
+    stats: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -102,53 +107,6 @@ def sequence_keys(key: jax.Array, n: int) -> np.ndarray:
     return np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(n)))
 
 
-# ----------------------------------------------------------------------------- host-side bookkeeping
-
-
-class PagePool:
-    """The free pages of the pool (page 0 is the null page, never handed out). A prompt's pages belong to
-    its `_Prompt`, which counts the slots reading them and gives them back when the last one finishes."""
-
-    def __init__(self, pages: int):
-        self.free = deque(range(1, pages))
-        self.pages = pages
-
-    def take(self, n: int) -> list[int] | None:
-        if n > len(self.free):
-            return None
-        return [self.free.popleft() for _ in range(n)]
-
-    def release(self, pages: Sequence[int]):
-        self.free.extend(pages)
-
-
-@dataclass
-class _Prompt:
-    ids: tuple[int, ...]
-    pages: list[int]  # pages of its first len - 1 tokens (the last is fed as the first decode input)
-    users: int = 0  # slots reading its pages
-
-
-@dataclass
-class _Seq:
-    index: int
-    prompt: tuple[int, ...]
-    max_new: int
-    key: np.ndarray
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)  # own pages (from the prompt's partly filled one on)
-    admitted: int = 0  # admission order (the youngest is preempted first)
-
-    def shared_pages(self, page_size: int) -> int:
-        """Full pages of the prompt's first len - 1 tokens: read from the prompt's pages as they are."""
-        return (len(self.prompt) - 1) // page_size
-
-    def own_pages_needed(self, page_size: int, ahead: int) -> int:
-        """Own pages covering every position up to `ahead` decode steps past the tokens so far."""
-        return pages_for(len(self.prompt) + len(self.tokens) + ahead, page_size) - self.shared_pages(page_size)
-
-
 # ----------------------------------------------------------------------------- device programs
 
 
@@ -183,30 +141,31 @@ def _merge(graphdef, state) -> Decoder:
     return nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
 
 
-def _prefill_fn(graphdef, state, pool, tokens, positions, page_table, *, engine: EngineConfig, layout):
+def _prefill_fn(graphdef, state, pool, batch: PrefillBatch, *, engine: EngineConfig, layout):
     model = _merge(graphdef, state)
     runs = layout(model)
-    cache = PagedCache(pool, page_table, jnp.ones(tokens.shape[:1], bool), mode="prefill",
+    cache = PagedCache(pool, batch.page_table, jnp.ones(batch.rows, bool), mode="prefill",
                        block_pages=engine.block_pages)
-    _, cache = model.hidden_runs(runs, tokens, positions, cache)
+    _, cache = model.hidden_runs(runs, batch.tokens, batch.positions, cache)
     return cache.pool
 
 
-def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, gen, max_new, live, keys, stop_below,
-               *, engine: EngineConfig, sampling: SamplingConfig, eos: tuple[int, ...], pad_id: int, impl: str,
-               layout):
+def _decode_fn(graphdef, state, pool, batch: DecodeBatch, *, engine: EngineConfig, sampling: SamplingConfig,
+               eos: tuple[int, ...], pad_id: int, impl: str, layout) -> tuple[object, DecodeOutput]:
+    """Up to `sync_steps` decode steps of the batch's live rows (a `lax.while_loop`), back to the host early
+    once fewer than `batch.stop_below` rows are live."""
     model = _merge(graphdef, state)
     runs = layout(model)  # once per call: the loop below reads these (and the embedding / lm head)
-    pool = copy_pages(pool, copy_src, copy_dst)  # copy-on-write of shared prompts' last pages
-    keys = jax.random.wrap_key_data(keys)
+    pool = copy_pages(pool, batch.copy_src, batch.copy_dst)  # copy-on-write of shared prompts' last pages
+    keys, max_new, page_table = jax.random.wrap_key_data(batch.keys), batch.max_new, batch.page_table
     eos_arr = jnp.asarray(eos, jnp.int32)
-    s, steps = tok.shape[0], engine.sync_steps
+    s, steps = batch.rows, engine.sync_steps
     out_tok = jnp.full((s, steps), pad_id, jnp.int32)
     out_lp = jnp.zeros((s, steps), jnp.float32)
 
     def cond(c):  # up to sync_steps; back to the host once fewer than stop_below rows are live
         i, _, _, _, _, live, _, _ = c
-        return (i < steps) & jnp.any(live) & (jnp.sum(live) >= stop_below)
+        return (i < steps) & jnp.any(live) & (jnp.sum(live) >= batch.stop_below)
 
     def body(c):
         i, pool, tok, pos, gen, live, out_tok, out_lp = c
@@ -222,9 +181,9 @@ def _decode_fn(graphdef, state, pool, page_table, copy_src, copy_dst, tok, pos, 
         done = live & (jnp.isin(nxt, eos_arr) | (gen >= max_new))
         return i + 1, cache.pool, nxt, pos + 1, gen, live & ~done, out_tok, out_lp
 
-    init = (jnp.int32(0), pool, tok, pos, gen, live, out_tok, out_lp)
+    init = (jnp.int32(0), pool, batch.tokens, batch.positions, batch.generated, batch.live, out_tok, out_lp)
     _, pool, _, _, gen, live, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
-    return pool, out_tok, out_lp, gen, live
+    return pool, DecodeOutput(out_tok, out_lp, gen, live)
 
 
 def decode_layout(mesh):
@@ -287,7 +246,6 @@ class Engine:
         self._prefill = _on_mesh(jax.jit(partial(_prefill_fn, self.graphdef, engine=config, layout=self.layout),
                                          donate_argnums=(1,)), mesh)
         self._decode: dict = {}
-        self.stats: dict[str, int] = {}
 
     def resolved_impl(self, mesh=None) -> str:
         """The decode attention a call made now takes (`paged.resolve_impl` for the compile target: the mesh's
@@ -315,32 +273,19 @@ class Engine:
         self.config = dataclasses.replace(self.config, pool_bytes=int(pool_bytes))
 
     def row_buckets(self, slots: int) -> list[int]:
-        """Row counts the programs are compiled for, ascending: the slots, and the data-parallel divisor times
-        powers of 4 below them (fewer rows decode a tail; a handful of compiles, not one per count)."""
-        m, out = self.slot_multiple, {slots}
-        while m < slots:
-            out.add(m)
-            m *= 4
-        return sorted(out)
-
-    def _rows_for(self, n: int, slots: int) -> int:
-        return next(b for b in self.row_buckets(slots) if b >= n)
+        """Row counts the programs are compiled for (`scheduler.row_buckets` over the data-parallel divisor)."""
+        return row_buckets(slots, self.slot_multiple)
 
     def warmup(self, state, *, n_requests: int, prompt_len: int, max_new: int, sampling: SamplingConfig):
         """Compile every program a `generate(..., prompt_capacity=prompt_len)` call of these sizes can run (each
         row bucket's prefill and decode), running them on idle inputs: later calls compile nothing."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
-        cfg, ps, impl = self.model_cfg, self.config.page_size, self.resolved_impl()
-        pool = new_pool(cfg, pages, ps, self.mesh, LAYOUTS[impl])
-        length = bucket_length(prompt_len)
-        key = np.asarray(jax.random.key_data(jax.random.key(0)))
+        impl, ps, length = self.resolved_impl(), self.config.page_size, bucket_length(prompt_len)
+        pool = new_pool(self.model_cfg, pages, ps, self.mesh, LAYOUTS[impl])
         decode = self._decode_for(sampling, impl)
         for rows in self.row_buckets(slots):
-            z = np.zeros(rows, np.int32)
-            pool = self._prefill(state, pool, np.zeros((rows, length), np.int32), np.full((rows, length), -1, np.int32),
-                                 np.zeros((rows, pages_for(length, ps)), np.int32))
-            pool = decode(state, pool, np.zeros((rows, width), np.int32), z, z, z, z, z, z + 1, np.zeros(rows, bool),
-                          np.zeros((rows, *key.shape), key.dtype), np.int32(0))[0]
+            pool = self._prefill(state, pool, PrefillBatch.zeros(rows, length, pages_for(length, ps)))
+            pool = decode(state, pool, DecodeBatch.zeros(rows, width))[0]
         jax.block_until_ready(pool)
 
     def abstract_calls(self, state, *, n_requests: int, prompt_len: int, max_new: int, sampling: SamplingConfig,
@@ -348,28 +293,11 @@ class Engine:
         """{"prefill" | "decode": (jitted fn, abstract args)} of a call with these sizes (the largest prefill:
         every slot's prompt at once), for ahead-of-time compiles and memory checks."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
-        cfg, ps = self.model_cfg, self.config.page_size
-
-        def sds(shape, dtype, lead_batch=False):
-            sh = None
-            if mesh is not None:
-                sh = batch_sharding(mesh, len(shape)) if lead_batch else NamedSharding(mesh, P())
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-
-        impl = self.resolved_impl(mesh)
-        pool = abstract_pool(cfg, pages, ps, mesh, LAYOUTS[impl])
-        rows, length = slots, bucket_length(prompt_len)
-        key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-        per_slot = lambda dtype: sds((slots,), dtype, True)
-        return {
-            "prefill": (self._prefill, (state, pool, sds((rows, length), jnp.int32, True),
-                                        sds((rows, length), jnp.int32, True),
-                                        sds((rows, pages_for(length, ps)), jnp.int32, True))),
-            "decode": (self._decode_for(sampling, impl), (
-                state, pool, sds((slots, width), jnp.int32, True), per_slot(jnp.int32), per_slot(jnp.int32),
-                per_slot(jnp.int32), per_slot(jnp.int32), per_slot(jnp.int32), per_slot(jnp.int32), per_slot(bool),
-                sds((slots, *key.shape), key.dtype, True), sds((), jnp.int32))),
-        }
+        impl, ps, length = self.resolved_impl(mesh), self.config.page_size, bucket_length(prompt_len)
+        pool = abstract_pool(self.model_cfg, pages, ps, mesh, LAYOUTS[impl])
+        prefill = PrefillBatch.abstract(slots, length, pages_for(length, ps), mesh)
+        return {"prefill": (self._prefill, (state, pool, prefill)),
+                "decode": (self._decode_for(sampling, impl), (state, pool, DecodeBatch.abstract(slots, width, mesh)))}
 
     # ------------------------------------------------------------------ generation
     def generate(self, state, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
@@ -382,188 +310,66 @@ class Engine:
         programs for prompts this long (as `warmup` did) instead of the longest given; new_capacity: likewise for
         completions (the page table covers it; what a step costs does not depend on it)."""
         state = nnx.state(state) if isinstance(state, nnx.Module) else state
-        n = len(prompts)
-        if n == 0:
-            raise ValueError("no prompts to generate from")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-        budgets = [int(max_new_tokens)] * n if np.ndim(max_new_tokens) == 0 else [int(m) for m in max_new_tokens]
-        if len(budgets) != n or min(budgets) < 1:
-            raise ValueError("max_new_tokens: one budget >= 1 per prompt")
-        if keys is None:
-            keys = sequence_keys(jax.random.key(seed) if isinstance(seed, int) else seed, n)
-        seqs = [_Seq(i, tuple(int(t) for t in p), budgets[i], keys[i]) for i, p in enumerate(prompts)]
-        width_new = max(budgets)
+        seqs = requests(prompts, max_new_tokens, keys, seed)
         longest = max(len(s.prompt) for s in seqs)
         if prompt_capacity and longest > prompt_capacity:
             raise ValueError(f"a prompt has {longest} tokens, more than prompt_capacity {prompt_capacity}")
-        slots, pages, width = self.sizes(n, prompt_capacity or longest, max(width_new, new_capacity))
-        prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
-        self._run(state, seqs, slots, pages, width, sampling, on_finish, prefill_length)
-        tokens = np.full((n, width_new), self.pad_id, np.int32)
-        logprobs = np.zeros((n, width_new), np.float32)
-        lengths = np.zeros(n, np.int32)
-        for s in seqs:
-            tokens[s.index, :len(s.tokens)] = s.tokens
-            logprobs[s.index, :len(s.logprobs)] = s.logprobs
-            lengths[s.index] = len(s.tokens)
-        return GenerationResult(tokens, logprobs, lengths)
-
-    def _run(self, state, seqs: list[_Seq], n_slots: int, n_pages: int, width: int, sampling: SamplingConfig,
-             on_finish=None, prefill_length: int = 0):
-        c, cfg = self.config, self.model_cfg
-        ps, impl = c.page_size, self.resolved_impl()
-        pool = new_pool(cfg, n_pages, ps, self.mesh, LAYOUTS[impl])
-        alloc = PagePool(n_pages)
-        prompts: dict[tuple[int, ...], _Prompt] = {}
-        queue: deque[_Seq] = deque(seqs)
-        slot_seq: list[_Seq | None] = [None] * n_slots
-        clock = 0
+        width_new = max(s.max_new for s in seqs)
+        slots, pages, width = self.sizes(len(seqs), prompt_capacity or longest, max(width_new, new_capacity))
+        c, impl = self.config, self.resolved_impl()
+        sched = Scheduler(seqs, slots=slots, pages=pages, width=width, page_size=c.page_size,
+                          sync_steps=c.sync_steps, buckets=self.row_buckets(slots))
+        pool = new_pool(self.model_cfg, pages, c.page_size, self.mesh, LAYOUTS[impl])
         decode = self._decode_for(sampling, impl)
-        key_shape = np.asarray(seqs[0].key).shape
-        self.stats = {"decode_calls": 0, "prefill_calls": 0, "prefilled_prompts": 0, "preempted": 0, "steps": 0}
+        prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
+        while sched.busy:  # plan -> prefill / decode -> apply
+            pool = self._prefill_prompts(state, pool, sched.admit(), sched.buckets, prefill_length)
+            sched.reserve()
+            batch = sched.plan()
+            pool, out = decode(state, pool, batch)
+            for s in sched.apply(batch, jax.tree.map(host_array, out)):
+                if on_finish is not None:
+                    on_finish(s.index, s.tokens, s.logprobs)
+        return collect(seqs, width_new, self.pad_id, sched.stats)
 
-        def free_seq(slot: int):
-            s = slot_seq[slot]
-            alloc.release(s.pages)
-            s.pages = []
-            pr = prompts[s.prompt]
-            pr.users -= 1
-            if pr.users == 0:
-                alloc.release(pr.pages)
-                del prompts[s.prompt]
-            slot_seq[slot] = None
-
-        while queue or any(s is not None for s in slot_seq):
-            # admit waiting requests into free slots; prefill the prompts that are not resident
-            copy_src = np.full(n_slots, NULL_PAGE, np.int32)
-            copy_dst = np.full(n_slots, NULL_PAGE, np.int32)
-            to_prefill: list[_Prompt] = []
-            for slot in range(n_slots):
-                if slot_seq[slot] is not None or not queue:
-                    continue
-                s = queue[0]
-                pr = prompts.get(s.prompt)
-                n_prompt_pages = s.shared_pages(ps)
-                if pr is None:
-                    got = alloc.take(pages_for(len(s.prompt) - 1, ps))
-                    if got is None:
-                        break
-                    pr = prompts[s.prompt] = _Prompt(s.prompt, got)
-                    to_prefill.append(pr)
-                own = alloc.take(s.own_pages_needed(ps, c.sync_steps))
-                if own is None:
-                    if pr.users == 0 and pr in to_prefill:
-                        to_prefill.remove(pr)
-                        alloc.release(pr.pages)
-                        del prompts[s.prompt]
-                    break
-                queue.popleft()
-                pr.users += 1
-                s.pages = own
-                if (len(s.prompt) - 1) % ps:  # the prompt's partly filled page becomes this sample's own
-                    copy_src[slot], copy_dst[slot] = pr.pages[n_prompt_pages], own[0]
-                slot_seq[slot] = s
-                clock += 1
-                s.admitted = clock
-            if to_prefill:
-                pool = self._prefill_prompts(state, pool, to_prefill, n_slots, prefill_length)
-            # reserve pages sync_steps ahead; preempt the youngest slots when the pool runs dry
-            for slot in sorted((j for j in range(n_slots) if slot_seq[j] is not None),
-                               key=lambda j: slot_seq[j].admitted):
-                s = slot_seq[slot]
-                if s is None:  # preempted for an older one in this pass
-                    continue
-                need = s.own_pages_needed(ps, c.sync_steps)
-                while len(s.pages) < need:
-                    got = alloc.take(need - len(s.pages))
-                    if got is not None:
-                        s.pages += got
-                        continue
-                    victim = int(max((j for j in range(n_slots) if slot_seq[j] is not None),
-                                     key=lambda j: slot_seq[j].admitted))
-                    v = slot_seq[victim]
-                    v.tokens, v.logprobs = [], []
-                    free_seq(victim)
-                    copy_src[victim] = copy_dst[victim] = NULL_PAGE
-                    queue.appendleft(v)
-                    self.stats["preempted"] += 1
-                    if victim == slot:
-                        break
-            live = np.array([s is not None for s in slot_seq])
-            if not live.any():
-                if queue and not any(s is not None for s in slot_seq):
-                    raise RuntimeError(f"the KV pool of {n_pages} pages of {ps} tokens cannot hold one sequence "
-                                       f"of {len(queue[0].prompt)} prompt tokens plus {c.sync_steps} decode steps; "
-                                       f"raise engine pages")
-                continue
-            rows, n_live = n_slots, int(live.sum())
-            # back to the host when a row finishes while requests wait (it takes the slot), else when the live
-            # rows fit a smaller row bucket (which then decodes them)
-            stop_below = n_live
-            if not queue:  # nobody waits: move the live rows to the front and decode only as many rows as they
-                # need (a row bucket), so the tail of long sequences does not pay for idle slots
-                order = sorted(range(n_slots), key=lambda j: slot_seq[j] is None)
-                slot_seq[:] = [slot_seq[j] for j in order]  # in place: free_seq reads this list
-                copy_src, copy_dst = copy_src[order], copy_dst[order]
-                buckets = self.row_buckets(n_slots)
-                rows = self._rows_for(n_live, n_slots)
-                live = np.arange(rows) < n_live
-                smaller = [b for b in buckets if b < rows]
-                stop_below = smaller[-1] + 1 if smaller else 0
-            table = np.zeros((rows, width), np.int32)
-            tok = np.zeros(rows, np.int32)
-            pos = np.zeros(rows, np.int32)
-            gen = np.zeros(rows, np.int32)
-            max_new = np.ones(rows, np.int32)
-            keys = np.zeros((rows, *key_shape), np.asarray(seqs[0].key).dtype)
-            copy_src, copy_dst = copy_src[:rows], copy_dst[:rows]
-            for slot, s in enumerate(slot_seq[:rows]):
-                if s is None:
-                    continue
-                shared = prompts[s.prompt].pages[:s.shared_pages(ps)]
-                row = shared + s.pages
-                table[slot, :len(row)] = row
-                tok[slot] = s.tokens[-1] if s.tokens else s.prompt[-1]
-                pos[slot] = len(s.prompt) - 1 + len(s.tokens)
-                gen[slot], max_new[slot], keys[slot] = len(s.tokens), s.max_new, s.key
-            pool, out_tok, out_lp, new_gen, still = decode(
-                state, pool, table, copy_src, copy_dst, tok, pos, gen, max_new, live, keys, np.int32(stop_below))
-            out_tok, out_lp, new_gen, still = (host_array(x) for x in (out_tok, out_lp, new_gen, still))
-            self.stats["decode_calls"] += 1
-            self.stats["steps"] += int((new_gen - gen).max())
-            for slot, s in enumerate(slot_seq[:rows]):
-                if s is None:
-                    continue
-                k = int(new_gen[slot] - gen[slot])
-                s.tokens += out_tok[slot, :k].tolist()
-                s.logprobs += out_lp[slot, :k].tolist()
-                if not still[slot]:
-                    free_seq(slot)
-                    if on_finish is not None:
-                        on_finish(s.index, s.tokens, s.logprobs)
-
-    def _prefill_prompts(self, state, pool, prompts: list[_Prompt], slots: int, length: int = 0):
-        """Write the first len - 1 tokens of each prompt into its pages; rows: a bucket of `slots`, length: the
-        prompt capacity's bucket (0 = the longest prompt's)."""
-        ps = self.config.page_size
-        todo = [p for p in prompts if len(p.ids) > 1]
-        if not todo:
+    def _prefill_prompts(self, state, pool, prompts: list[SharedPrompt], buckets: Sequence[int], length: int = 0):
+        """Write the first len - 1 tokens of each prompt into its pages; rows: a row bucket, length: the prompt
+        capacity's bucket (0 = the longest prompt's)."""
+        if not prompts:
             return pool
-        length = length or bucket_length(max(len(p.ids) - 1 for p in todo))
-        rows = self._rows_for(len(todo), slots)
-        tokens = np.full((rows, length), self.pad_id, np.int32)
-        positions = np.full((rows, length), -1, np.int32)
-        table = np.zeros((rows, pages_for(length, ps)), np.int32)
-        for r, p in enumerate(todo):
-            n = len(p.ids) - 1
-            tokens[r, :n] = p.ids[:n]
-            positions[r, :n] = np.arange(n)
-            table[r, :len(p.pages)] = p.pages
-        self.stats["prefill_calls"] += 1
-        self.stats["prefilled_prompts"] += len(todo)
-        return self._prefill(state, pool, tokens, positions, table)
+        length = length or bucket_length(max(len(p.ids) - 1 for p in prompts))
+        batch = prefill_batch(prompts, rows_for(len(prompts), buckets), length, self.config.page_size)
+        return self._prefill(state, pool, batch)
+
+
+def requests(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], keys: np.ndarray | None,
+             seed: int | jax.Array) -> list[Seq]:
+    """The sequences of a `generate` call, checked: prompt i with its budget and key (`sequence_keys` of the
+    seed's key unless `keys` are given)."""
+    n = len(prompts)
+    if n == 0:
+        raise ValueError("no prompts to generate from")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+    budgets = [int(max_new_tokens)] * n if np.ndim(max_new_tokens) == 0 else [int(m) for m in max_new_tokens]
+    if len(budgets) != n or min(budgets) < 1:
+        raise ValueError("max_new_tokens: one budget >= 1 per prompt")
+    if keys is None:
+        keys = sequence_keys(jax.random.key(seed) if isinstance(seed, int) else seed, n)
+    return [Seq(i, tuple(int(t) for t in p), budgets[i], keys[i]) for i, p in enumerate(prompts)]
+
+
+def collect(seqs: Sequence[Seq], width: int, pad_id: int, stats: dict[str, int]) -> GenerationResult:
+    """The finished sequences as arrays (row i: sequence i), `width` tokens wide."""
+    tokens = np.full((len(seqs), width), pad_id, np.int32)
+    logprobs = np.zeros((len(seqs), width), np.float32)
+    lengths = np.zeros(len(seqs), np.int32)
+    for s in seqs:
+        tokens[s.index, :len(s.tokens)] = s.tokens
+        logprobs[s.index, :len(s.logprobs)] = s.logprobs
+        lengths[s.index] = len(s.tokens)
+    return GenerationResult(tokens, logprobs, lengths, dict(stats))
 
 
 def generate(model: Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: Sequence[int],
