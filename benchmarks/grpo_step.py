@@ -101,7 +101,8 @@ class _NullWriter:
 def one_step(tr, key):
     t0 = time.perf_counter()
     batch = next(tr.pipeline)
-    rb, stats = tr.rollout(batch, key)
+    ro = tr.rollout(batch, key)
+    rb, stats = ro.batch, ro.stats
     t1 = time.perf_counter()
     m = tr.update(rb)
     t2 = time.perf_counter()

@@ -107,7 +107,8 @@ def worker_lrmq(a) -> list[dict]:
             current["step"] = i
             compiles["s"], compiles["n"] = 0.0, 0
             c0, t0 = _cpu(), time.perf_counter()
-            rb, stats = tr.rollout(next(tr.pipeline), jax.random.fold_in(key, i))
+            ro = tr.rollout(next(tr.pipeline), jax.random.fold_in(key, i))
+            rb, stats = ro.batch, ro.stats
             t1 = time.perf_counter()
             tr.update(rb)
             t2 = time.perf_counter()

@@ -9,6 +9,8 @@ from lrmq.rl.advantages import ADVANTAGES, compute_advantages
 from lrmq.rl.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
+    LossBatch,
+    LossConfig,
     grpo_loss,
     policy_loss_terms,
     token_entropy,
@@ -155,7 +157,7 @@ def test_extreme_log_ratio_on_padding_stays_finite():
     logp = jnp.array([[0.0, 500.0]])
     old = jnp.array([[0.0, -500.0]])
     mask = jnp.array([[1.0, 0.0]])
-    f = lambda lp: grpo_loss(lp, old, jnp.array([-1.0]), mask, aggregation="token-mean")[0]
+    f = lambda lp: grpo_loss(lp, LossBatch(jnp.array([-1.0]), mask, old_logp=old), LossConfig(aggregation="token-mean"))[0]
     val, g = jax.value_and_grad(f)(logp)
     assert float(val) == pytest.approx(1.0)
     assert np.all(np.isfinite(g))
@@ -180,7 +182,8 @@ def test_kl_estimators_hand_values():
 def test_grpo_loss_with_kl_and_metrics():
     logp, old, adv, mask = _clip_case()
     ref = logp - jnp.log(2.0)  # logp - ref = log 2 everywhere
-    s, c, m = grpo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, aggregation="token-mean", beta=0.1, ref_logp=ref, kl_estimator="k1")
+    s, c, m = grpo_loss(logp, LossBatch(adv, mask, old_logp=old, ref_logp=ref),
+                        LossConfig(eps_low=0.2, eps_high=0.2, aggregation="token-mean", beta=0.1, kl_estimator="k1"))
     policy = np.array([[-1.2, -0.5, -1.1], [1.5, 0.8, 1.1]])
     assert float(s / c) == pytest.approx((policy + 0.1 * math.log(2)).mean(), rel=1e-5)
     mean = lambda k: float(m[k][0] / m[k][1])
@@ -193,10 +196,10 @@ def test_grpo_loss_with_kl_and_metrics():
 
 def test_grpo_loss_beta_zero_needs_no_reference():
     logp, old, adv, mask = _clip_case()
-    _, _, m = grpo_loss(logp, old, adv, mask)
+    _, _, m = grpo_loss(logp, LossBatch(adv, mask, old_logp=old))
     assert "kl" not in m
     with pytest.raises(ValueError):
-        grpo_loss(logp, old, adv, mask, beta=0.1)
+        grpo_loss(logp, LossBatch(adv, mask, old_logp=old), LossConfig(beta=0.1))
 
 
 def test_grpo_loss_on_policy_gradient():
@@ -204,12 +207,13 @@ def test_grpo_loss_on_policy_gradient():
     logp = jnp.array([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
     mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = jnp.array([2.0, -1.0])
-    f = lambda lp: (lambda s, c, _: s / c)(*grpo_loss(lp, None, adv, mask))
+    f = lambda lp: (lambda s, c, _: s / c)(*grpo_loss(lp, LossBatch(adv, mask)))
     val, g = jax.value_and_grad(f)(logp)
     assert float(val) == pytest.approx((-2.0 + 1.0) / 2)
     np.testing.assert_allclose(g, [[-0.5, -0.5, 0.0], [1 / 6, 1 / 6, 1 / 6]], rtol=1e-6)
     # Dr.GRPO constant normaliser: every valid token gets -A / (num_seq * max_len).
-    f = lambda lp: (lambda s, c, _: s / c)(*grpo_loss(lp, None, adv, mask, aggregation="drgrpo-constant", max_len=4))
+    f = lambda lp: (lambda s, c, _: s / c)(*grpo_loss(lp, LossBatch(adv, mask),
+                                                      LossConfig(aggregation="drgrpo-constant", max_len=4)))
     np.testing.assert_allclose(jax.grad(f)(logp), [[-0.25, -0.25, 0.0], [0.125, 0.125, 0.125]], rtol=1e-6)
 
 
@@ -255,7 +259,7 @@ def test_equal_rewards_are_not_counted_as_clipped():
     a = compute_advantages("grpo", np.full(8, 0.1, np.float32), 8)
     logp = jnp.full((8, 4), -1.0)
     old = logp - 1.0  # ratio e: far outside the clip range
-    _, _, m = grpo_loss(logp, old, a, jnp.ones((8, 4)))
+    _, _, m = grpo_loss(logp, LossBatch(a, jnp.ones((8, 4)), old_logp=old))
     assert float(m["clip_ratio/region_mean"][0]) == 0.0
 
 
@@ -279,8 +283,8 @@ def test_kl_bias_correction_matches_formula():
     beta = 0.5
 
     def ours(lp, corr):
-        s, c, _ = grpo_loss(lp, old, adv, mask, beta=beta, ref_logp=ref, kl_bias_correction=corr,
-                            aggregation="token-mean")
+        s, c, _ = grpo_loss(lp, LossBatch(adv, mask, old_logp=old, ref_logp=ref),
+                            LossConfig(beta=beta, kl_bias_correction=corr, aggregation="token-mean"))
         return s / c
 
     def formula(lp, corr):
@@ -303,12 +307,13 @@ def test_sequence_level_importance_is_gspo():
     loss, low, high = policy_loss_terms(logp, old, adv, mask, level="sequence")
     np.testing.assert_allclose(loss, [[-1.2] * 3, [0.8, 0.8, 0.0]], rtol=1e-6)
     assert low.shape == (2, 1) and high.tolist() == [[1.0], [0.0]] and low.tolist() == [[0.0], [1.0]]
-    s, c, m = grpo_loss(logp, old, adv, mask, importance_level="sequence")
+    s, c, m = grpo_loss(logp, LossBatch(adv, mask, old_logp=old), LossConfig(importance_level="sequence"))
     assert float(m["clip_ratio/region_mean"][1]) == 2.0  # counted per sequence, as TRL
     np.testing.assert_allclose(float(m["ratio"][0] / m["ratio"][1]), w.mean(), rtol=1e-6)
     # inside the clip range the gradient of a token is -A * w / |o_i| (per sequence-mean aggregation)
     old2 = logp - 0.05
-    f = lambda lp: (lambda s, c, _: s / c)(*grpo_loss(lp, old2, adv, mask, importance_level="sequence"))
+    f = lambda lp: (lambda s, c, _: s / c)(*grpo_loss(lp, LossBatch(adv, mask, old_logp=old2),
+                                                      LossConfig(importance_level="sequence")))
     g = np.asarray(jax.grad(f)(logp))
     wi = np.exp(0.05)
     np.testing.assert_allclose(g, [[-wi / 3 / 3 / 2 * 3] * 3, [wi / 2 / 2 / 2 * 2] * 2 + [0.0]], rtol=1e-5)

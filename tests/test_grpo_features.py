@@ -13,7 +13,7 @@ import pytest
 from test_train_modes import grpo_config, make_trainer, scratch_ckpt  # noqa: F401 (fixture)
 
 from lrmq import compile_cache
-from lrmq.rl.batch import RolloutBatch, bucket, bucketed_arrays, mask_rows, truncated_rows
+from lrmq.rl.batch import RolloutBatch, bucket, bucketed_batch, mask_rows, padded_batch, truncated_rows
 from lrmq.rl.rewards import REWARDS, score_completions
 from lrmq.rl.step import completion_logprobs
 
@@ -28,7 +28,7 @@ def _rollout(trainer):
 
     orig, trainer_mod.score_completions = trainer_mod.score_completions, digit_reward
     try:
-        return trainer.rollout(next(trainer.pipeline), jax.random.key(0))[0]
+        return trainer.rollout(next(trainer.pipeline), jax.random.key(0))
     finally:
         trainer_mod.score_completions = orig
 
@@ -50,15 +50,15 @@ def test_bucketed_update_equals_full_width(scratch_ckpt, tmp_path):
     cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"))
     cfg.rollout.update_padding = "max"  # prompts padded to max_prompt_len (the rollout buckets them otherwise)
     trainer = make_trainer(cfg)
-    rb = _rollout(trainer)
-    full, narrow = rb.arrays(), bucketed_arrays(rb)
-    assert narrow["tokens"].shape[1] < full["tokens"].shape[1]  # prompts of ~20 tokens in a 64 budget
+    rb = _rollout(trainer).batch
+    full, narrow = padded_batch(rb), bucketed_batch(rb)
+    assert narrow.tokens.shape[1] < full.tokens.shape[1]  # prompts of ~20 tokens in a 64 budget
     # the dropped columns are padding only
-    assert narrow["mask"].sum() == full["mask"].sum() and narrow["completion_mask"].sum() == full["completion_mask"].sum()
+    assert narrow.mask.sum() == full.mask.sum() and narrow.completion_mask.sum() == full.completion_mask.sum()
     out = {}
     for name, arrays in (("full", full), ("bucket", narrow)):
-        step = trainer.train_steps[True]
-        batch = {k: jnp.asarray(v) for k, v in arrays.items()}
+        step = trainer.train_steps["behaviour_logp"]
+        batch = jax.tree.map(jnp.asarray, arrays)
         tr, _, m = step(_copy(trainer.trainable), trainer.rest, _copy(trainer.opt_state), batch, None)
         out[name] = (_flat(tr), {k: float(v) for k, v in m.items()})
     np.testing.assert_allclose(out["bucket"][0], out["full"][0], rtol=1e-5, atol=1e-7)
@@ -77,22 +77,22 @@ def test_on_policy_first_update_replaces_the_old_logprob_forward(scratch_ckpt, t
     cfg.algo.old_logprobs, cfg.algo.num_iterations = "recompute", 2
     trainer = make_trainer(cfg)
     assert not hasattr(trainer, "logprob_fn")  # beta = 0: no reference and no old-log-prob program at all
-    rb = _rollout(trainer)
-    arrays = {k: jnp.asarray(v) for k, v in bucketed_arrays(rb).items()}
+    rb = _rollout(trainer).batch
+    arrays = jax.tree.map(jnp.asarray, bucketed_batch(rb))
 
     from flax import nnx
 
     @jax.jit
     def old_logprobs(trainable, a):
         model = nnx.merge(trainer.graphdef, trainable, trainer.rest)
-        return completion_logprobs(model, a["tokens"], a["mask"], a["completion"], cfg.rollout.temperature,
-                                   chunk=cfg.model.logits_chunk)[0] * a["completion_mask"]
+        return completion_logprobs(model, a.tokens, a.mask, a.completion, cfg.rollout.temperature,
+                                   chunk=cfg.model.logits_chunk)[0] * a.completion_mask
 
     old = old_logprobs(trainer.trainable, arrays)
-    ref_batch = dict(arrays, old_logp=old)
+    ref_batch = arrays.replace(old_logp=old)
     tr, opt = _copy(trainer.trainable), _copy(trainer.opt_state)
     for _ in range(2):
-        tr, opt, want = trainer.train_steps[True](tr, trainer.rest, opt, ref_batch, None)
+        tr, opt, want = trainer.train_steps["old_logp"](tr, trainer.rest, opt, ref_batch, None)
     expected = _flat(tr)
 
     got = trainer.update(rb)
@@ -114,19 +114,20 @@ def test_truncated_rows_and_masking():
     np.testing.assert_array_equal(truncated_rows(comp, lengths, eos), [True, False, False, False])
     s, n = 4, 4
     rb = RolloutBatch(tokens=np.ones((s, 2 + n), np.int32), mask=np.ones((s, 2 + n), np.int32), completion=comp,
-                      completion_mask=np.ones((s, n), np.float32), old_logp=-np.ones((s, n), np.float32),
+                      completion_mask=np.ones((s, n), np.float32), behaviour_logp=-np.ones((s, n), np.float32),
                       advantages=np.ones(s, np.float32), rewards=np.zeros(s, np.float32))
     out = mask_rows(rb, truncated_rows(comp, lengths, eos))
     assert out.completion_mask[0].sum() == 0 and out.completion_mask[1:].sum() == 12
-    assert out.old_logp[0].sum() == 0 and out.mask.sum() == rb.mask.sum()  # attention untouched
+    assert out.behaviour_logp[0].sum() == 0 and out.mask.sum() == rb.mask.sum()  # attention untouched
 
 
 def test_mask_truncated_completions_in_the_trainer(scratch_ckpt, tmp_path):
     cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"))
     cfg.algo.mask_truncated_completions = True
     trainer = make_trainer(cfg)
-    rb = _rollout(trainer)
-    cut = np.array([r["truncated"] for r in trainer.last_completions])
+    ro = _rollout(trainer)
+    rb = ro.batch
+    cut = np.array([r["truncated"] for r in ro.completions])
     assert cut.any()  # an untrained model rarely stops within 8 tokens
     assert np.all(rb.completion_mask[cut].sum(1) == 0)
     assert np.all(rb.completion_mask[~cut].sum(1) > 0)
@@ -160,7 +161,7 @@ def test_weighted_rewards_are_summed_and_logged(scratch_ckpt, tmp_path):
     total, parts, info = trainer.score(texts, answers, lengths)
     np.testing.assert_allclose(parts["boxed_exact"], [1.1, 0.1, 0.0])
     np.testing.assert_allclose(total, 2 * parts["boxed_exact"] - 0.5 * lengths / 8 + parts["format"], rtol=1e-6)
-    _, stats = trainer.rollout(next(trainer.pipeline), jax.random.key(0))
+    stats = trainer.rollout(next(trainer.pipeline), jax.random.key(0)).stats
     assert {"reward/boxed_exact", "reward/length_penalty", "reward/format"} <= set(stats)
 
 

@@ -11,7 +11,7 @@ from conftest import assert_adam_step_close
 from test_train_modes import grpo_config, make_trainer, scratch_ckpt  # noqa: F401 (fixture)
 
 from lrmq.model.decoder import positions_from_mask
-from lrmq.rl.batch import RolloutBatch, ladder_choice, mask_rows, packed_arrays, packed_ladder, row_bucket
+from lrmq.rl.batch import RolloutBatch, ladder_choice, mask_rows, packed_batch, packed_ladder, row_bucket
 
 
 def test_row_bucket_quarter_octaves():
@@ -45,17 +45,17 @@ def test_packed_layout_at_a_fixed_width_and_ladder_shape(n_micro, groups):
     s, n = rb.completion.shape
     k_loc = s // n_micro // groups
     ladder = packed_ladder(k_loc, k_loc * n, 3)
-    own = packed_arrays(rb, n_micro=n_micro, groups=groups)
-    wide = packed_arrays(rb, n_micro=n_micro, groups=groups, choose_shape=ladder_choice(ladder), width=40)
-    assert wide["tokens"].shape[1] == 40
-    r, t = wide["tokens"].shape[0] // (n_micro * groups), wide["src"].shape[1]
+    own = packed_batch(rb, n_micro=n_micro, groups=groups)
+    wide = packed_batch(rb, n_micro=n_micro, groups=groups, choose_shape=ladder_choice(ladder), width=40)
+    assert wide.tokens.shape[1] == 40
+    r, t = wide.tokens.shape[0] // (n_micro * groups), wide.src.shape[1]
     assert (r, t) in ladder
     # every needed (sequence, position) -> target appears once in both layouts
-    pairs = lambda a: sorted((int(d) + g * 10_000, int(x)) for g in range(a["dest"].shape[0])
-                             for d, x in zip(a["dest"][g], a["target"][g]) if d != k_loc * n)
+    pairs = lambda a: sorted((int(d) + g * 10_000, int(x)) for g in range(a.dest.shape[0])
+                             for d, x in zip(a.dest[g], a.target[g]) if d != k_loc * n)
     assert pairs(own) == pairs(wide)
     with pytest.raises(ValueError, match="packed width"):
-        packed_arrays(rb, width=rb.tokens.shape[1] - 1)
+        packed_batch(rb, width=rb.tokens.shape[1] - 1)
 
 
 def _random_batch(rng, s=12, p=10, n=9):
@@ -70,7 +70,7 @@ def _random_batch(rng, s=12, p=10, n=9):
         mask[i, p:p + lengths[i]] = 1
     cmask = (np.arange(n)[None] < lengths[:, None]).astype(np.float32)
     rb = RolloutBatch(tokens=tokens, mask=mask, completion=tokens[:, p:].copy(), completion_mask=cmask,
-                      old_logp=-cmask, advantages=rng.normal(size=s).astype(np.float32), rewards=np.zeros(s, np.float32))
+                      behaviour_logp=-cmask, advantages=rng.normal(size=s).astype(np.float32), rewards=np.zeros(s, np.float32))
     return mask_rows(rb, rng.random(s) < 0.2)  # some rows masked out (truncated completions)
 
 
@@ -79,21 +79,21 @@ def test_packed_layout_holds_every_needed_token_once(n_micro, groups):
     rng = np.random.default_rng(n_micro * 10 + groups)
     rb = _random_batch(rng)
     p, (s, n) = 10, rb.completion.shape
-    a = packed_arrays(rb, n_micro=n_micro, groups=groups)
-    w = a["tokens"].shape[1]
-    r = a["tokens"].shape[0] // (n_micro * groups)
+    a = packed_batch(rb, n_micro=n_micro, groups=groups)
+    w = a.tokens.shape[1]
+    r = a.tokens.shape[0] // (n_micro * groups)
     k_loc = s // n_micro // groups
-    assert a["tokens"].shape[0] == n_micro * groups * r and a["src"].shape[0] == groups * n_micro
+    assert a.tokens.shape[0] == n_micro * groups * r and a.src.shape[0] == groups * n_micro
     # positions restart at 0 in each segment and run contiguously; padding has position -1 and segment 0
-    assert np.all((a["positions"] < 0) == (a["segments"] == 0))
+    assert np.all((a.positions < 0) == (a.segments == 0))
     seen = np.zeros((s, n), int)
     for i in range(n_micro):
         for d in range(groups):
             rows = [(d * r + q) * n_micro + i for q in range(r)]
-            flat_tok = a["tokens"][rows].ravel()
-            flat_seg, flat_pos = a["segments"][rows].ravel(), a["positions"][rows].ravel()
+            flat_tok = a.tokens[rows].ravel()
+            flat_seg, flat_pos = a.segments[rows].ravel(), a.positions[rows].ravel()
             g = d * n_micro + i
-            for src, tgt, dst in zip(a["src"][g], a["target"][g], a["dest"][g]):
+            for src, tgt, dst in zip(a.src[g], a.target[g], a.dest[g]):
                 if dst == k_loc * n:
                     continue
                 local, j = divmod(int(dst), n)
@@ -112,7 +112,7 @@ def test_packed_layout_holds_every_needed_token_once(n_micro, groups):
 def test_packed_layout_rejects_uneven_groups():
     rb = _random_batch(np.random.default_rng(0), s=12)
     with pytest.raises(ValueError, match="12 sequences"):
-        packed_arrays(rb, n_micro=5)
+        packed_batch(rb, n_micro=5)
 
 
 def _flat(tree):
@@ -134,7 +134,7 @@ def test_packed_update_equals_padded(scratch_ckpt, tmp_path, scan=True):
     trainer = make_trainer(cfg)
     orig, trainer_mod.score_completions = trainer_mod.score_completions, digit_reward
     try:
-        rb = trainer.rollout(next(trainer.pipeline), jax.random.key(1))[0]
+        rb = trainer.rollout(next(trainer.pipeline), jax.random.key(1)).batch
     finally:
         trainer_mod.score_completions = orig
     rb = mask_rows(rb, np.arange(rb.num_sequences) == 3)
@@ -142,11 +142,11 @@ def test_packed_update_equals_padded(scratch_ckpt, tmp_path, scan=True):
     out = {}
     for layout in ("bucket", "pack"):
         trainer.cfg.rollout.update_padding = layout
-        arrays = trainer.update_arrays(rb)
-        assert ("segments" in arrays) == (layout == "pack")
-        batch = {k: jnp.asarray(v) for k, v in arrays.items()}
+        arrays = trainer.update_batch(rb)
+        assert arrays.layout == layout and (arrays.segments is not None) == (layout == "pack")
+        batch = jax.tree.map(jnp.asarray, arrays)
         ref = trainer.logprob_fn(trainer.ref_trainable, trainer.rest, batch)
-        tr, _, m = trainer.train_steps[False](jax.tree.map(jnp.copy, start[0]), trainer.rest,
+        tr, _, m = trainer.train_steps["own"](jax.tree.map(jnp.copy, start[0]), trainer.rest,
                                               jax.tree.map(jnp.copy, start[1]), batch, ref)
         n = rb.completion.shape[1]
         cm = rb.completion_mask

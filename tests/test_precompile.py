@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_train_config
-from lrmq.rl.batch import RolloutBatch, bucketed_arrays, mask_rows, packed_arrays
+from lrmq.rl.batch import RolloutBatch, bucketed_batch, mask_rows, packed_batch, padded_batch
 from lrmq.rl.precompile import abstract_update, batch_key, packed_chooser, update_shapes
 from lrmq.sharding import make_mesh
 
@@ -31,7 +31,7 @@ def _rollout_batch(rng, s, prompt_cols, n, max_prompt):
         mask[i, prompt_cols:prompt_cols + lengths[i]] = 1
     cmask = (np.arange(n)[None] < lengths[:, None]).astype(np.float32)
     rb = RolloutBatch(tokens=tokens, mask=mask, completion=tokens[:, prompt_cols:].copy(), completion_mask=cmask,
-                      old_logp=-cmask, advantages=rng.normal(size=s).astype(np.float32), rewards=np.zeros(s, np.float32))
+                      behaviour_logp=-cmask, advantages=rng.normal(size=s).astype(np.float32), rewards=np.zeros(s, np.float32))
     return mask_rows(rb, rng.random(s) < 0.1)
 
 
@@ -68,13 +68,13 @@ def test_host_layouts_only_make_precompiled_shapes(tmp_path, layout, micro):
         cols = r.max_prompt_len if layout == "max" else min(max(16, 1 << (longest - 1).bit_length()), r.max_prompt_len)
         rb = _rollout_batch(rng, 16, cols, r.max_new_tokens, longest)
         if layout == "pack":
-            arrays = packed_arrays(rb, n_micro=n_micro, choose_shape=packed_chooser(shapes),
+            arrays = packed_batch(rb, n_micro=n_micro, choose_shape=packed_chooser(shapes),
                                    width=r.max_prompt_len + r.max_new_tokens)
             ref = np.zeros((16, r.max_new_tokens), np.float32)
         else:
-            arrays = bucketed_arrays(rb) if layout == "bucket" else rb.arrays()
-            ref = np.zeros(arrays["completion"].shape, np.float32)
-        assert batch_key(arrays, ref) in keys, (trial, {k: v.shape for k, v in arrays.items()})
+            arrays = bucketed_batch(rb) if layout == "bucket" else padded_batch(rb)
+            ref = np.zeros(arrays.completion.shape, np.float32)
+        assert batch_key(arrays, ref) in keys, (trial, arrays.shapes())
 
 
 @pytest.mark.slow(reason="the shapes are the point: every update shape compiled, then tiny-model steps checked to compile none")

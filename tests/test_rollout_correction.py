@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lrmq.rl.losses import AGGREGATIONS, ROLLOUT_CORRECTIONS, grpo_loss, rollout_mismatch_metrics
+from lrmq.rl.losses import AGGREGATIONS, ROLLOUT_CORRECTIONS, LossBatch, LossConfig, grpo_loss, rollout_mismatch_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE = os.path.join(REPO, "tests", "fixtures", "trl_rollout_correction_reference.json")
@@ -109,11 +109,12 @@ def test_loss_is_the_weighted_policy_term_plus_unweighted_kl(aggregation, name):
     sampler = old - jnp.asarray(LOG_RATIO)
     ref = logp + 0.3
     adv = jnp.asarray([1.0, -0.5, 0.7, 0.2, -1.2])
-    kw = dict(aggregation=aggregation, beta=0.04, ref_logp=ref, max_len=6)
+    kw = dict(aggregation=aggregation, beta=0.04, max_len=6)
 
     def with_correction(lp):
-        s, c, m = grpo_loss(lp, old, adv, MASK, rollout_correction=name, rollout_logp=sampler,
-                            rollout_correction_cap=1.5, rollout_correction_min=0.5, **kw)
+        s, c, m = grpo_loss(lp, LossBatch(adv, MASK, old_logp=old, behaviour_logp=sampler, ref_logp=ref),
+                            LossConfig(rollout_correction=name, rollout_correction_cap=1.5,
+                                       rollout_correction_min=0.5, **kw))
         return s / c, m
 
     def by_hand(lp):
@@ -141,8 +142,8 @@ def test_on_policy_first_update_weights_by_its_own_logprobs():
     logp = jnp.asarray(RNG.normal(-2, 0.5, (5, 6)), jnp.float32)
     sampler = logp - jnp.asarray(LOG_RATIO)
     adv = jnp.asarray([1.0, -0.5, 0.7, 0.2, -1.2])
-    f = lambda lp, old: grpo_loss(lp, old, adv, MASK, rollout_correction="token_truncate", rollout_logp=sampler,
-                                  rollout_correction_cap=1.5)[0]
+    f = lambda lp, old: grpo_loss(lp, LossBatch(adv, MASK, old_logp=old, behaviour_logp=sampler),
+                                  LossConfig(rollout_correction="token_truncate", rollout_correction_cap=1.5))[0]
     g_none = jax.grad(f)(logp, None)
     g_old = jax.grad(f)(logp, jax.lax.stop_gradient(logp))
     np.testing.assert_array_equal(np.asarray(g_none), np.asarray(g_old))
@@ -188,13 +189,13 @@ def _lrmq_loss(model, batch, case):
     def loss_fn(params):
         m = nnx.merge(graphdef, params, rest)
         logp, _ = completion_logprobs(m, tokens, mask, b["completion_ids"].astype(jnp.int32), case["temperature"])
-        s, c, metrics = grpo_loss(logp, old, b["advantages"], cmask, eps_low=case["epsilon_low"],
-                                  eps_high=case["epsilon_high"], aggregation=AGGREGATION[case["loss_type"]],
-                                  beta=case["beta"], ref_logp=ref, kl_bias_correction=case["use_bias_correction_kl"],
-                                  importance_level=case["importance_sampling_level"], max_len=cmask.shape[1],
-                                  rollout_correction=case["mode"], rollout_logp=sampler,
-                                  rollout_correction_cap=case["clip_max"],
-                                  rollout_correction_min=case["clip_min"] or 0.0)
+        s, c, metrics = grpo_loss(logp, LossBatch(b["advantages"], cmask, old_logp=old, behaviour_logp=sampler,
+                                                  ref_logp=ref), LossConfig(
+            eps_low=case["epsilon_low"], eps_high=case["epsilon_high"], aggregation=AGGREGATION[case["loss_type"]],
+            beta=case["beta"], kl_bias_correction=case["use_bias_correction_kl"],
+            importance_level=case["importance_sampling_level"], max_len=cmask.shape[1],
+            rollout_correction=case["mode"], rollout_correction_cap=case["clip_max"],
+            rollout_correction_min=case["clip_min"] or 0.0))
         return s / c, metrics
 
     (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
@@ -253,8 +254,8 @@ def test_reference_is_what_trl_computes_now(tmp_path, reference):
 # ----------------------------------------------------------------------------- the step
 
 
-def _legacy_loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg, use_old):
-    """lrmq.rl.step._loss_fn as it was before the rollout correction existed (commit 9974a22)."""
+def _legacy_loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg, old_from):
+    """lrmq.rl.step._loss_fn as it was before the rollout correction existed (commit 9974a22), in today's types."""
     from flax import nnx
 
     from lrmq.rl.step import batch_logprobs
@@ -262,13 +263,14 @@ def _legacy_loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg, u
     a = cfg.algo
     logp, ent = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
                                chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
-    loss_sum, _, metrics = grpo_loss(logp, mb["old_logp"] if use_old else None, mb["advantages"],
-                                     mb["completion_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
-                                     aggregation=a.loss_aggregation, beta=a.beta, ref_logp=ref_logp,
-                                     kl_estimator=a.kl_estimator, kl_bias_correction=a.kl_bias_correction,
-                                     importance_level=a.importance_sampling, max_len=cfg.rollout.max_new_tokens,
-                                     policy_loss=a.policy_loss)
-    m = mb["completion_mask"]
+    old = {"behaviour_logp": mb.behaviour_logp, "own": None, "old_logp": mb.old_logp}[old_from]
+    loss_sum, _, metrics = grpo_loss(logp, LossBatch(mb.advantages, mb.completion_mask, old_logp=old, ref_logp=ref_logp),
+                                     LossConfig(eps_low=a.eps_low, eps_high=a.eps_high, aggregation=a.loss_aggregation,
+                                                beta=a.beta, kl_estimator=a.kl_estimator,
+                                                kl_bias_correction=a.kl_bias_correction,
+                                                importance_level=a.importance_sampling,
+                                                max_len=cfg.rollout.max_new_tokens, policy_loss=a.policy_loss))
+    m = mb.completion_mask
     metrics["entropy"] = ((jax.lax.stop_gradient(ent) * m).sum(), m.sum())
     return loss_sum / total_count, (loss_sum, metrics, jax.lax.stop_gradient(logp))
 
@@ -278,7 +280,7 @@ def _step_setup(tmp_path, **algo):
 
     from conftest import tiny_train_config
     from lrmq.checkpoint.load import load_model, resolve_checkpoint
-    from lrmq.rl.batch import RolloutBatch
+    from lrmq.rl.batch import RolloutBatch, padded_batch
     from lrmq.rl.step import make_optimizer
     cfg = tiny_train_config(str(tmp_path), rollout={"prompts_per_step": 2, "group_size": 2, "max_prompt_len": 8,
                                                     "max_new_tokens": 8, "update_padding": "max"},
@@ -293,9 +295,9 @@ def _step_setup(tmp_path, **algo):
     cmask = (np.arange(n)[None] < lengths[:, None]).astype(np.float32)
     mask = np.concatenate([np.ones((s, p), np.int32), cmask.astype(np.int32)], 1)
     rb = RolloutBatch(tokens=tokens, mask=mask, completion=tokens[:, p:].copy(), completion_mask=cmask,
-                      old_logp=(-3.0 + rng.normal(0, 0.5, (s, n)).astype(np.float32)) * cmask,
+                      behaviour_logp=(-3.0 + rng.normal(0, 0.5, (s, n)).astype(np.float32)) * cmask,
                       advantages=np.array([1.0, -1.0, 0.5, -0.5], np.float32), rewards=np.zeros(s, np.float32))
-    batch = {k: jnp.asarray(v) for k, v in rb.arrays().items()}
+    batch = jax.tree.map(jnp.asarray, padded_batch(rb))
     return cfg, graphdef, trainable, rest, tx, batch
 
 
@@ -306,24 +308,24 @@ def test_none_is_bit_identical_to_the_step_without_the_feature(tmp_path, monkeyp
     optimizer state, loss, gradient norm and every metric that existed before are bit for bit those of the step
     as it was; the only difference is the added mismatch/* metrics."""
     import lrmq.rl.step as step_mod
-    from lrmq.rl.step import METRIC_NAMES, make_train_step, uses_rollout_logprobs
+    from lrmq.rl.step import METRIC_NAMES, make_train_step, old_logprob_sources
     results = {}
     for variant in ("legacy", "none", "auto"):
         cfg, graphdef, trainable, rest, tx, batch = _step_setup(
-            tmp_path, old_logprobs=old_logprobs, rollout_correction="none" if variant == "legacy" else variant)
+            tmp_path, old_logprobs=old_logprobs, rollout_correction="none" if variant == "legacy" else variant,
+            num_iterations=2)
         with monkeypatch.context() as mp:
             if variant == "legacy":
                 mp.setattr(step_mod, "_loss_fn", _legacy_loss_fn)
                 mp.setattr(step_mod, "_metric_names", lambda c: METRIC_NAMES)
-            use_old = uses_rollout_logprobs(cfg)
-            assert use_old == (old_logprobs == "rollout")
+            sources = old_logprob_sources(cfg)
+            assert sources == (("behaviour_logp",) * 2 if old_logprobs == "rollout" else ("own", "old_logp"))
             tr, opt = trainable, tx.init(trainable)
-            for _ in range(2):  # mu = 2, as the trainer runs it
-                step = make_train_step(graphdef, cfg, tx, use_old=use_old)
+            for old_from in sources:  # mu = 2, as the trainer runs it
+                step = make_train_step(graphdef, cfg, tx, old_from=old_from)
                 tr, opt, out = step(jax.tree.map(jnp.copy, tr), rest, jax.tree.map(jnp.copy, opt), batch, None)
-                if not use_old:
-                    batch = dict(batch, old_logp=out.pop("logp") * batch["completion_mask"])
-                    use_old = True
+                if old_from == "own":
+                    batch = batch.replace(old_logp=out.pop("logp") * batch.completion_mask)
         results[variant] = (jax.tree.leaves(tr), jax.tree.leaves(opt), jax.device_get(out))
     legacy = results["legacy"]
     for variant in ("none", "auto"):
@@ -338,23 +340,26 @@ def test_none_is_bit_identical_to_the_step_without_the_feature(tmp_path, monkeyp
 
 def test_correction_step_mu2(tmp_path):
     """A correction on: the first update is on-policy (no old-log-prob forward) and weighs by its own log-probs
-    against the batch's rollout_logp; the second divides by the first's log-probs and keeps the same weights, so
+    against the batch's behaviour_logp; the second divides by the first's log-probs and keeps the same weights, so
     the mismatch metrics of both updates agree."""
     from lrmq.rl.precompile import abstract_update, batch_key, update_shapes
-    from lrmq.rl.step import make_train_step, uses_rollout_logprobs
+    from lrmq.rl.step import make_train_step, old_logprob_sources
     from lrmq.sharding import make_mesh
     cfg, graphdef, trainable, rest, tx, batch = _step_setup(tmp_path, rollout_correction="token_truncate",
-                                                            rollout_correction_cap=1.2, rollout_correction_min=0.9)
-    assert not uses_rollout_logprobs(cfg)  # old_logprobs=rollout, but the ratio's denominator is the learner's
-    batch["rollout_logp"] = batch["old_logp"]
+                                                            rollout_correction_cap=1.2, rollout_correction_min=0.9,
+                                                            num_iterations=2)
+    # old_logprobs=rollout, but the ratio's denominator is the learner's
+    assert old_logprob_sources(cfg) == ("own", "old_logp")
     mesh = make_mesh()
-    assert batch_key(batch) == batch_key(abstract_update(cfg, update_shapes(cfg, 1)[0], mesh)[0])
+    shape = update_shapes(cfg, 1)[0]
+    assert batch_key(batch) == batch_key(abstract_update(cfg, shape, mesh)[0])
     tr, opt = trainable, tx.init(trainable)
-    tr, opt, first = make_train_step(graphdef, cfg, tx, use_old=False)(tr, rest, opt, batch, None)
+    tr, opt, first = make_train_step(graphdef, cfg, tx, old_from="own")(tr, rest, opt, batch, None)
     assert float(first["ratio"]) == 1.0
     assert 0 < float(first["mismatch/corrected_frac"]) <= 1
-    batch = dict(batch, old_logp=first.pop("logp") * batch["completion_mask"])
-    tr, opt, second = make_train_step(graphdef, cfg, tx, use_old=True)(tr, rest, opt, batch, None)
+    batch = batch.replace(old_logp=first.pop("logp") * batch.completion_mask)
+    assert batch_key(batch) == batch_key(abstract_update(cfg, shape, mesh, old_logp=True)[0])
+    tr, opt, second = make_train_step(graphdef, cfg, tx, old_from="old_logp")(tr, rest, opt, batch, None)
     assert float(second["ratio"]) != 1.0
     for k in ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/chi2_token", "mismatch/weight_mean",
               "mismatch/corrected_frac"):

@@ -179,7 +179,7 @@ def test_config_refuses(tmp_path, sections, match):
 
 
 def test_auto_correction_turns_on_with_a_quantized_rollout(tmp_path):
-    from lrmq.rl.step import rollout_correction
+    rollout_correction = lambda cfg: cfg.loss_config().rollout_correction  # noqa: E731
 
     assert rollout_correction(tiny_train_config(str(tmp_path))) == "none"
     assert rollout_correction(tiny_train_config(str(tmp_path), rollout={"quant": "int8"})) == "sequence_mask"

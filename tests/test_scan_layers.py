@@ -133,10 +133,13 @@ def test_scanned_program_holds_one_layer_body():
     assert scan6 == scan2 and loop6 > loop2
 
 
-def test_scan_refuses_a_cache():
-    from lrmq.generation.paged import PagedCache, pool_shape
+def test_scan_is_an_option_of_the_forward_without_a_cache():
+    """`scan` belongs to `hidden`, which takes no cache; the cached forward (prefill, decoding) is `hidden_runs`,
+    which always scans its layer runs and has no such option, so the two cannot be combined."""
+    import inspect
 
     model = _model()
-    cache = PagedCache(jnp.zeros(pool_shape(model.cfg, 2, 4)), jnp.ones((1, 1), jnp.int32), jnp.ones((1,), bool))
-    with pytest.raises(ValueError, match="scan"):
-        model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache, scan=True)
+    assert "cache" not in inspect.signature(model.hidden).parameters
+    assert "scan" not in inspect.signature(model.hidden_runs).parameters
+    with pytest.raises(TypeError):
+        model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), object(), scan=True)

@@ -65,13 +65,16 @@ def test_micro_batches_are_strided_and_cover_every_row_once():
     assert mb.tolist() == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
 
 
-def test_remat_refuses_a_cache():
-    from lrmq.generation.paged import PagedCache, pool_shape
+def test_remat_is_an_option_of_the_forward_without_a_cache():
+    """`remat` (and packed `segments`) belong to `hidden`, which takes no cache; the cached forward is
+    `hidden_runs`, which has neither option, so a cached forward is never rematerialised."""
+    import inspect
 
     model = _model()
-    cache = PagedCache(jnp.zeros(pool_shape(model.cfg, 2, 8)), jnp.ones((1, 1), jnp.int32), jnp.ones((1,), bool))
-    with pytest.raises(ValueError, match="remat"):
-        model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache, remat="full")
+    assert "cache" not in inspect.signature(model.hidden).parameters
+    assert not {"remat", "segments"} & set(inspect.signature(model.hidden_runs).parameters)
+    with pytest.raises(TypeError):
+        model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), object(), remat="full")
 
 
 def test_sharded_layouts_on_8_devices(multi_device_run):

@@ -90,10 +90,10 @@ def run_steps(trainer, n: int, *, dense_reward: bool = True) -> list[dict]:
         trainer_mod.score_completions = digit_reward
     try:
         for _ in range(n):
-            rb, stats = trainer.rollout(next(trainer.pipeline), jax.random.fold_in(key, trainer.step))
-            m = trainer.update(rb)
+            ro = trainer.rollout(next(trainer.pipeline), jax.random.fold_in(key, trainer.step))
+            m = trainer.update(ro.batch)
             trainer.step += 1
-            out.append({**stats, **m})
+            out.append({**ro.stats, **m})
     finally:
         trainer_mod.score_completions = orig
     return out

@@ -20,7 +20,7 @@ from flax import nnx
 
 from lrmq.checkpoint.hf import hf_tensors
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
-from lrmq.rl.losses import grpo_loss
+from lrmq.rl.losses import LossBatch, LossConfig, grpo_loss
 from lrmq.rl.step import completion_logprobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,10 +61,10 @@ def lrmq_loss(model, batch, case):
         m = nnx.merge(graphdef, params, rest)
         logp, ent = completion_logprobs(m, tokens, mask, b["completion_ids"].astype(jnp.int32),
                                         case["temperature"])
-        s, c, metrics = grpo_loss(logp, old, b["advantages"], cmask, eps_low=case["epsilon_low"],
-                                  eps_high=case["epsilon_high"], aggregation=AGGREGATION[case["loss_type"]],
-                                  beta=case["beta"], ref_logp=ref, kl_bias_correction=case["use_bias_correction_kl"],
-                                  importance_level=case["importance_sampling_level"], max_len=cmask.shape[1])
+        s, c, metrics = grpo_loss(logp, LossBatch(b["advantages"], cmask, old_logp=old, ref_logp=ref), LossConfig(
+            eps_low=case["epsilon_low"], eps_high=case["epsilon_high"], aggregation=AGGREGATION[case["loss_type"]],
+            beta=case["beta"], kl_bias_correction=case["use_bias_correction_kl"],
+            importance_level=case["importance_sampling_level"], max_len=cmask.shape[1]))
         metrics["entropy"] = ((ent * cmask).sum(), cmask.sum())
         return s / c, metrics
 

@@ -156,7 +156,8 @@ class Embed(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Causal LM. `__call__(tokens, positions)` -> logits; with a KVCache it also returns the new cache."""
+    """Causal LM. `__call__(tokens, positions)` -> logits and `hidden` for training and scoring forwards;
+    `hidden_runs` for prefill and decoding with a paged cache (`lrmq.generation.engine`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -170,21 +171,17 @@ class Decoder(nnx.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, axes=("embed", "vocab"),
                                   dtype=dt, param_dtype=pdt, rngs=rngs)
 
-    def hidden(self, tokens, positions, cache=None, *, remat: str = "none", scan: bool = False, segments=None):
-        """Final-norm hidden states [B, T, D] (and the updated cache, None without one).
+    def hidden(self, tokens, positions, *, remat: str = "none", scan: bool = False, segments=None):
+        """Final-norm hidden states [B, T, D] of a forward without a cache, and None (where `hidden_runs` returns
+        its cache). Prefill and decoding with a paged cache go through `hidden_runs`, which takes none of these
+        training options.
 
-        cache: a paged cache (`lrmq.generation.paged.PagedCache`) for prefill and decoding; the layers then
-        run as `lax.scan`s over their stacked weights (see `layer_runs`).
         remat: "none" | "full" | "dots" (REMAT_POLICIES): recompute each layer in the backward pass
-        instead of keeping its activations (training without a cache only).
-        scan: run runs of identical layers as one `lax.scan` over their stacked states (training without
-        a cache only): the program holds one layer body instead of num_layers copies, so deep models
-        compile in a fraction of the time, for one transient copy of the stacked weights.
-        segments: [B, T] ids of sequences packed into one row (training without a cache only; see `attend`)."""
-        if (remat != "none" or scan or segments is not None) and cache is not None:
-            raise ValueError("remat, scan and segments apply to training forwards, not to cached decoding")
-        if cache is not None:
-            return self.hidden_runs(layer_runs(self.layers), tokens, positions, cache)
+        instead of keeping its activations.
+        scan: run runs of identical layers as one `lax.scan` over their stacked states: the program holds one
+        layer body instead of num_layers copies, so deep models compile in a fraction of the time, for one
+        transient copy of the stacked weights.
+        segments: [B, T] ids of sequences packed into one row (see `attend`)."""
         x = self.embed_tokens(tokens)
         policy = REMAT_POLICIES[remat] if remat != "none" else None
         if scan:
@@ -199,8 +196,10 @@ class Decoder(nnx.Module):
         return self.final_norm(x), None
 
     def hidden_runs(self, runs, tokens, positions, cache):
-        """`hidden` with a cache over layers already stacked by `layer_runs` (a decode loop stacks, and
-        lays out, its weights once, outside the loop)."""
+        """(final-norm hidden states, the updated cache) of a forward with a paged cache
+        (`lrmq.generation.paged.PagedCache`: prefill writes it, decoding also attends through it) over layers
+        already stacked by `layer_runs` (a decode loop stacks, and lays out, its weights once, outside the loop),
+        each run a `lax.scan`."""
         x = self.embed_tokens(tokens)
         for run in runs:
             def body(carry, xs, graphdef=run.graphdef):
@@ -221,12 +220,11 @@ class Decoder(nnx.Module):
             return jnp.einsum("btd,vd->btv", h, w)
         return self.lm_head(h)
 
-    def __call__(self, tokens, positions=None, cache=None):
+    def __call__(self, tokens, positions=None):
+        """Logits [B, T, V] (positions default to 0..T-1)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        h, new_cache = self.hidden(tokens, positions, cache)
-        logits = self.logits(h)
-        return logits if cache is None else (logits, new_cache)
+        return self.logits(self.hidden(tokens, positions)[0])
 
 
 def _remat_layer(policy):

@@ -1,12 +1,17 @@
-"""Rollout batches: prompts + sampled completions -> the fixed-shape arrays the train step consumes."""
+"""Rollout batches: prompts + sampled completions (`RolloutBatch`, host) -> the update batch the compiled step
+consumes (`UpdateBatch`, in one of three layouts: `padded_batch`, `bucketed_batch`, `packed_batch`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from flax import struct
+
+LAYOUTS = ("pack", "bucket", "max")  # rollout.update_padding
 
 
 @dataclass
@@ -17,7 +22,7 @@ class RolloutBatch:
     mask: np.ndarray  # [S, P+N] int32: 1 on real prompt and completion tokens
     completion: np.ndarray  # [S, N] int32
     completion_mask: np.ndarray  # [S, N] float32
-    old_logp: np.ndarray  # [S, N] float32: rollout log-probs (the importance-ratio denominator)
+    behaviour_logp: np.ndarray  # [S, N] float32: the sampler's log-probs of the completion (0 on padding)
     advantages: np.ndarray  # [S] float32
     rewards: np.ndarray  # [S] float32
 
@@ -30,9 +35,68 @@ class RolloutBatch:
         """P: the prompt columns (the rollout pads prompts to a bucket of its longest, not max_prompt_len)."""
         return self.tokens.shape[1] - self.completion.shape[1]
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {"tokens": self.tokens, "mask": self.mask, "completion": self.completion,
-                "completion_mask": self.completion_mask, "old_logp": self.old_logp, "advantages": self.advantages}
+
+
+@struct.dataclass
+class UpdateBatch:
+    """One update's batch, host arrays or device arrays (a pytree; `layout` is static), S sequences of N
+    completion columns.
+
+    Every layout: `completion_mask` [S, N] float32, `behaviour_logp` [S, N] float32 (the sampler's log-probs,
+    never replaced), `advantages` [S] float32, and `old_logp` [S, N] float32 or None: pi_old, the policy's
+    log-probs at the start of the update when they are not the sampler's or the update's own forward (the first
+    update's, handed to the later ones; `step.old_logprob_sources` says which the update divides by).
+    max / bucket (padded): `tokens` / `mask` [S, P + N] int32, `completion` [S, N] int32 (bucket: P and N cut to
+    the batch's power-of-two buckets). pack: `tokens` / `positions` / `segments` [rows, W] int32 and `src` /
+    `target` / `dest` [groups x micro-batches, slots] int32 (see `packed_batch`)."""
+
+    layout: str = struct.field(pytree_node=False)  # one of LAYOUTS
+    tokens: Any
+    completion_mask: Any
+    behaviour_logp: Any
+    advantages: Any
+    mask: Any = None
+    completion: Any = None
+    positions: Any = None
+    segments: Any = None
+    src: Any = None
+    target: Any = None
+    dest: Any = None
+    old_logp: Any = None
+
+    @staticmethod
+    def field_shapes(layout: str, *, sequences: int, completion: int, width: int, rows: int = 0, groups: int = 0,
+                     slots: int = 0, old_logp: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """{field: (shape, dtype)} of a batch of `layout`: S = `sequences`, N = `completion` columns, `width`
+        token columns; pack: `rows` token rows and `groups` (device groups x micro-batches) index rows of `slots`;
+        `old_logp`: with the old log-probs. The abstract batches compiled ahead of time are built from it."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"update layout {layout!r}: expected one of {LAYOUTS}")
+        i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+        per_seq = {"completion_mask": ((sequences, completion), f32), "behaviour_logp": ((sequences, completion), f32),
+                   "advantages": ((sequences,), f32)}
+        if layout == "pack":
+            inputs = {k: ((rows, width), i32) for k in ("tokens", "positions", "segments")}
+            inputs.update({k: ((groups, slots), i32) for k in ("src", "target", "dest")})
+        else:
+            inputs = {"tokens": ((sequences, width), i32), "mask": ((sequences, width), i32),
+                      "completion": ((sequences, completion), i32)}
+        return {**inputs, **per_seq, **({"old_logp": ((sequences, completion), f32)} if old_logp else {})}
+
+    @property
+    def num_sequences(self) -> int:
+        return self.completion_mask.shape[0]
+
+    def shapes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(field, shape) of every array the batch holds: with `layout`, what a compiled update is looked up by."""
+        return tuple((f.name, tuple(getattr(self, f.name).shape)) for f in dataclasses.fields(self)
+                     if f.name != "layout" and getattr(self, f.name) is not None)
+
+    def token_count(self) -> int:
+        """The real (non-padding) tokens the update's forward runs on."""
+        if self.layout == "pack":
+            return int((np.asarray(self.positions) >= 0).sum())
+        return int(np.asarray(self.mask).sum())
 
 
 def truncate_left(ids: list[int], max_len: int) -> list[int]:
@@ -47,7 +111,7 @@ def build_batch(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completion: 
     tokens = np.concatenate([prompt_tokens, completion], axis=1).astype(np.int32)
     mask = np.concatenate([prompt_mask, cmask.astype(np.int32)], axis=1)
     return RolloutBatch(tokens=tokens, mask=mask, completion=completion.astype(np.int32), completion_mask=cmask,
-                        old_logp=(logprobs * cmask).astype(np.float32), advantages=advantages.astype(np.float32),
+                        behaviour_logp=(logprobs * cmask).astype(np.float32), advantages=advantages.astype(np.float32),
                         rewards=rewards.astype(np.float32))
 
 
@@ -62,7 +126,7 @@ def truncated_rows(completion: np.ndarray, lengths: np.ndarray, eos_ids) -> np.n
 def mask_rows(rb: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
     """The batch with no loss on `rows` (their completion_mask zeroed; attention keeps them intact)."""
     cmask = rb.completion_mask * (~rows)[:, None].astype(np.float32)
-    return dataclasses.replace(rb, completion_mask=cmask, old_logp=rb.old_logp * cmask)
+    return dataclasses.replace(rb, completion_mask=cmask, behaviour_logp=rb.behaviour_logp * cmask)
 
 
 def bucket(n: int, limit: int, minimum: int = 16) -> int:
@@ -73,26 +137,28 @@ def bucket(n: int, limit: int, minimum: int = 16) -> int:
     return min(b, limit)
 
 
-def bucketed_arrays(rb: RolloutBatch) -> dict[str, np.ndarray]:
-    """`rb.arrays()` narrowed to the next power of two of the batch's longest prompt and completion.
+def padded_batch(rb: RolloutBatch) -> UpdateBatch:
+    """The update batch at the rollout's own width (rollout.update_padding=max: prompts at max_prompt_len)."""
+    return UpdateBatch(layout="max", tokens=rb.tokens, mask=rb.mask, completion=rb.completion,
+                       completion_mask=rb.completion_mask, behaviour_logp=rb.behaviour_logp, advantages=rb.advantages)
+
+
+def bucketed_batch(rb: RolloutBatch) -> UpdateBatch:
+    """`padded_batch` narrowed to the next power of two of the batch's longest prompt and completion.
 
     Prompts are left-padded and positions come from the mask, so dropping all-padding columns on the
     left of the prompt and on the right of the completion changes no log-prob; the update then
     computes on the batch's real width instead of max_prompt_len + max_new_tokens, with one compile
     per bucket pair."""
-    arrays = rb.arrays()
     n, prompt_len = rb.completion.shape[1], rb.prompt_len
     real = rb.mask.astype(bool)
     longest_prompt = int(real[:, :prompt_len].sum(axis=1).max(initial=0))
     longest_completion = int(real[:, prompt_len:].sum(axis=1).max(initial=0))
     pb, cb = bucket(longest_prompt, prompt_len), bucket(longest_completion, n)
-    if (pb, cb) == (prompt_len, n):
-        return arrays
     cols = np.r_[prompt_len - pb:prompt_len, prompt_len:prompt_len + cb]
-    out = {k: arrays[k][:, cols] for k in ("tokens", "mask")}
-    out.update({k: arrays[k][:, :cb] for k in ("completion", "completion_mask", "old_logp")})
-    out["advantages"] = arrays["advantages"]
-    return out
+    return UpdateBatch(layout="bucket", tokens=rb.tokens[:, cols], mask=rb.mask[:, cols],
+                       completion=rb.completion[:, :cb], completion_mask=rb.completion_mask[:, :cb],
+                       behaviour_logp=rb.behaviour_logp[:, :cb], advantages=rb.advantages)
 
 
 def row_bucket(n: int, per_octave: int = 4) -> int:
@@ -132,7 +198,7 @@ def packed_ladder(rows_max: int, slots_max: int, count: int, *, ratio: float = 2
 
 
 def ladder_choice(ladder):
-    """choose_shape for `packed_arrays`: the smallest (rows, slots) of `ladder` holding a batch's need."""
+    """choose_shape for `packed_batch`: the smallest (rows, slots) of `ladder` holding a batch's need."""
     ordered = sorted(ladder)
 
     def choose(rows: int, slots: int) -> tuple[int, int]:
@@ -153,8 +219,8 @@ def pow2_buckets(limit: int, minimum: int = 16) -> list[int]:
     return out + [limit]
 
 
-def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
-                  choose_shape=None, width: int | None = None) -> dict[str, np.ndarray]:
+def packed_batch(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
+                 choose_shape=None, width: int | None = None) -> UpdateBatch:
     """The update batch with no padding computed: each sequence's real tokens packed into rows of the
     batch's width (prompt bucket + max_new_tokens), several sequences per row (first-fit decreasing), each
     with its own positions and a segment id that confines its attention to itself (`Decoder.hidden(segments=)`).
@@ -174,7 +240,7 @@ def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
       src [groups * n_micro, Tg]: flat index q * W + column of the hidden state predicting each needed
         completion token within its group's rows; target: that token; dest: local sequence * N + j, its
         place in the group's [K / groups, N] log-prob grid (padding slots: K / groups * N, dropped);
-      completion_mask / old_logp [S, N], advantages [S]: as `rb.arrays()`.
+      completion_mask / behaviour_logp [S, N], advantages [S]: as `padded_batch(rb)`.
 
     R and Tg: the largest over groups, rounded up by `choose_shape(rows, slots)` -> (R, Tg) (default
     `packed_buckets`; the trainer picks from its fixed `packed_ladder`). W: `width` (the trainer passes
@@ -243,6 +309,6 @@ def packed_arrays(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
                 dest[grow, slot:slot + m] = ((x // n_micro) % k_loc) * n + np.arange(m)
                 slot += m
                 col += length
-    return {"tokens": tokens, "positions": positions, "segments": segments, "src": src, "target": target,
-            "dest": dest, "completion_mask": rb.completion_mask, "old_logp": rb.old_logp,
-            "advantages": rb.advantages}
+    return UpdateBatch(layout="pack", tokens=tokens, positions=positions, segments=segments, src=src, target=target,
+                       dest=dest, completion_mask=rb.completion_mask, behaviour_logp=rb.behaviour_logp,
+                       advantages=rb.advantages)

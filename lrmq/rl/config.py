@@ -15,7 +15,7 @@ from lrmq.data.prompts import PROMPT_TEMPLATES
 from lrmq.generation.engine import EngineConfig
 from lrmq.model.presets import PRESETS
 from lrmq.rl.advantages import ADVANTAGES
-from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, LossConfig
 from lrmq.rl.rewards import REWARDS
 
 
@@ -338,3 +338,15 @@ class TrainConfig:
     def quantized_rollout(self) -> bool:
         """Whether rollouts sample from a packed copy instead of the learner itself."""
         return self.rollout.quant != "none"
+
+    def loss_config(self) -> LossConfig:
+        """The loss part of algo.* as `grpo_loss` takes it: rollout.max_new_tokens is the Dr.GRPO constant and
+        algo.rollout_correction's `auto` is resolved (`AlgoSection.resolved_rollout_correction`)."""
+        a = self.algo
+        return LossConfig(policy_loss=a.policy_loss, eps_low=a.eps_low, eps_high=a.eps_high,
+                          importance_level=a.importance_sampling, aggregation=a.loss_aggregation,
+                          max_len=self.rollout.max_new_tokens, beta=a.beta, kl_estimator=a.kl_estimator,
+                          kl_bias_correction=a.kl_bias_correction,
+                          rollout_correction=a.resolved_rollout_correction(self.quantized_rollout),
+                          rollout_correction_cap=a.rollout_correction_cap,
+                          rollout_correction_min=a.rollout_correction_min)

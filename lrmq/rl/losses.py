@@ -10,6 +10,8 @@ so gradient accumulation does not change the objective. See docs/grpo.md ("Algor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
@@ -113,10 +115,6 @@ def drgrpo_constant(values, mask, *, max_len: int | None = None):
     length = v.shape[-1] if max_len is None else max_len
     n_seq = (m.sum(axis=-1) > 0).sum().astype(jnp.float32)
     return v.sum(), n_seq * jnp.float32(length)
-
-
-def aggregate(name: str, values, mask, *, max_len: int | None = None):
-    return AGGREGATIONS.get(name)(values, mask, max_len=max_len)
 
 
 # ----------------------------------------------------------------------------- KL estimators
@@ -266,86 +264,104 @@ def _indicator_mean(x, mask):
     return jnp.where(m > 0, x, 0.0).sum(), m.sum()
 
 
-def grpo_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    aggregation: str = "sequence-mean-token-mean",
-    beta: float = 0.0,
-    ref_logp=None,
-    kl_estimator: str = "k3",
-    kl_bias_correction: bool = False,
-    importance_level: str = "token",
-    max_len: int | None = None,
-    policy_loss: str = "grpo",
-    rollout_correction: str = "none",
-    rollout_logp=None,
-    rollout_correction_cap: float = 3.0,
-    rollout_correction_min: float = 0.0,
-):
-    """GRPO / Dr.GRPO / DAPO / GSPO-style loss for one micro-batch.
+@dataclass(frozen=True)
+class LossConfig:
+    """The loss part of the algorithm config, as `grpo_loss` takes it (a run's: `TrainConfig.loss_config()`, from
+    algo.* and rollout.max_new_tokens). Hashable: static under jit. The defaults are the GRPO paper's loss."""
 
-    Per token: ``l = policy_loss + beta * KL_est(logp, ref_logp)`` (KL added before aggregation, as in
-    TRL and Tunix), then aggregated with ``aggregation``. ``kl_bias_correction`` multiplies the KL term
+    policy_loss: str = "grpo"  # a POLICY_LOSSES name
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    importance_level: str = "token"  # "sequence": GSPO
+    aggregation: str = "sequence-mean-token-mean"  # an AGGREGATIONS name
+    max_len: int | None = None  # the Dr.GRPO constant (the configured max completion length)
+    beta: float = 0.0  # KL coefficient; 0: no KL computed, no reference needed
+    kl_estimator: str = "k3"  # a KL_ESTIMATORS name
+    kl_bias_correction: bool = False  # KL term times the (differentiable) importance ratio (TRL)
+    rollout_correction: str = "none"  # a ROLLOUT_CORRECTIONS name, or "none": nothing computed
+    rollout_correction_cap: float = 3.0
+    rollout_correction_min: float = 0.0
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """What the loss reads of one micro-batch, ``[B, T]`` over completion tokens (``advantages`` ``[B]``).
+
+    ``old_logp``: pi_old, the importance ratio's denominator; None means on-policy: ``stop_gradient(logp)`` of this
+    very forward (ratio 1, the gradient is the policy gradient). ``behaviour_logp``: the sampler's log-probs, read
+    by a rollout correction only. ``ref_logp``: the KL reference's, read when ``beta != 0`` only."""
+
+    advantages: jax.Array
+    completion_mask: jax.Array
+    old_logp: jax.Array | None = None
+    behaviour_logp: jax.Array | None = None
+    ref_logp: jax.Array | None = None
+
+
+def _correction_weights(old_logp, behaviour_logp, mask, cfg: LossConfig):
+    """(stop-gradient weight [B, T], its metrics) of the rollout correction on ``old_logp - behaviour_logp``."""
+    if behaviour_logp is None:
+        raise ValueError(f"rollout_correction={cfg.rollout_correction!r} needs behaviour_logp")
+    w, corrected = ROLLOUT_CORRECTIONS.get(cfg.rollout_correction)(
+        jax.lax.stop_gradient(old_logp) - _f32(behaviour_logp), mask, cap=cfg.rollout_correction_cap,
+        cap_min=cfg.rollout_correction_min)
+    w = jax.lax.stop_gradient(jnp.broadcast_to(w, mask.shape))
+    valid = mask > 0
+    n_tokens = mask.sum()
+    return w, {"mismatch/weight_mean": (jnp.where(valid, w, 0.0).sum(), n_tokens),
+               "mismatch/corrected_frac": (jnp.where(valid, jnp.broadcast_to(corrected, mask.shape), 0.0).sum(),
+                                           n_tokens)}
+
+
+def _kl_term(logp, ref_logp, ratio, mask, cfg: LossConfig):
+    """The per-token KL estimate against the reference (times the ratio with kl_bias_correction), 0 on padding."""
+    if ref_logp is None:
+        raise ValueError("beta != 0 needs ref_logp")
+    kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, ref_logp)
+    if cfg.kl_bias_correction:
+        kl = kl * ratio
+    return jnp.where(mask > 0, kl, 0.0)
+
+
+def grpo_loss(logp, batch: LossBatch, cfg: LossConfig = LossConfig()):
+    """GRPO / Dr.GRPO / DAPO / GSPO-style loss for one micro-batch (``batch``: see `LossBatch`).
+
+    Per token: ``l = w * policy_loss + beta * KL_est(logp, ref_logp)`` (KL added before aggregation, as in
+    TRL and Tunix), then aggregated with ``cfg.aggregation``. ``kl_bias_correction`` multiplies the KL term
     by the (differentiable) importance ratio, as TRL's ``use_bias_correction_kl`` (its default since
     1.x): the KL is estimated from samples of pi_old, not pi. ``importance_level="sequence"`` is GSPO.
-    ``old_logp=None`` means on-policy (one inner iteration): ``old_logp = stop_gradient(logp)``, so the
-    ratio == 1 but the gradient is the policy gradient. With ``beta == 0`` no KL is computed and
-    ``ref_logp`` may be None.
 
-    Returns ``(loss_sum, count, metrics)``; ``metrics`` maps name -> ``(sum, count)``:
-    ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (TRL's names and
-    meaning), ``ratio`` and (when beta != 0) ``kl``.
+    ``w`` is 1 unless ``cfg.rollout_correction`` (a ``ROLLOUT_CORRECTIONS`` name) is set: then the stop-gradient
+    weight of ``log_ratio = pi_old - behaviour_logp`` (the learner's pre-update log-probs against the sampler's), as
+    TRL does; it adds the metrics ``mismatch/weight_mean`` (per token) and ``mismatch/corrected_frac`` (tokens whose
+    ratio, or whose sequence's, was truncated or masked).
 
-    ``rollout_correction`` (a ``ROLLOUT_CORRECTIONS`` name, or "none": nothing computed) multiplies the policy
-    term per token by the stop-gradient weight of ``log_ratio = old_logp - rollout_logp`` (``old_logp`` being
-    the learner's pre-update log-probs, ``rollout_logp`` the sampler's), before the KL term is added and
-    before aggregation, as TRL does; it adds the metrics ``mismatch/weight_mean`` (per token) and
-    ``mismatch/corrected_frac`` (tokens whose ratio, or whose sequence's, was truncated or masked).
+    Returns ``(loss_sum, count, metrics)``: the loss as (sum, count), so micro-batches accumulate exactly, and
+    ``metrics`` mapping name -> ``(sum, count)``: ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+    ``clip_ratio/region_mean`` (TRL's names and meaning), ``ratio`` and (when beta != 0) ``kl``.
     """
     logp = _f32(logp)
-    mask = _f32(mask)
-    if old_logp is None:
-        old_logp = jax.lax.stop_gradient(logp)
-    per_token, low, high = POLICY_LOSSES.get(policy_loss)(
-        logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, level=importance_level
-    )
-    n_tokens = mask.sum()
-    if rollout_correction != "none":
-        if rollout_logp is None:
-            raise ValueError(f"rollout_correction={rollout_correction!r} needs rollout_logp")
-        w, corrected = ROLLOUT_CORRECTIONS.get(rollout_correction)(
-            jax.lax.stop_gradient(old_logp) - _f32(rollout_logp), mask, cap=rollout_correction_cap,
-            cap_min=rollout_correction_min)
-        w = jax.lax.stop_gradient(jnp.broadcast_to(w, mask.shape))
-        per_token = per_token * w
-        valid_w = jnp.where(mask > 0, w, 0.0)
-        weight_metrics = {"mismatch/weight_mean": (valid_w.sum(), n_tokens),
-                          "mismatch/corrected_frac": (jnp.where(mask > 0, jnp.broadcast_to(corrected, mask.shape),
-                                                                0.0).sum(), n_tokens)}
-    ratio = jnp.exp(importance_log_weights(logp, old_logp, mask, importance_level))
+    mask = _f32(batch.completion_mask)
+    old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
+    per_token, low, high = POLICY_LOSSES.get(cfg.policy_loss)(
+        logp, old_logp, batch.advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        level=cfg.importance_level)
+    ratio = jnp.exp(importance_log_weights(logp, old_logp, mask, cfg.importance_level))
     metrics = {
         "clip_ratio/low_mean": _indicator_mean(low, mask),
         "clip_ratio/high_mean": _indicator_mean(high, mask),
         "clip_ratio/region_mean": _indicator_mean(jnp.maximum(low, high), mask),
         "ratio": _indicator_mean(jax.lax.stop_gradient(ratio), mask),
     }
-    if rollout_correction != "none":
+    if cfg.rollout_correction != "none":
+        w, weight_metrics = _correction_weights(old_logp, batch.behaviour_logp, mask, cfg)
+        per_token = per_token * w
         metrics.update(weight_metrics)
-    if beta != 0.0:
-        if ref_logp is None:
-            raise ValueError("beta != 0 needs ref_logp")
-        kl = KL_ESTIMATORS.get(kl_estimator)(logp, ref_logp)
-        if kl_bias_correction:
-            kl = kl * ratio
-        kl = jnp.where(mask > 0, kl, 0.0)
-        per_token = per_token + beta * kl
-        metrics["kl"] = (jax.lax.stop_gradient(kl).sum(), n_tokens)
-    loss_sum, count = AGGREGATIONS.get(aggregation)(per_token, mask, max_len=max_len)
+    if cfg.beta != 0.0:
+        kl = _kl_term(logp, batch.ref_logp, ratio, mask, cfg)
+        per_token = per_token + cfg.beta * kl
+        metrics["kl"] = (jax.lax.stop_gradient(kl).sum(), mask.sum())
+    loss_sum, count = AGGREGATIONS.get(cfg.aggregation)(per_token, mask, max_len=cfg.max_len)
     return loss_sum, count, metrics
 
 

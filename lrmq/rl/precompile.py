@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from lrmq.configlib import ConfigError
-from lrmq.rl.batch import ladder_choice, packed_ladder, pow2_buckets
+from lrmq.rl.batch import UpdateBatch, ladder_choice, packed_ladder, pow2_buckets
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.step import micro_batch_count, rollout_correction
+from lrmq.rl.step import micro_batch_count
 from lrmq.sharding import batch_sharding
 
 GIB = 1024 ** 3
@@ -80,45 +80,30 @@ def update_shapes(cfg: TrainConfig, groups: int) -> list[UpdateShape]:
 
 
 def packed_chooser(shapes: list[UpdateShape]):
-    """`packed_arrays`' choose_shape over the config's packed shapes."""
+    """`packed_batch`'s choose_shape over the config's packed shapes."""
     return ladder_choice([(s.rows, s.slots) for s in shapes if s.layout == "pack"])
 
 
-def _sds(shape, dtype, sharding):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh) -> tuple[dict, jax.ShapeDtypeStruct | None]:
+def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh, *, old_logp: bool = False
+                    ) -> tuple[UpdateBatch, jax.ShapeDtypeStruct | None]:
     """(the update batch, the reference log-probs or None when algo.beta = 0) of `shape` as ShapeDtypeStructs
-    with the batch sharding: what `jax.jit(step).lower` takes for the batch the trainer will pass."""
+    with the batch sharding (`UpdateBatch.field_shapes`): what `jax.jit(step).lower` takes for the batch the trainer
+    will pass; `old_logp`: the batch of the updates that divide by the first one's log-probs."""
     groups = mesh.shape["data"] * mesh.shape["fsdp"]
     s, n_micro, _ = _geometry(cfg, groups)
-    n = cfg.rollout.max_new_tokens
-    sh = lambda nd: batch_sharding(mesh, nd)
-    per_seq = {"completion_mask": _sds((s, n), jnp.float32, sh(2)), "old_logp": _sds((s, n), jnp.float32, sh(2)),
-               "advantages": _sds((s,), jnp.float32, sh(1))}
-    if shape.layout == "pack":
-        rows = {k: _sds((n_micro * groups * shape.rows, shape.width), jnp.int32, sh(2))
-                for k in ("tokens", "positions", "segments")}
-        idx = {k: _sds((groups * n_micro, shape.slots), jnp.int32, sh(2)) for k in ("src", "target", "dest")}
-        batch = {**rows, **idx, **per_seq}
-        ref_cols = n
-    else:
-        c = shape.completion
-        batch = {"tokens": _sds((s, shape.width), jnp.int32, sh(2)), "mask": _sds((s, shape.width), jnp.int32, sh(2)),
-                 "completion": _sds((s, c), jnp.int32, sh(2)), "completion_mask": _sds((s, c), jnp.float32, sh(2)),
-                 "old_logp": _sds((s, c), jnp.float32, sh(2)), "advantages": _sds((s,), jnp.float32, sh(1))}
-        ref_cols = c
-    if rollout_correction(cfg) != "none":  # the sampler's log-probs, kept for every inner update
-        batch["rollout_logp"] = batch["old_logp"]
-    ref = _sds((s, ref_cols), jnp.float32, sh(2)) if cfg.algo.beta != 0.0 else None
+    n = shape.completion if shape.layout != "pack" else cfg.rollout.max_new_tokens
+    fields = UpdateBatch.field_shapes(shape.layout, sequences=s, completion=n, width=shape.width,
+                                      rows=n_micro * groups * shape.rows, groups=groups * n_micro, slots=shape.slots,
+                                      old_logp=old_logp)
+    sds = lambda dims, dtype: jax.ShapeDtypeStruct(dims, dtype, sharding=batch_sharding(mesh, len(dims)))
+    batch = UpdateBatch(layout=shape.layout, **{k: sds(dims, dtype) for k, (dims, dtype) in fields.items()})
+    ref = sds((s, n), jnp.float32) if cfg.algo.beta != 0.0 else None
     return batch, ref
 
 
-def batch_key(batch: dict, ref=None) -> tuple:
-    """What a compiled update is looked up by: the batch's array shapes and the reference's (or None)."""
-    return (tuple((k, tuple(v.shape)) for k, v in sorted(batch.items())),
-            None if ref is None else tuple(ref.shape))
+def batch_key(batch: UpdateBatch, ref=None) -> tuple:
+    """What a compiled update is looked up by: the batch's layout and array shapes and the reference's (or None)."""
+    return batch.layout, batch.shapes(), None if ref is None else tuple(ref.shape)
 
 
 # ----------------------------------------------------------------------------- compiles and memory

@@ -10,13 +10,13 @@ from lrmq.configlib import load_config, to_plain
 from lrmq.rl.config import TrainConfig
 
 
-def first_non_finite(metrics: dict[str, float], old_logp: np.ndarray) -> str | None:
+def first_non_finite(metrics: dict[str, float], behaviour_logp: np.ndarray) -> str | None:
     """The first non-finite train/* metric of an update, or "rollout log-probs" when the sampler's are not
     finite; None when everything is."""
     bad = [k for k, v in metrics.items() if k.startswith("train/") and not np.isfinite(v)]
     if bad:
         return bad[0]
-    return None if np.all(np.isfinite(old_logp)) else "rollout log-probs"
+    return None if np.all(np.isfinite(behaviour_logp)) else "rollout log-probs"
 
 
 def _flat(d: dict, prefix: str = ""):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +12,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.decoder import positions_from_mask
+from lrmq.rl.batch import UpdateBatch
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.losses import (AGGREGATIONS, CORRECTION_METRICS, MISMATCH_METRICS, grpo_loss, rollout_mismatch_metrics,
-                             token_entropy, token_logprobs)
+from lrmq.rl.losses import (AGGREGATIONS, CORRECTION_METRICS, MISMATCH_METRICS, LossBatch, grpo_loss,
+                             rollout_mismatch_metrics, token_entropy, token_logprobs)
+
+# Where an update takes pi_old (the importance ratio's denominator) from: the batch's behaviour_logp (the
+# sampler's), its own forward (stop-gradient: on-policy; it returns those log-probs), or the batch's old_logp.
+OldLogpSource = Literal["behaviour_logp", "own", "old_logp"]
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -64,30 +70,31 @@ def completion_logprobs(model, tokens, mask, completion, temperature: float, *, 
     return _project(model, h[:, -n - 1:-1], completion, temperature, chunk)  # position t predicts token t+1
 
 
-def packed_logprobs(model, mb, temperature: float, *, remat: str = "none", chunk: int = 0, scan: bool = False):
-    """`completion_logprobs` for a packed batch (`batch.packed_arrays`): [K, N] log-probs and entropies,
+def packed_logprobs(model, mb: UpdateBatch, temperature: float, *, remat: str = "none", chunk: int = 0,
+                    scan: bool = False):
+    """`completion_logprobs` for a packed batch (`batch.packed_batch`): [K, N] log-probs and entropies,
     zero where no completion token was packed. Only the packed tokens go through the decoder, and only
     the needed completion positions (gathered per device group) are projected onto the vocabulary."""
-    h, _ = model.hidden(mb["tokens"], mb["positions"], remat=remat, scan=scan, segments=mb["segments"])
-    groups = mb["src"].shape[0]
-    k, n = mb["completion_mask"].shape
+    h, _ = model.hidden(mb.tokens, mb.positions, remat=remat, scan=scan, segments=mb.segments)
+    groups = mb.src.shape[0]
+    k, n = mb.completion_mask.shape
     h = h.reshape(groups, -1, h.shape[-1])  # [groups, rows * W, D]: each group's rows are contiguous
-    hg = jax.vmap(lambda hh, ii: jnp.take(hh, ii, axis=0))(h, mb["src"])  # [groups, slots, D]
-    logp, ent = _project(model, hg, mb["target"], temperature, chunk)
+    hg = jax.vmap(lambda hh, ii: jnp.take(hh, ii, axis=0))(h, mb.src)  # [groups, slots, D]
+    logp, ent = _project(model, hg, mb.target, temperature, chunk)
     slots = k // groups * n
 
     def grid(v):  # [groups, slots] -> [K, N]; padding slots land on the dropped last cell
-        g = jax.vmap(lambda d, x: jnp.zeros((slots + 1,), v.dtype).at[d].set(x))(mb["dest"], v)
+        g = jax.vmap(lambda d, x: jnp.zeros((slots + 1,), v.dtype).at[d].set(x))(mb.dest, v)
         return g[:, :-1].reshape(k, n)
 
     return grid(logp), grid(ent)
 
 
-def batch_logprobs(model, mb, temperature: float, **kw):
-    """Log-probs and entropies [K, N] of a micro-batch in either layout (padded or packed)."""
-    if "segments" in mb:
+def batch_logprobs(model, mb: UpdateBatch, temperature: float, **kw):
+    """Log-probs and entropies [K, N] of a micro-batch in its layout (padded or packed)."""
+    if mb.layout == "pack":
         return packed_logprobs(model, mb, temperature, **kw)
-    return completion_logprobs(model, mb["tokens"], mb["mask"], mb["completion"], temperature, **kw)
+    return completion_logprobs(model, mb.tokens, mb.mask, mb.completion, temperature, **kw)
 
 
 def _project(model, h, targets, temperature: float, chunk: int):
@@ -128,62 +135,52 @@ def micro_batches(x, n_micro: int):
     return x.reshape((x.shape[0] // n_micro, n_micro) + x.shape[1:]).swapaxes(0, 1)
 
 
-def _loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg: TrainConfig, use_old: bool):
+def _loss_fn(trainable, rest, graphdef, mb: UpdateBatch, total_count, ref_logp, cfg: TrainConfig,
+             old_from: OldLogpSource):
     model = nnx.merge(graphdef, trainable, rest)
-    a = cfg.algo
-    correction = rollout_correction(cfg)
     logp, ent = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
                                chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
-    old = mb["old_logp"] if use_old else None
-    # the sampler's log-probs: "rollout_logp" when a correction is on (old_logp then holds the learner's after the
-    # first update), else old_logp, which is the sampler's at the first update of a batch
-    sampler = mb["rollout_logp"] if correction != "none" else mb["old_logp"]
-    loss_sum, _, metrics = grpo_loss(logp, old, mb["advantages"],
-                                     mb["completion_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
-                                     aggregation=a.loss_aggregation, beta=a.beta, ref_logp=ref_logp,
-                                     kl_estimator=a.kl_estimator, kl_bias_correction=a.kl_bias_correction,
-                                     importance_level=a.importance_sampling, max_len=cfg.rollout.max_new_tokens,
-                                     policy_loss=a.policy_loss,
-                                     **({} if correction == "none" else dict(
-                                         rollout_correction=correction, rollout_logp=sampler,
-                                         rollout_correction_cap=a.rollout_correction_cap,
-                                         rollout_correction_min=a.rollout_correction_min)))
-    m = mb["completion_mask"]
+    old = {"behaviour_logp": mb.behaviour_logp, "own": None, "old_logp": mb.old_logp}[old_from]
+    loss_sum, _, metrics = grpo_loss(logp, LossBatch(mb.advantages, mb.completion_mask, old_logp=old,
+                                                     behaviour_logp=mb.behaviour_logp, ref_logp=ref_logp),
+                                     cfg.loss_config())
+    m = mb.completion_mask
     metrics["entropy"] = ((jax.lax.stop_gradient(ent) * m).sum(), m.sum())
-    # The learner's pre-update log-probs: this forward's at a batch's first update (no extra forward), the first
-    # update's afterwards (old_logp, with a correction on). Without a correction, only the first update's values
-    # are the mismatch (the trainer logs those).
-    learner_old = old if (use_old and correction != "none") else jax.lax.stop_gradient(logp)
-    metrics.update(rollout_mismatch_metrics(learner_old, sampler, m))
+    # sampler vs the learner before the update: the old log-probs when handed over, else this forward's (the
+    # trainer logs the first update's)
+    learner_old = old if old_from == "old_logp" else jax.lax.stop_gradient(logp)
+    metrics.update(rollout_mismatch_metrics(learner_old, mb.behaviour_logp, m))
     return loss_sum / total_count, (loss_sum, metrics, jax.lax.stop_gradient(logp))
 
 
-def train_step(graphdef, cfg: TrainConfig, tx, use_old, trainable, rest, opt_state, batch, ref_logp):
+def train_step(graphdef, cfg: TrainConfig, tx, old_from: OldLogpSource, trainable, rest, opt_state,
+               batch: UpdateBatch, ref_logp):
     """One optimizer update over the whole rollout batch, accumulated over micro-batches exactly.
 
-    ``use_old=False`` is the on-policy update: the importance ratio's denominator is the policy's own
-    (stop-gradient) log-probs of this very forward pass, so no separate old-log-prob forward is needed;
-    the step also returns those log-probs ``[S, N]`` (the pre-update policy's), which later inner
-    iterations (mu > 1) use as old log-probs."""
-    s = batch["completion_mask"].shape[0]  # sequences (a packed batch has fewer token rows)
+    `old_from` (`old_logprob_sources`) is pi_old. "own" is the on-policy update: the importance ratio's
+    denominator is the policy's own (stop-gradient) log-probs of this very forward pass, so no separate
+    old-log-prob forward is needed; the step then also returns those log-probs ``[S, N]`` (the pre-update
+    policy's), which later inner iterations (mu > 1) take as the batch's old_logp."""
+    s = batch.num_sequences  # sequences (a packed batch has fewer token rows)
     n_micro = micro_batch_count(cfg, s)
     # The aggregation's denominator over the whole batch, so sum of micro-batch (sum / total) is exact.
     _, total_count = AGGREGATIONS.get(cfg.algo.loss_aggregation)(
-        jnp.zeros_like(batch["completion_mask"]), batch["completion_mask"], max_len=cfg.rollout.max_new_tokens)
+        jnp.zeros_like(batch.completion_mask), batch.completion_mask, max_len=cfg.rollout.max_new_tokens)
     total_count = jnp.maximum(total_count, 1.0)
 
     split = lambda x: micro_batches(x, n_micro)
     micro = jax.tree.map(split, batch)
     ref_micro = split(ref_logp) if ref_logp is not None else None
     grad_fn = jax.grad(_loss_fn, has_aux=True)
+    own = old_from == "own"
 
     def body(carry, xs):
         g_acc, loss_acc, m_acc = carry
         mb, ref = xs
-        g, (loss_sum, metrics, logp) = grad_fn(trainable, rest, graphdef, mb, total_count, ref, cfg, use_old)
+        g, (loss_sum, metrics, logp) = grad_fn(trainable, rest, graphdef, mb, total_count, ref, cfg, old_from)
         g_acc = jax.tree.map(jnp.add, g_acc, g)
         m_acc = jax.tree.map(jnp.add, m_acc, metrics)
-        return (g_acc, loss_acc + loss_sum, m_acc), (None if use_old else logp)
+        return (g_acc, loss_acc + loss_sum, m_acc), (logp if own else None)
 
     zeros_g = jax.tree.map(jnp.zeros_like, trainable)
     zero_metrics = {k: (jnp.zeros(()), jnp.zeros(())) for k in _metric_names(cfg)}
@@ -194,7 +191,7 @@ def train_step(graphdef, cfg: TrainConfig, tx, use_old, trainable, rest, opt_sta
     out = {k: v[0] / jnp.maximum(v[1], 1.0) for k, v in msum.items()}
     out["loss"] = loss_sum / total_count
     out["grad_norm"] = grad_norm
-    if not use_old:  # undo the strided micro-batch split: [n_micro, S/n_micro, N] -> [S, N]
+    if own:  # undo the strided micro-batch split: [n_micro, S/n_micro, N] -> [S, N]
         out["logp"] = logps.swapaxes(0, 1).reshape(s, -1)
     return trainable, opt_state, out
 
@@ -203,29 +200,32 @@ METRIC_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regio
 
 
 def _metric_names(cfg: TrainConfig) -> tuple[str, ...]:
-    return (METRIC_NAMES + (("kl",) if cfg.algo.beta != 0.0 else ()) + MISMATCH_METRICS
-            + (CORRECTION_METRICS if rollout_correction(cfg) != "none" else ()))
+    loss = cfg.loss_config()
+    return (METRIC_NAMES + (("kl",) if loss.beta != 0.0 else ()) + MISMATCH_METRICS
+            + (CORRECTION_METRICS if loss.rollout_correction != "none" else ()))
 
 
-def rollout_correction(cfg: TrainConfig) -> str:
-    """The rollout/learner mismatch correction the update applies (algo.rollout_correction, `auto` resolved)."""
-    return cfg.algo.resolved_rollout_correction(cfg.quantized_rollout)
+def old_logprob_sources(cfg: TrainConfig) -> tuple[OldLogpSource, ...]:
+    """pi_old, the importance ratio's denominator, of each of a batch's algo.num_iterations updates: the whole
+    old-log-prob protocol (the trainer runs, and compiles, exactly these step variants).
 
-
-def uses_rollout_logprobs(cfg: TrainConfig) -> bool:
-    """Whether the first update of a batch divides by the sampler's log-probs (algo.old_logprobs=rollout, no
-    rollout correction). Otherwise (recompute, or a correction on) the old policy *is* the current one at the
-    first update, and the ratio's denominator is that update's own forward pass: no extra forward, as TRL does
-    at mu=1. A correction then reads the sampler's log-probs from the batch's "rollout_logp" and weighs by
-    exp(learner_old - sampler), learner_old being that same forward (stop-gradient)."""
-    return cfg.algo.old_logprobs == "rollout" and rollout_correction(cfg) == "none"
+    * algo.old_logprobs=rollout with no rollout correction (Tunix's default): every update divides by the
+      sampler's log-probs, "behaviour_logp".
+    * otherwise (recompute, or a correction on, whatever algo.old_logprobs says): the old policy *is* the current
+      one at the first update, so it is on-policy ("own": its own forward, stop-gradient; no extra forward, as TRL
+      at mu=1) and returns those log-probs, which the later updates divide by ("old_logp"). A correction weighs
+      every update by exp(pi_old - behaviour_logp)."""
+    mu = cfg.algo.num_iterations
+    if cfg.algo.old_logprobs == "rollout" and cfg.loss_config().rollout_correction == "none":
+        return ("behaviour_logp",) * mu
+    return ("own",) + ("old_logp",) * (mu - 1)
 
 
 def rollout_quant_warning(cfg: TrainConfig) -> str | None:
     """A warning for quantized rollouts with no correction whose PPO ratio divides by the sampler's log-probs: the
     clip then acts on the quantization mismatch, unweighted (docs/grpo.md's study: int4 -0.124 held-out accuracy
     against FP rollouts, where ignoring the mismatch cost -0.021 and MIS/TIS nothing measurable)."""
-    if cfg.quantized_rollout and uses_rollout_logprobs(cfg):
+    if cfg.quantized_rollout and old_logprob_sources(cfg)[0] == "behaviour_logp":
         return (f"rollout.quant={cfg.rollout.quant} with algo.rollout_correction=none and algo.old_logprobs=rollout: "
                 "the PPO clip compares the learner with the quantized sampler, uncorrected. Prefer "
                 "algo.rollout_correction=auto (sequence_mask), or algo.old_logprobs=recompute to ignore the "
@@ -233,8 +233,9 @@ def rollout_quant_warning(cfg: TrainConfig) -> str | None:
     return None
 
 
-def make_train_step(graphdef, cfg: TrainConfig, tx, shardings=None, *, use_old: bool = True):
-    fn = partial(train_step, graphdef, cfg, tx, use_old)
+def make_train_step(graphdef, cfg: TrainConfig, tx, shardings=None, *, old_from: OldLogpSource = "behaviour_logp"):
+    """The jitted `train_step` taking pi_old from `old_from`; `shardings`: (trainable's, optimizer state's)."""
+    fn = partial(train_step, graphdef, cfg, tx, old_from)
     if shardings is None:
         return jax.jit(fn, donate_argnums=(0, 2))
     tr_sh, opt_sh = shardings
@@ -245,14 +246,14 @@ def make_ref_logprobs(graphdef, cfg: TrainConfig):
     """Reference-policy log-probs [S, N] of an update batch (beta > 0): same graph, frozen reference
     parameters, the whole batch in one forward."""
 
-    def reference_logprobs(ref_trainable, rest, batch):
+    def reference_logprobs(ref_trainable, rest, batch: UpdateBatch):
         model = nnx.merge(graphdef, ref_trainable, rest)
         kw = dict(chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
-        if "segments" not in batch:
-            return completion_logprobs(model, batch["tokens"], batch["mask"], batch["completion"],
+        if batch.layout != "pack":
+            return completion_logprobs(model, batch.tokens, batch.mask, batch.completion,
                                        cfg.rollout.temperature, **kw)[0]
         # a packed batch is laid out per micro-batch: split as the step does, then run all groups at once
-        s = batch["completion_mask"].shape[0]
+        s = batch.num_sequences
         n_micro = micro_batch_count(cfg, s)
         flat = jax.tree.map(lambda x: micro_batches(x, n_micro).reshape((-1,) + x.shape[1:]), batch)
         logp = packed_logprobs(model, flat, cfg.rollout.temperature, **kw)[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import Any
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,8 @@ from lrmq.model.config import check_position_limit
 from lrmq.ptq.qat_export import QUANTIZED_POLICY, export_qat_policy
 from lrmq.quant.training import export_float_model, trainable_filter
 from lrmq.rl.advantages import compute_advantages
-from lrmq.rl.batch import build_batch, bucketed_arrays, mask_rows, packed_arrays, truncate_left, truncated_rows
+from lrmq.rl.batch import (RolloutBatch, UpdateBatch, build_batch, bucketed_batch, mask_rows, packed_batch,
+                           padded_batch, truncate_left, truncated_rows)
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.evaluation import SuiteEval
 from lrmq.rl.precompile import (GIB, abstract_update, batch_key, check_budget, hbm_bytes, lower_compile, memory_report,
@@ -41,18 +42,45 @@ from lrmq.rl.run_lock import RunDirLock
 from lrmq.rl.run_checks import config_diff, first_non_finite
 from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar, tb_writer
 from lrmq.rl.setup import build_model, load_datasets
-from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step,
-                          micro_batch_count, rollout_correction, rollout_quant_warning,
-                          uses_rollout_logprobs)
+from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step, micro_batch_count,
+                          old_logprob_sources, rollout_quant_warning)
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, make_mesh
 from lrmq.tokenizer import Tokenizer
 
 log = logging.getLogger("lrmq.train")
 
 
+def reward_stats(rewards: np.ndarray, parts: dict, info: dict, group_size: int) -> dict[str, float]:
+    """A rollout's reward/* statistics: the training reward, each reward function's mean, the main reward's
+    accuracy, format rate and timeouts, and the share of groups whose rewards are all equal (no signal)."""
+    grouped = rewards.reshape(-1, group_size)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+        "reward/accuracy": float(np.mean(info["correct"])),
+        "reward/format_rate": float(np.mean(info["formatted"])),
+        "reward/frac_zero_std": float(np.mean(grouped.max(1) == grouped.min(1))),
+        "reward/timeouts": float(info.get("timeouts", 0)),
+    }
+
+
 class TrainingStopped(RuntimeError):
     """Training cannot go on (a non-finite metric, rewards that keep failing); the message says why and what
     was kept."""
+
+
+@dataclass
+class Rollout:
+    """What one rollout produced: the batch to train on, its statistics (reward/*, completion/*, prompt/*, perf/*,
+    rollout/*), one record per completion (completions.jsonl) and whether the reward failed on every comparison
+    (the batch is then not trained on)."""
+
+    batch: RolloutBatch
+    stats: dict[str, float]
+    completions: list[dict]
+    reward_failed: bool
+
 
 # ----------------------------------------------------------------------------- the trainer
 
@@ -72,7 +100,15 @@ class GRPOTrainer:
             self.lock.acquire()
         self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
         self._check_mesh()
+        self._init_policy()
+        self._init_updates()
+        self._init_engines()
+        self._init_run(writer_factory)
 
+    # ------------------------------------------------------------------ setup helpers
+    def _init_policy(self):
+        """The tokenizer, the datasets, the policy split into trainable / rest, and its optimizer."""
+        cfg = self.cfg
         ckpt = check_checkpoint(cfg.model.checkpoint, "model.checkpoint")  # not reported as a missing tokenizer
         self.tokenizer = Tokenizer.from_dir(ckpt)
         self.train_rows, self.eval_rows = load_datasets(cfg)
@@ -85,27 +121,32 @@ class GRPOTrainer:
         self.tx, self.schedule = make_optimizer(cfg)
         with jax.set_mesh(self.mesh):
             self.opt_state = init_opt_state(self.tx, self.trainable, self.mesh)
+
+    def _init_updates(self):
+        """The update programs: one jitted step per source of pi_old, the shapes they are compiled for, and the
+        frozen reference (algo.beta != 0)."""
+        cfg = self.cfg
         tr_sh = jax.tree.map(lambda x: x.sharding, self.trainable)
         opt_sh = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        # The first update of a batch either divides by the sampler's log-probs (use_old) or is on-policy and
-        # returns its own forward's log-probs for the later inner iterations (mu > 1): no extra forward.
-        self._first_uses_old = uses_rollout_logprobs(cfg)
-        self.train_steps = {use_old: make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh), use_old=use_old)
-                            for use_old in (True, False)}
+        # pi_old of each of a batch's updates (`old_logprob_sources`: the whole old-log-prob protocol)
+        self.old_logp_sources = old_logprob_sources(cfg)
+        self.train_steps = {src: make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh), old_from=src)
+                            for src in ("behaviour_logp", "own", "old_logp")}
         # Every shape an update can have, fixed by the config (lrmq.rl.precompile); compile_updates compiles
         # them all before the first rollout, and update() runs those compiled programs.
         self.update_shapes = update_shapes(cfg, batch_divisor(self.mesh))
         self._choose_packed = packed_chooser(self.update_shapes) if cfg.rollout.update_padding == "pack" else None
-        self._aot_steps: dict = {}  # (use_old, batch_key) -> compiled update
+        self._aot_steps: dict = {}  # (old_from, batch_key) -> compiled update
         self._aot_ref: dict = {}  # batch_key -> compiled reference log-probs (algo.beta != 0)
         self._missed_shapes: set = set()  # shapes that had to be compiled during training (none expected)
         self.ref_trainable = None
         if cfg.algo.beta != 0.0:
             self.logprob_fn = make_ref_logprobs(self.graphdef, cfg)
             self.ref_trainable = self._reference_params()
-        self.last_completions: list[dict] = []
-        self.failed_reward_batches = 0  # consecutive
-        self.reward_failed = False
+
+    def _init_engines(self):
+        """The generation engine of the policy and, with rollout.quant, the one of its packed rollout copy."""
+        cfg = self.cfg
         self.engine = Engine(None, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, graphdef=self.graphdef,
                              model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh)
         # rollout.quant: rollouts sample from a packed copy of the policy (its own engine); held-out evaluation,
@@ -116,12 +157,16 @@ class GRPOTrainer:
             model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh)
         self._steps_since_refresh = 0
 
+    def _init_run(self, writer_factory):
+        """Evaluation suite, prompt pipeline, checkpoints, step counters and logs."""
+        cfg = self.cfg
         # run.eval_suite's items are loaded now: missing benchmark data fails before any compute
         self.suite_eval = SuiteEval(cfg.run) if cfg.run.eval_suite else None
         self.pipeline = PromptPipeline(self.train_rows, batch_size=cfg.rollout.prompts_per_step, seed=cfg.run.seed,
                                        process_index=0, process_count=1)
         self.ckpt = RunCheckpointer(paths.join(self.run_dir, "checkpoints"), keep=cfg.run.keep_checkpoints)
         self.step = 0
+        self.failed_reward_batches = 0  # consecutive
         self._stop_signal = None
         # Logs are written by process 0 only (metrics are global); other processes creating the same
         # TensorBoard dir raced in tensorboardX's exists-then-makedirs and crashed one process at start-up.
@@ -130,7 +175,6 @@ class GRPOTrainer:
         self.writer = (writer_factory or tb_writer)(self.logs.tb_dir) if self.logs.enabled else NullWriter()
         self.metrics_path = self.logs.metrics_path  # local; the run dir's own copy for a local run dir
 
-    # ------------------------------------------------------------------ setup helpers
     def _check_mesh(self):
         check_data_parallel_batch(self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size,
                                   self.cfg.optim.micro_batch_size, batch_divisor(self.mesh),
@@ -213,7 +257,8 @@ class GRPOTrainer:
                                   keys=sequence_keys(key, len(prompts)), prompt_capacity=self.cfg.rollout.max_prompt_len)
         return out.tokens, out.logprobs, out.lengths
 
-    def rollout(self, batch: dict[str, list], key) -> tuple[Any, dict[str, float]]:
+    def rollout(self, batch: dict[str, list], key) -> Rollout:
+        """Sample group_size completions of each prompt of `batch`, score them and compute their advantages."""
         r, a = self.cfg.rollout, self.cfg.algo
         g = r.group_size
         problems = [p for p in batch["problem"] for _ in range(g)]
@@ -232,22 +277,14 @@ class GRPOTrainer:
         cut = truncated_rows(comp, lengths, self.tokenizer.eos_ids)
         if a.mask_truncated_completions:
             rb = mask_rows(rb, cut)
-        self.last_completions = [
+        completions = [
             {"prompt": self.tokenizer.decode([int(t) for t, m in zip(tokens[i], mask[i]) if m]),
              "completion": texts[i], "answer": answers[i], "reward": float(rewards[i]),
              "rewards": {k: float(v[i]) for k, v in parts.items()}, "advantage": float(adv[i]),
              "tokens": int(lengths[i]), "truncated": bool(cut[i])}
             for i in range(len(texts))]
-        grouped = rewards.reshape(-1, g)
-        self.reward_failed = bool(info.get("failed")) or int(info.get("timeouts", 0)) >= len(texts)
         stats = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
-            "reward/accuracy": float(np.mean(info["correct"])),
-            "reward/format_rate": float(np.mean(info["formatted"])),
-            "reward/frac_zero_std": float(np.mean(grouped.max(1) == grouped.min(1))),
-            "reward/timeouts": float(info.get("timeouts", 0)),
+            **reward_stats(rewards, parts, info, g),
             "completion/length_mean": float(lengths.mean()),
             "completion/truncated_rate": float(np.mean(cut)),
             "prompt/truncated": float(truncated),
@@ -256,7 +293,8 @@ class GRPOTrainer:
             "rollout/weight_bytes": float(self._rollout_weight_bytes()),
             **copy_stats,
         }
-        return rb, stats
+        failed = bool(info.get("failed")) or int(info.get("timeouts", 0)) >= len(texts)
+        return Rollout(rb, stats, completions, failed)
 
     def _rollout_weight_bytes(self) -> int:
         """Bytes of the weights the rollout reads (the packed copy and the policy arrays it shares, or the policy)."""
@@ -270,20 +308,20 @@ class GRPOTrainer:
                                 score_fn=score_completions)
 
     # ------------------------------------------------------------------ update
-    def _step_fn(self, use_old: bool, arrays, ref_logp):
+    def _step_fn(self, old_from: str, batch: UpdateBatch, ref_logp):
         """The update compiled before the first rollout for this batch's shape; the jitted one (which compiles
         now, with a warning) only for a shape outside `update_shapes`, which the layouts never produce."""
-        key = (use_old, batch_key(arrays, ref_logp))
+        key = (old_from, batch_key(batch, ref_logp))
         step = self._aot_steps.get(key)
         if step is None:
             self._warn_missed("update", key)
-            return self.train_steps[use_old]
+            return self.train_steps[old_from]
         return step
 
-    def _ref_fn(self, arrays):
-        fn = self._aot_ref.get(batch_key(arrays))
+    def _ref_fn(self, batch: UpdateBatch):
+        fn = self._aot_ref.get(batch_key(batch))
         if fn is None:
-            self._warn_missed("reference log-probs", batch_key(arrays))
+            self._warn_missed("reference log-probs", batch_key(batch))
             return self.logprob_fn
         return fn
 
@@ -292,48 +330,48 @@ class GRPOTrainer:
             self._missed_shapes.add(key)
             log.warning("%s shape %s was not compiled ahead of time: compiling it now", what, key)
 
-    def update_arrays(self, rb) -> dict[str, np.ndarray]:
-        """The host arrays of the update batch in the layout rollout.update_padding asks for."""
+    def update_batch(self, rb: RolloutBatch) -> UpdateBatch:
+        """The host update batch in the layout rollout.update_padding asks for."""
         r = self.cfg.rollout
         if r.update_padding == "pack":
-            return packed_arrays(rb, n_micro=micro_batch_count(self.cfg, rb.num_sequences),
-                                 groups=batch_divisor(self.mesh), choose_shape=self._choose_packed,
-                                 width=r.max_prompt_len + r.max_new_tokens)
-        return bucketed_arrays(rb) if r.update_padding == "bucket" else rb.arrays()
+            return packed_batch(rb, n_micro=micro_batch_count(self.cfg, rb.num_sequences),
+                                groups=batch_divisor(self.mesh), choose_shape=self._choose_packed,
+                                width=r.max_prompt_len + r.max_new_tokens)
+        return bucketed_batch(rb) if r.update_padding == "bucket" else padded_batch(rb)
 
-    def update(self, rb) -> dict[str, float]:
-        host = self.update_arrays(rb)
+    def update(self, rb: RolloutBatch) -> dict[str, float]:
+        """The algo.num_iterations optimizer updates of one rollout batch; returns train/* and perf/* metrics."""
+        host = self.update_batch(rb)
         with jax.set_mesh(self.mesh):
-            arrays = {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in host.items()}
+            batch = jax.tree.map(lambda v: jax.device_put(v, batch_sharding(self.mesh, v.ndim)), host)
             ref_logp = None
             if self.cfg.algo.beta != 0.0:
-                ref_logp = self._ref_fn(arrays)(self.ref_trainable, self.rest, arrays)
+                ref_logp = self._ref_fn(batch)(self.ref_trainable, self.rest, batch)
                 ref_logp = jax.device_put(ref_logp, batch_sharding(self.mesh, 2))
             t0 = time.perf_counter()
-            metrics, mismatch = {}, None
-            if rollout_correction(self.cfg) != "none":  # the sampler's log-probs stay; old_logp becomes the learner's
-                arrays["rollout_logp"] = arrays["old_logp"]
-            use_old = self._first_uses_old
-            for _ in range(self.cfg.algo.num_iterations):
-                step = self._step_fn(use_old, arrays, ref_logp)
-                self.trainable, self.opt_state, metrics = step(self.trainable, self.rest, self.opt_state, arrays,
-                                                               ref_logp)
-                if mismatch is None:  # sampler vs the pre-update learner: the first update's
-                    mismatch = {k: v for k, v in metrics.items() if k.startswith("mismatch/")}
-                if not use_old:  # on-policy first update: its log-probs are the old policy's for the next ones
-                    arrays["old_logp"] = jax.device_put(metrics.pop("logp") * arrays["completion_mask"],
-                                                        batch_sharding(self.mesh, 2))
-                    use_old = True
-            metrics.update(mismatch or {})
-            metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+            metrics = self._run_updates(batch, ref_logp)
         dt = time.perf_counter() - t0
-        n_tok = float((host["positions"] >= 0).sum() if "positions" in host else host["mask"].sum())
-        metrics["perf/train_tokens_per_s"] = n_tok * self.cfg.algo.num_iterations / max(dt, 1e-9)
+        metrics["perf/train_tokens_per_s"] = host.token_count() * self.cfg.algo.num_iterations / max(dt, 1e-9)
         metrics["perf/update_s"] = dt
         self._steps_since_refresh += 1
-        metrics["perf/update_width"] = float(host["tokens"].shape[1])
-        metrics["perf/update_rows"] = float(host["tokens"].shape[0])  # packed: rows of several sequences
+        metrics["perf/update_width"] = float(host.tokens.shape[1])
+        metrics["perf/update_rows"] = float(host.tokens.shape[0])  # packed: rows of several sequences
         return metrics
+
+    def _run_updates(self, batch: UpdateBatch, ref_logp) -> dict[str, float]:
+        """One compiled update per entry of `old_logprob_sources`; the metrics of the last, with the sampler/learner
+        mismatch of the first (the learner before any update of this batch)."""
+        metrics, mismatch = {}, None
+        for old_from in self.old_logp_sources:
+            step = self._step_fn(old_from, batch, ref_logp)
+            self.trainable, self.opt_state, metrics = step(self.trainable, self.rest, self.opt_state, batch, ref_logp)
+            if mismatch is None:
+                mismatch = {k: v for k, v in metrics.items() if k.startswith("mismatch/")}
+            if old_from == "own":  # on-policy: its log-probs are pi_old of the later updates
+                old = jax.device_put(metrics.pop("logp") * batch.completion_mask, batch_sharding(self.mesh, 2))
+                batch = batch.replace(old_logp=old)
+        metrics.update(mismatch or {})
+        return {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, limit: int | None = None) -> dict[str, float]:
@@ -369,30 +407,18 @@ class GRPOTrainer:
         and run by `update`. Later steps compile no update. JAX's persistent cache (run.compile_cache) turns a
         rerun's compiles into loads. Returns {program name: per-device bytes} of the largest shape."""
         cfg = self.cfg
-        # the first update of a batch; with mu > 1 and recomputed old log-probs, the later ones divide by them
-        variants = [self._first_uses_old] + ([True] if not self._first_uses_old and cfg.algo.num_iterations > 1
-                                              else [])
-        jobs = [(shape, "update", use_old) for shape in self.update_shapes for use_old in variants]
+        jobs = [(shape, "update", old_from) for shape in self.update_shapes
+                for old_from in dict.fromkeys(self.old_logp_sources)]  # the step variants the updates run
         if cfg.algo.beta != 0.0:
             jobs += [(shape, "reference", None) for shape in self.update_shapes]
         bar = progress_bar(len(jobs), 0, enabled=cfg.run.progress, desc="compiling update", unit="program")
         mem: dict[str, int] = {}
         t_all = time.perf_counter()
         try:
-            for i, (shape, what, use_old) in enumerate(jobs, start=1):
-                batch, ref = abstract_update(cfg, shape, self.mesh)
+            for i, (shape, what, old_from) in enumerate(jobs, start=1):
                 log.info("compiling %s %d/%d: %s", what, i, len(jobs), shape.label())
                 bar.set_postfix_str(shape.label())
-                if what == "update":
-                    compiled, secs = lower_compile(self.train_steps[use_old], self.trainable, self.rest,
-                                                   self.opt_state, batch, ref, mesh=self.mesh)
-                    self._aot_steps[(use_old, batch_key(batch, ref))] = compiled
-                    name = "train_step"
-                else:
-                    compiled, secs = lower_compile(self.logprob_fn, self.ref_trainable, self.rest, batch,
-                                                   mesh=self.mesh)
-                    self._aot_ref[batch_key(batch)] = compiled
-                    name = "reference_logprobs"
+                name, compiled, secs = self._compile_update(shape, old_from)
                 if name not in mem:  # the first of each is the largest shape
                     mem[name] = memory_report(compiled)["total"]
                 log.debug("compiled %s %d/%d in %.1f s", what, i, len(jobs), secs)
@@ -402,6 +428,19 @@ class GRPOTrainer:
         log.info("compiled %d update programs in %.1f s (%d shapes)", len(jobs), time.perf_counter() - t_all,
                  len(self.update_shapes))
         return mem
+
+    def _compile_update(self, shape, old_from: str | None) -> tuple[str, object, float]:
+        """(program name, compiled, seconds) of the update taking pi_old from `old_from` at `shape`, kept for
+        `update`; old_from None: the reference log-probs'."""
+        batch, ref = abstract_update(self.cfg, shape, self.mesh, old_logp=old_from == "old_logp")
+        if old_from is None:
+            compiled, secs = lower_compile(self.logprob_fn, self.ref_trainable, self.rest, batch, mesh=self.mesh)
+            self._aot_ref[batch_key(batch)] = compiled
+            return "reference_logprobs", compiled, secs
+        compiled, secs = lower_compile(self.train_steps[old_from], self.trainable, self.rest, self.opt_state, batch,
+                                       ref, mesh=self.mesh)
+        self._aot_steps[(old_from, batch_key(batch, ref))] = compiled
+        return "train_step", compiled, secs
 
     def _samplings(self) -> dict[str, SamplingConfig]:
         """The rollout's sampling, and greedy when held-out evaluation decodes greedily too."""
@@ -543,24 +582,10 @@ class GRPOTrainer:
         self.logs.append({"step": step, **metrics})
 
     def train(self, stop_after: int | None = None) -> dict[str, float]:
+        """Train to run.steps (or `stop_after` more steps, or a signal) from the newest checkpoint; returns the
+        last step's metrics (with the final evaluation's)."""
         cfg = self.cfg
-        try:
-            resumed = self.maybe_restore()
-        except Exception as e:  # the checkpoints describe another model / optimizer: keep their config.yaml
-            raise ConfigError(f"cannot resume from {self.ckpt.directory}: its checkpoints do not fit this config"
-                              f"{config_diff(self.run_dir, self.cfg)} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                              "config.yaml was left as it was: rerun with that config, or use another "
-                              "run.out_dir") from e
-        if jax.process_index() == 0:  # one writer: object stores throttle concurrent writes to one object
-            save_config(cfg, paths.join(self.run_dir, "config.yaml"))
-        self.preflight()
-        if not resumed:
-            if self.cfg.run.export_hf:  # every process: the export gathers the sharded parameters
-                self.export_policy(paths.join(self.run_dir, "initial_policy"))  # W_before for QuantLRM
-            self.logs.reset()
-            ev = self.evaluate()
-            if ev:
-                self.log_metrics(0, ev)
+        self._start()
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         bar = progress_bar(cfg.run.steps, self.step, enabled=cfg.run.progress)
         last: dict[str, float] = {}
@@ -568,33 +593,11 @@ class GRPOTrainer:
         ran = 0
         try:
             while self.step < cfg.run.steps:
-                t0 = time.perf_counter()
-                batch = next(self.pipeline)
-                rb, stats = self.rollout(batch, jax.random.fold_in(base_key, self.step))
-                self.failed_reward_batches = self.failed_reward_batches + 1 if self.reward_failed else 0
-                limit = cfg.algo.max_failed_reward_batches
-                if self.reward_failed and limit and self.failed_reward_batches >= limit:
-                    self.save()
-                    self.ckpt.wait()
-                    raise TrainingStopped(
-                        f"step {self.step + 1}: {self.failed_reward_batches} consecutive reward batches in which every "
-                        f"comparison failed or timed out (algo.max_failed_reward_batches={limit}); checkpoint of step "
-                        f"{self.step} saved. Raise algo.reward_timeout_s / algo.reward_budget_s, or check the reward")
-                m = {} if self.reward_failed else self.update(rb)  # never train on a batch the reward never scored
-                self._check_finite(self.step + 1, m, rb)
-                self.step += 1
+                last = self._run_step(jax.random.fold_in(base_key, self.step))
                 ran += 1
-                m.update(stats)
-                m["optim/lr"] = float(self.schedule(max(self.step - 1, 0) * cfg.algo.num_iterations))
-                m["perf/step_s"] = time.perf_counter() - t0
-                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.steps:
-                    m.update(self.evaluate())
-                self.log_metrics(self.step, m)
-                self.log_completions(self.step, self.last_completions)
-                last = m
                 bar.update(1)
-                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['reward/accuracy']:.2f}",
-                                len=f"{m['completion/length_mean']:.0f}", kl=f"{m.get('train/kl', 0):.3g}")
+                bar.set_postfix(reward=f"{last['reward/mean']:.3f}", acc=f"{last['reward/accuracy']:.2f}",
+                                len=f"{last['completion/length_mean']:.0f}", kl=f"{last.get('train/kl', 0):.3g}")
                 if self.step % cfg.run.save_every == 0 or self.step == cfg.run.steps:
                     self.save()
                 if self._stop_signal is not None or (stop_after and ran >= stop_after):
@@ -602,16 +605,7 @@ class GRPOTrainer:
                         self.save()
                     self.ckpt.wait()
                     return last
-            self.ckpt.wait()
-            final = self.evaluate()
-            if final:
-                self.log_metrics(self.step, final)
-                last.update(final)
-            if cfg.run.export_hf:
-                self.export_policy(paths.join(self.run_dir, "final_policy"))
-                if cfg.quant.mode == "qat":
-                    self.export_quantized_policy(paths.join(self.run_dir, QUANTIZED_POLICY))
-            return last
+            return self._finish(last)
         finally:
             bar.close()
             for s, h in old.items():
@@ -620,9 +614,73 @@ class GRPOTrainer:
             self.logs.sync(force=True)
             self.lock.release()
 
-    def _check_finite(self, step: int, metrics: dict[str, float], rb) -> None:
+    def _start(self) -> None:
+        """Resume from the newest checkpoint (or start: the initial export and evaluation), write config.yaml and
+        compile every program (`preflight`)."""
+        try:
+            resumed = self.maybe_restore()
+        except Exception as e:  # the checkpoints describe another model / optimizer: keep their config.yaml
+            raise ConfigError(f"cannot resume from {self.ckpt.directory}: its checkpoints do not fit this config"
+                              f"{config_diff(self.run_dir, self.cfg)} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              "config.yaml was left as it was: rerun with that config, or use another "
+                              "run.out_dir") from e
+        if jax.process_index() == 0:  # one writer: object stores throttle concurrent writes to one object
+            save_config(self.cfg, paths.join(self.run_dir, "config.yaml"))
+        self.preflight()
+        if not resumed:
+            if self.cfg.run.export_hf:  # every process: the export gathers the sharded parameters
+                self.export_policy(paths.join(self.run_dir, "initial_policy"))  # W_before for QuantLRM
+            self.logs.reset()
+            ev = self.evaluate()
+            if ev:
+                self.log_metrics(0, ev)
+
+    def _run_step(self, key) -> dict[str, float]:
+        """One step: a rollout, its updates (none when the reward failed), the logs; returns the step's metrics."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        ro = self.rollout(next(self.pipeline), key)
+        self._check_reward(ro)
+        m = {} if ro.reward_failed else self.update(ro.batch)  # never train on a batch the reward never scored
+        self._check_finite(self.step + 1, m, ro.batch)
+        self.step += 1
+        m.update(ro.stats)
+        m["optim/lr"] = float(self.schedule(max(self.step - 1, 0) * cfg.algo.num_iterations))
+        m["perf/step_s"] = time.perf_counter() - t0
+        if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.steps:
+            m.update(self.evaluate())
+        self.log_metrics(self.step, m)
+        self.log_completions(self.step, ro.completions)
+        return m
+
+    def _check_reward(self, ro: Rollout) -> None:
+        """Count consecutive failed reward batches; at algo.max_failed_reward_batches save and stop."""
+        self.failed_reward_batches = self.failed_reward_batches + 1 if ro.reward_failed else 0
+        limit = self.cfg.algo.max_failed_reward_batches
+        if ro.reward_failed and limit and self.failed_reward_batches >= limit:
+            self.save()
+            self.ckpt.wait()
+            raise TrainingStopped(
+                f"step {self.step + 1}: {self.failed_reward_batches} consecutive reward batches in which every "
+                f"comparison failed or timed out (algo.max_failed_reward_batches={limit}); checkpoint of step "
+                f"{self.step} saved. Raise algo.reward_timeout_s / algo.reward_budget_s, or check the reward")
+
+    def _finish(self, last: dict[str, float]) -> dict[str, float]:
+        """After the last step: the final evaluation (added to `last`) and the exports."""
+        self.ckpt.wait()
+        final = self.evaluate()
+        if final:
+            self.log_metrics(self.step, final)
+            last.update(final)
+        if self.cfg.run.export_hf:
+            self.export_policy(paths.join(self.run_dir, "final_policy"))
+            if self.cfg.quant.mode == "qat":
+                self.export_quantized_policy(paths.join(self.run_dir, QUANTIZED_POLICY))
+        return last
+
+    def _check_finite(self, step: int, metrics: dict[str, float], rb: RolloutBatch) -> None:
         """Stop before a non-finite update can be logged as fine or saved over a good checkpoint."""
-        bad = first_non_finite(metrics, rb.old_logp)
+        bad = first_non_finite(metrics, rb.behaviour_logp)
         if bad:
             latest = self.ckpt.latest_step()
             raise TrainingStopped(

@@ -1,0 +1,97 @@
+"""The rollout -> update hand-off: the old-log-prob protocol (`step.old_logprob_sources`, one table of config
+cases), and `UpdateBatch`, whose host layouts are exactly the abstract batches compiled ahead of time (fields,
+shapes and dtypes). Host-side only: nothing here compiles."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_train_config
+from lrmq.generation.engine import left_pad
+from lrmq.rl.batch import UpdateBatch, build_batch, bucketed_batch, mask_rows, packed_batch, padded_batch
+from lrmq.rl.precompile import abstract_update, batch_key, packed_chooser, update_shapes
+from lrmq.rl.step import micro_batch_count, old_logprob_sources, rollout_quant_warning
+from lrmq.sharding import make_mesh
+
+# config -> pi_old of each update of a batch (the ratio's denominator: the sampler's behaviour_logp, the update's
+# own forward, or the first update's log-probs handed over as old_logp) and the correction weighing them against
+# the sampler's
+PROTOCOL = [
+    # (algo, rollout, sources, correction)
+    ({}, {}, ("behaviour_logp",), "none"),  # the defaults: old_logprobs=rollout (Tunix)
+    ({"num_iterations": 2}, {}, ("behaviour_logp", "behaviour_logp"), "none"),
+    ({"old_logprobs": "recompute"}, {}, ("own",), "none"),  # TRL at mu=1: no extra forward
+    ({"old_logprobs": "recompute", "num_iterations": 3}, {}, ("own", "old_logp", "old_logp"), "none"),
+    ({"rollout_correction": "token_truncate"}, {}, ("own",), "token_truncate"),  # whatever old_logprobs says
+    ({"rollout_correction": "geometric_mask", "num_iterations": 2}, {}, ("own", "old_logp"), "geometric_mask"),
+    ({"num_iterations": 2}, {"quant": "int8"}, ("own", "old_logp"), "sequence_mask"),  # auto, quantized rollout
+    ({"rollout_correction": "none", "num_iterations": 2}, {"quant": "int4"}, ("behaviour_logp",) * 2, "none"),
+    ({"rollout_correction": "none", "old_logprobs": "recompute"}, {"quant": "int4"}, ("own",), "none"),
+]
+
+
+@pytest.mark.parametrize("algo,rollout,sources,correction", PROTOCOL)
+def test_old_logprob_protocol(tmp_path, algo, rollout, sources, correction):
+    cfg = tiny_train_config(str(tmp_path), algo=algo, rollout=rollout)
+    assert old_logprob_sources(cfg) == sources
+    assert cfg.loss_config().rollout_correction == correction
+    # the only uncorrected ratio against a quantized sampler is the one the trainer warns about
+    warned = rollout_quant_warning(cfg) is not None
+    assert warned == (cfg.quantized_rollout and sources[0] == "behaviour_logp")
+
+
+def _rollout_batch(rng, s: int, prompt_cols: int, n: int):
+    """A RolloutBatch as the trainer builds it (`build_batch` from left-padded prompts and the sampler's output)."""
+    prompts = [rng.integers(1, 50, rng.integers(1, prompt_cols + 1)).tolist() for _ in range(s)]
+    tokens, mask = left_pad(prompts, prompt_cols, 0)
+    lengths = rng.integers(0, n + 1, s)
+    comp = rng.integers(1, 50, (s, n)).astype(np.int32)
+    logp = -rng.random((s, n)).astype(np.float32)
+    rb = build_batch(tokens, mask, comp, lengths, logp, rng.normal(size=s).astype(np.float32), np.zeros(s))
+    return mask_rows(rb, rng.random(s) < 0.2)
+
+
+@pytest.mark.parametrize("layout", ["pack", "bucket", "max"])
+def test_host_batch_is_one_of_the_abstract_batches(tmp_path, layout):
+    """The host batch of every layout has the fields, shapes and dtypes of the abstract batch compiled for its
+    shape (`UpdateBatch.field_shapes`), the same pytree structure, and no old_logp (the first update's own)."""
+    cfg = tiny_train_config(str(tmp_path), rollout={"update_padding": layout, "update_shapes": 5},
+                            optim={"micro_batch_size": 8})
+    r = cfg.rollout
+    s = r.prompts_per_step * r.group_size
+    mesh = make_mesh()
+    shapes = update_shapes(cfg, 1)
+    abstract = {batch_key(b): b for b in (abstract_update(cfg, sh, mesh)[0] for sh in shapes)}
+    rng = np.random.default_rng(5)
+    for _ in range(5):
+        cols = r.max_prompt_len if layout == "max" else int(rng.choice([16, 32]))
+        rb = _rollout_batch(rng, s, cols, r.max_new_tokens)
+        if layout == "pack":
+            host = packed_batch(rb, n_micro=micro_batch_count(cfg, s), choose_shape=packed_chooser(shapes),
+                                width=r.max_prompt_len + r.max_new_tokens)
+        else:
+            host = bucketed_batch(rb) if layout == "bucket" else padded_batch(rb)
+        assert host.layout == layout and host.old_logp is None
+        want = abstract[batch_key(host)]
+        assert jax.tree.structure(host) == jax.tree.structure(want)
+        for h, a in zip(jax.tree.leaves(host), jax.tree.leaves(want)):
+            assert (h.shape, h.dtype) == (a.shape, a.dtype)
+        np.testing.assert_array_equal(host.behaviour_logp[:, :r.max_new_tokens].sum(),
+                                      rb.behaviour_logp.sum())  # the sampler's, as the rollout gave them
+
+
+def test_old_logp_is_a_field_of_its_own():
+    """Handing the first update's log-probs over adds old_logp and leaves the sampler's untouched."""
+    fields = UpdateBatch.field_shapes("max", sequences=4, completion=8, width=24)
+    assert "old_logp" not in fields
+    with_old = UpdateBatch.field_shapes("max", sequences=4, completion=8, width=24, old_logp=True)
+    assert with_old["old_logp"] == with_old["behaviour_logp"]
+    rb = _rollout_batch(np.random.default_rng(0), 4, 16, 8)
+    batch = padded_batch(rb)
+    handed = batch.replace(old_logp=np.zeros_like(batch.behaviour_logp))
+    assert handed.behaviour_logp is batch.behaviour_logp
+    assert dict(handed.shapes())["old_logp"] == (4, 8) and "old_logp" not in dict(batch.shapes())
+    with pytest.raises(ValueError, match="update layout"):
+        UpdateBatch.field_shapes("padded", sequences=4, completion=8, width=24)
