@@ -95,3 +95,27 @@ def test_old_logp_is_a_field_of_its_own():
     assert dict(handed.shapes())["old_logp"] == (4, 8) and "old_logp" not in dict(batch.shapes())
     with pytest.raises(ValueError, match="update layout"):
         UpdateBatch.field_shapes("padded", sequences=4, completion=8, width=24)
+
+
+def test_loss_config_is_the_loss_part_of_algo():
+    """Every LossConfig field comes from the YAML's algo.* keys (and rollout.max_new_tokens) through the usual
+    dotted overrides; the loss has no YAML surface of its own."""
+    import dataclasses
+
+    from lrmq.configlib import ConfigError, load_config
+    from lrmq.rl.config import TrainConfig
+    from lrmq.rl.losses import LossConfig
+
+    cfg = load_config(TrainConfig, overrides=[
+        "algo.policy_loss=ppo-clip", "algo.eps_low=0.1", "algo.eps_high=0.28", "algo.importance_sampling=sequence",
+        "algo.loss_aggregation=token-mean", "rollout.max_new_tokens=24", "algo.beta=0.04", "algo.kl_estimator=k2",
+        "algo.kl_bias_correction=true", "algo.rollout_correction=token_mask", "algo.rollout_correction_cap=2.5",
+        "algo.rollout_correction_min=0.4"])
+    want = LossConfig(policy_loss="ppo-clip", eps_low=0.1, eps_high=0.28, importance_level="sequence",
+                      aggregation="token-mean", max_len=24, beta=0.04, kl_estimator="k2", kl_bias_correction=True,
+                      rollout_correction="token_mask", rollout_correction_cap=2.5, rollout_correction_min=0.4)
+    assert cfg.loss_config() == want
+    # each field differs from its default above, so a field left out of loss_config would show
+    assert all(getattr(want, f.name) != f.default for f in dataclasses.fields(LossConfig))
+    with pytest.raises(ConfigError, match="loss"):
+        load_config(TrainConfig, overrides=["loss.eps_low=0.1"])

@@ -219,6 +219,33 @@ def pow2_buckets(limit: int, minimum: int = 16) -> list[int]:
     return out + [limit]
 
 
+def _check_packable(rb: RolloutBatch, n_micro: int, groups: int, width: int) -> None:
+    s = rb.completion.shape[0]
+    if s % n_micro or (s // n_micro) % groups:
+        raise ValueError(f"{s} sequences do not split into {n_micro} micro-batches x {groups} device groups")
+    if width < rb.tokens.shape[1]:
+        raise ValueError(f"packed width {width} below the batch's {rb.tokens.shape[1]} columns")
+    if np.any((rb.mask[:, :rb.prompt_len].sum(axis=1) == 0) & (rb.completion_mask > 0).any(axis=1)):
+        raise ValueError("a sequence with an empty prompt: nothing predicts its first completion token")
+
+
+def _first_fit_decreasing(items: list[tuple[int, int]], width: int) -> list[list[tuple[int, int]]]:
+    """(length, sequence) items -> rows of (sequence, length) of at most `width` tokens: longest first, each into
+    the first row with room for it."""
+    rows: list[list[tuple[int, int]]] = []
+    free: list[int] = []
+    for length, x in sorted(items, reverse=True):
+        for q, f in enumerate(free):
+            if f >= length:
+                rows[q].append((x, length))
+                free[q] -= length
+                break
+        else:
+            rows.append([(x, length)])
+            free.append(width - length)
+    return rows
+
+
 def packed_batch(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
                  choose_shape=None, width: int | None = None) -> UpdateBatch:
     """The update batch with no padding computed: each sequence's real tokens packed into rows of the
@@ -247,15 +274,9 @@ def packed_batch(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
     max_prompt_len + max_new_tokens, so the shape does not follow the rollout's prompt bucket), default the
     batch's own width."""
     s, n = rb.completion.shape
-    if s % n_micro or (s // n_micro) % groups:
-        raise ValueError(f"{s} sequences do not split into {n_micro} micro-batches x {groups} device groups")
     prompt_len = rb.prompt_len
-    if width is None:
-        width = rb.tokens.shape[1]
-    if width < rb.tokens.shape[1]:
-        raise ValueError(f"packed width {width} below the batch's {rb.tokens.shape[1]} columns")
-    if np.any((rb.mask[:, :prompt_len].sum(axis=1) == 0) & (rb.completion_mask > 0).any(axis=1)):
-        raise ValueError("a sequence with an empty prompt: nothing predicts its first completion token")
+    width = rb.tokens.shape[1] if width is None else width
+    _check_packable(rb, n_micro, groups, width)
     k_loc = s // n_micro // groups
     real = rb.mask.astype(bool)
     cmask = rb.completion_mask > 0
@@ -269,19 +290,8 @@ def packed_batch(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
         for g_d in range(groups):
             members = [k * n_micro + g_i for k in range(g_d * k_loc, (g_d + 1) * k_loc)]
             slots_needed = max(slots_needed, int(needed[members].sum()))
-            items = sorted(((int(n_prompt[x] + needed[x] - 1), x) for x in members if needed[x]), reverse=True)
-            rows: list[list[tuple[int, int]]] = []
-            free: list[int] = []
-            for length, x in items:
-                for q, f in enumerate(free):
-                    if f >= length:
-                        rows[q].append((x, length))
-                        free[q] -= length
-                        break
-                else:
-                    rows.append([(x, length)])
-                    free.append(width - length)
-            rows_of[(g_i, g_d)] = rows
+            rows_of[(g_i, g_d)] = _first_fit_decreasing(
+                [(int(n_prompt[x] + needed[x] - 1), x) for x in members if needed[x]], width)
     rows_needed = max(len(v) for v in rows_of.values())
     r_rows, t_slots = (choose_shape or packed_buckets)(rows_needed, slots_needed)
     if r_rows < rows_needed or t_slots < slots_needed:
