@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 from flax import struct
 
@@ -82,6 +83,13 @@ class UpdateBatch:
             inputs = {"tokens": ((sequences, width), i32), "mask": ((sequences, width), i32),
                       "completion": ((sequences, completion), i32)}
         return {**inputs, **per_seq, **({"old_logp": ((sequences, completion), f32)} if old_logp else {})}
+
+    @classmethod
+    def abstract(cls, layout: str, sharding, **sizes) -> UpdateBatch:
+        """The batch of `field_shapes(layout, **sizes)` as ShapeDtypeStructs, each with `sharding(ndim)`: what
+        `jax.jit(step).lower` takes to compile an update ahead of time."""
+        return cls(layout=layout, **{k: jax.ShapeDtypeStruct(dims, dtype, sharding=sharding(len(dims)))
+                                     for k, (dims, dtype) in cls.field_shapes(layout, **sizes).items()})
 
     @property
     def num_sequences(self) -> int:

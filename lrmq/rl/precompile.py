@@ -87,17 +87,16 @@ def packed_chooser(shapes: list[UpdateShape]):
 def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh, *, old_logp: bool = False
                     ) -> tuple[UpdateBatch, jax.ShapeDtypeStruct | None]:
     """(the update batch, the reference log-probs or None when algo.beta = 0) of `shape` as ShapeDtypeStructs
-    with the batch sharding (`UpdateBatch.field_shapes`): what `jax.jit(step).lower` takes for the batch the trainer
+    with the batch sharding (`UpdateBatch.abstract`): what `jax.jit(step).lower` takes for the batch the trainer
     will pass; `old_logp`: the batch of the updates that divide by the first one's log-probs."""
     groups = mesh.shape["data"] * mesh.shape["fsdp"]
     s, n_micro, _ = _geometry(cfg, groups)
     n = shape.completion if shape.layout != "pack" else cfg.rollout.max_new_tokens
-    fields = UpdateBatch.field_shapes(shape.layout, sequences=s, completion=n, width=shape.width,
-                                      rows=n_micro * groups * shape.rows, groups=groups * n_micro, slots=shape.slots,
-                                      old_logp=old_logp)
-    sds = lambda dims, dtype: jax.ShapeDtypeStruct(dims, dtype, sharding=batch_sharding(mesh, len(dims)))
-    batch = UpdateBatch(layout=shape.layout, **{k: sds(dims, dtype) for k, (dims, dtype) in fields.items()})
-    ref = sds((s, n), jnp.float32) if cfg.algo.beta != 0.0 else None
+    sharding = lambda ndim: batch_sharding(mesh, ndim)
+    batch = UpdateBatch.abstract(shape.layout, sharding, sequences=s, completion=n, width=shape.width,
+                                 rows=n_micro * groups * shape.rows, groups=groups * n_micro, slots=shape.slots,
+                                 old_logp=old_logp)
+    ref = jax.ShapeDtypeStruct((s, n), jnp.float32, sharding=sharding(2)) if cfg.algo.beta != 0.0 else None
     return batch, ref
 
 
