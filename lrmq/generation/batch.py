@@ -66,7 +66,7 @@ class _Inputs:
 
     @property
     def rows(self) -> int:
-        return len(self.page_table)
+        return len(self.page_table)  # every batch has one, a row each
 
 
 @struct.dataclass
