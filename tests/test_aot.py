@@ -178,7 +178,7 @@ def test_update_layouts_compile_for_a_multichip_slice(tmp_path, layout):
                             optim={"micro_batch_size": 8})
     run = aot.abstract_run(cfg, aot.make_mesh(aot.MeshConfig(1, 8, 1), devices=list(aot.topology_devices("v5e:2x4"))))
     batch = aot.abstract_batch(cfg, run.mesh)
-    assert ("segments" in batch) == (layout == "pack")
+    assert batch.layout == layout and (batch.segments is not None) == (layout == "pack")
     step, _ = aot.compile_train_step(run)
     assert aot.memory_report(step)["total"] > 0
 
