@@ -57,7 +57,7 @@ def test_bucketed_update_equals_full_width(scratch_ckpt, tmp_path):
     assert narrow.mask.sum() == full.mask.sum() and narrow.completion_mask.sum() == full.completion_mask.sum()
     out = {}
     for name, arrays in (("full", full), ("bucket", narrow)):
-        step = trainer.train_steps["behaviour_logp"]
+        step = trainer.updates.steps["behaviour_logp"]
         batch = jax.tree.map(jnp.asarray, arrays)
         tr, _, m = step(_copy(trainer.trainable), trainer.rest, _copy(trainer.opt_state), batch, None)
         out[name] = (_flat(tr), {k: float(v) for k, v in m.items()})
@@ -76,7 +76,7 @@ def test_on_policy_first_update_replaces_the_old_logprob_forward(scratch_ckpt, t
     cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"), lr=1e-3)
     cfg.algo.old_logprobs, cfg.algo.num_iterations = "recompute", 2
     trainer = make_trainer(cfg)
-    assert not hasattr(trainer, "logprob_fn")  # beta = 0: no reference and no old-log-prob program at all
+    assert trainer.updates.reference_fn is None  # beta = 0: no reference and no old-log-prob program at all
     rb = _rollout(trainer).batch
     arrays = jax.tree.map(jnp.asarray, bucketed_batch(rb))
 
@@ -92,7 +92,7 @@ def test_on_policy_first_update_replaces_the_old_logprob_forward(scratch_ckpt, t
     ref_batch = arrays.replace(old_logp=old)
     tr, opt = _copy(trainer.trainable), _copy(trainer.opt_state)
     for _ in range(2):
-        tr, opt, want = trainer.train_steps["old_logp"](tr, trainer.rest, opt, ref_batch, None)
+        tr, opt, want = trainer.updates.steps["old_logp"](tr, trainer.rest, opt, ref_batch, None)
     expected = _flat(tr)
 
     got = trainer.update(rb)

@@ -145,8 +145,8 @@ def test_packed_update_equals_padded(scratch_ckpt, tmp_path, scan=True):
         arrays = trainer.update_batch(rb)
         assert arrays.layout == layout and (arrays.segments is not None) == (layout == "pack")
         batch = jax.tree.map(jnp.asarray, arrays)
-        ref = trainer.logprob_fn(trainer.ref_trainable, trainer.rest, batch)
-        tr, _, m = trainer.train_steps["own"](jax.tree.map(jnp.copy, start[0]), trainer.rest,
+        ref = trainer.updates.reference_fn(trainer.ref_trainable, trainer.rest, batch)
+        tr, _, m = trainer.updates.steps["own"](jax.tree.map(jnp.copy, start[0]), trainer.rest,
                                               jax.tree.map(jnp.copy, start[1]), batch, ref)
         n = rb.completion.shape[1]
         cm = rb.completion_mask

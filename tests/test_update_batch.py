@@ -119,3 +119,43 @@ def test_loss_config_is_the_loss_part_of_algo():
     assert all(getattr(want, f.name) != f.default for f in dataclasses.fields(LossConfig))
     with pytest.raises(ConfigError, match="loss"):
         load_config(TrainConfig, overrides=["loss.eps_low=0.1"])
+
+
+def test_update_programs_compile_what_the_updates_run_and_find_it(tmp_path, monkeypatch):
+    """`UpdatePrograms.compile` compiles, per update shape, the step variants of `old_logprob_sources` and the
+    reference log-probs, and `step` / `reference` hand back those programs for the trainer's host batches (a
+    variant the config never runs is not compiled: asked for, it is the jitted one, recorded as missed).
+    `lower_compile` is stubbed: this checks the bookkeeping, not XLA."""
+    import lrmq.rl.precompile as precompile
+    from lrmq.rl.precompile import UpdatePrograms
+    from lrmq.rl.step import make_optimizer
+
+    compiled = []
+
+    def fake_lower_compile(fn, *args, mesh):
+        compiled.append((fn, args[3] if len(args) == 5 else args[2]))
+        return ("compiled", len(compiled) - 1), 0.0
+
+    monkeypatch.setattr(precompile, "lower_compile", fake_lower_compile)
+    monkeypatch.setattr(precompile, "memory_report", lambda c: {"total": c[1]})
+    cfg = tiny_train_config(str(tmp_path), rollout={"update_shapes": 3},
+                            algo={"beta": 0.04, "old_logprobs": "recompute", "num_iterations": 2})
+    programs = UpdatePrograms(None, cfg, make_optimizer(cfg)[0], None, make_mesh())
+    mem = programs.compile(None, None, None, None)
+    assert [fn for fn, _ in compiled] == [programs.steps["own"], programs.steps["old_logp"]] * 3 + [
+        programs.reference_fn] * 3
+    assert mem == {"train_step": 0, "reference_logprobs": 6}  # the first (largest) shape of each
+    r = cfg.rollout
+    s = r.prompts_per_step * r.group_size
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        host = packed_batch(_rollout_batch(rng, s, 32, r.max_new_tokens), choose_shape=packed_chooser(programs.shapes),
+                            width=r.max_prompt_len + r.max_new_tokens)
+        ref = np.zeros((s, r.max_new_tokens), np.float32)
+        first = programs.step("own", host, ref)
+        later = programs.step("old_logp", host.replace(old_logp=host.behaviour_logp), ref)
+        assert first[0] == later[0] == programs.reference(host)[0] == "compiled"
+        assert compiled[first[1]][1].old_logp is None and compiled[later[1]][1].old_logp is not None
+        assert batch_key(compiled[later[1]][1]) == batch_key(host.replace(old_logp=host.behaviour_logp))
+    assert not programs.missed
+    assert programs.step("behaviour_logp", host, ref) is programs.steps["behaviour_logp"] and programs.missed

@@ -18,8 +18,10 @@ trainer aot's rollout compile as a callable).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +29,12 @@ import jax.numpy as jnp
 from lrmq.configlib import ConfigError
 from lrmq.rl.batch import UpdateBatch, ladder_choice, packed_ladder, pow2_buckets
 from lrmq.rl.config import TrainConfig
-from lrmq.rl.step import micro_batch_count
-from lrmq.sharding import batch_sharding
+from lrmq.rl.run_state import progress_bar
+from lrmq.rl.step import (OldLogpSource, make_ref_logprobs, make_train_step, micro_batch_count,
+                          old_logprob_sources)
+from lrmq.sharding import batch_divisor, batch_sharding
+
+log = logging.getLogger("lrmq.train")
 
 GIB = 1024 ** 3
 # HBM per chip by device kind (public Cloud TPU specs), for topologies compiled without the hardware.
@@ -103,6 +109,74 @@ def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh, *, old_logp: boo
 def batch_key(batch: UpdateBatch, ref=None) -> tuple:
     """What a compiled update is looked up by: the batch's layout and array shapes and the reference's (or None)."""
     return batch.layout, batch.shapes(), None if ref is None else tuple(ref.shape)
+
+
+# ----------------------------------------------------------------------------- the update's programs
+class UpdatePrograms:
+    """The update's programs of one run: a jitted step per source of pi_old and, with algo.beta != 0, the
+    reference log-probs. `compile` compiles, for every shape of `update_shapes`, the step variants the updates run
+    (`step.old_logprob_sources`) and the reference before the first rollout; `step` and `reference` hand back the
+    compiled program of a batch's shape (the jitted one, which compiles then, with a warning, only for a shape
+    outside `update_shapes`, which the layouts never produce)."""
+
+    def __init__(self, graphdef, cfg: TrainConfig, tx, shardings, mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.sources = old_logprob_sources(cfg)  # pi_old of each update of a batch
+        self.steps = {src: make_train_step(graphdef, cfg, tx, shardings, old_from=src)
+                      for src in get_args(OldLogpSource)}
+        self.reference_fn = make_ref_logprobs(graphdef, cfg) if cfg.algo.beta != 0.0 else None
+        self.shapes = update_shapes(cfg, batch_divisor(mesh))
+        self._compiled: dict = {}  # (old_from, or "reference", batch_key) -> compiled program
+        self.missed: set = set()  # keys that had to be compiled during training (none expected)
+
+    def compile(self, trainable, rest, opt_state, ref_trainable, *, progress: bool = False) -> dict[str, int]:
+        """Compile every program the updates run, for every shape (JAX's persistent cache turns a rerun's compiles
+        into loads); returns {program name: per-device bytes} of the largest shape."""
+        jobs = [(shape, src) for shape in self.shapes for src in dict.fromkeys(self.sources)]
+        if self.reference_fn is not None:
+            jobs += [(shape, "reference") for shape in self.shapes]
+        bar = progress_bar(len(jobs), 0, enabled=progress, desc="compiling update", unit="program")
+        mem: dict[str, int] = {}
+        t_all = time.perf_counter()
+        try:
+            for i, (shape, src) in enumerate(jobs, start=1):
+                what = "reference" if src == "reference" else f"update ({src})"
+                log.info("compiling %s %d/%d: %s", what, i, len(jobs), shape.label())
+                bar.set_postfix_str(shape.label())
+                batch, ref = abstract_update(self.cfg, shape, self.mesh, old_logp=src == "old_logp")
+                if src == "reference":
+                    name, key, args = "reference_logprobs", (src, batch_key(batch)), (ref_trainable, rest, batch)
+                else:
+                    name, key, args = "train_step", (src, batch_key(batch, ref)), (trainable, rest, opt_state, batch, ref)
+                self._compiled[key], secs = lower_compile(self.reference_fn if src == "reference" else self.steps[src],
+                                                          *args, mesh=self.mesh)
+                if name not in mem:  # the first of each is the largest shape
+                    mem[name] = memory_report(self._compiled[key])["total"]
+                log.debug("compiled %s %d/%d in %.1f s", what, i, len(jobs), secs)
+                bar.update(1)
+        finally:
+            bar.close()
+        log.info("compiled %d update programs in %.1f s (%d shapes)", len(jobs), time.perf_counter() - t_all,
+                 len(self.shapes))
+        return mem
+
+    def step(self, old_from: OldLogpSource, batch: UpdateBatch, ref_logp):
+        """The update taking pi_old from `old_from` for this batch's shape."""
+        return self._lookup((old_from, batch_key(batch, ref_logp)), self.steps[old_from])
+
+    def reference(self, batch: UpdateBatch):
+        """The reference log-probs program for this batch's shape."""
+        return self._lookup(("reference", batch_key(batch)), self.reference_fn)
+
+    def _lookup(self, key, jitted):
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled
+        if key not in self.missed and self._compiled:  # (an update before any compile: quiet)
+            self.missed.add(key)
+            log.warning("%s shape %s was not compiled ahead of time: compiling it now",
+                        "reference log-probs" if key[0] == "reference" else "update", key[1])
+        return jitted
 
 
 # ----------------------------------------------------------------------------- compiles and memory

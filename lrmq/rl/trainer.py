@@ -34,16 +34,14 @@ from lrmq.rl.batch import (RolloutBatch, UpdateBatch, build_batch, bucketed_batc
                            padded_batch, truncate_left, truncated_rows)
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.evaluation import SuiteEval
-from lrmq.rl.precompile import (GIB, abstract_update, batch_key, check_budget, hbm_bytes, lower_compile, memory_report,
-                                packed_chooser, update_shapes)
+from lrmq.rl.precompile import GIB, UpdatePrograms, check_budget, hbm_bytes, packed_chooser
 from lrmq.rl.rewards import score_completions, weighted_rewards
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant, awq_rollout_scales, calibration_blocks
 from lrmq.rl.run_lock import RunDirLock
 from lrmq.rl.run_checks import config_diff, first_non_finite
 from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar, tb_writer
 from lrmq.rl.setup import build_model, load_datasets
-from lrmq.rl.step import (init_opt_state, make_optimizer, make_ref_logprobs, make_train_step, micro_batch_count,
-                          old_logprob_sources, rollout_quant_warning)
+from lrmq.rl.step import init_opt_state, make_optimizer, micro_batch_count, rollout_quant_warning
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, make_mesh
 from lrmq.tokenizer import Tokenizer
 
@@ -123,26 +121,14 @@ class GRPOTrainer:
             self.opt_state = init_opt_state(self.tx, self.trainable, self.mesh)
 
     def _init_updates(self):
-        """The update programs: one jitted step per source of pi_old, the shapes they are compiled for, and the
-        frozen reference (algo.beta != 0)."""
+        """The update's programs (`UpdatePrograms`: compiled before the first rollout for every shape an update can
+        have, fixed by the config) and the frozen KL reference (algo.beta != 0)."""
         cfg = self.cfg
-        tr_sh = jax.tree.map(lambda x: x.sharding, self.trainable)
-        opt_sh = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        # pi_old of each of a batch's updates (`old_logprob_sources`: the whole old-log-prob protocol)
-        self.old_logp_sources = old_logprob_sources(cfg)
-        self.train_steps = {src: make_train_step(self.graphdef, cfg, self.tx, (tr_sh, opt_sh), old_from=src)
-                            for src in ("behaviour_logp", "own", "old_logp")}
-        # Every shape an update can have, fixed by the config (lrmq.rl.precompile); compile_updates compiles
-        # them all before the first rollout, and update() runs those compiled programs.
-        self.update_shapes = update_shapes(cfg, batch_divisor(self.mesh))
-        self._choose_packed = packed_chooser(self.update_shapes) if cfg.rollout.update_padding == "pack" else None
-        self._aot_steps: dict = {}  # (old_from, batch_key) -> compiled update
-        self._aot_ref: dict = {}  # batch_key -> compiled reference log-probs (algo.beta != 0)
-        self._missed_shapes: set = set()  # shapes that had to be compiled during training (none expected)
-        self.ref_trainable = None
-        if cfg.algo.beta != 0.0:
-            self.logprob_fn = make_ref_logprobs(self.graphdef, cfg)
-            self.ref_trainable = self._reference_params()
+        shardings = (jax.tree.map(lambda x: x.sharding, self.trainable), jax.tree.map(lambda x: x.sharding,
+                                                                                     self.opt_state))
+        self.updates = UpdatePrograms(self.graphdef, cfg, self.tx, shardings, self.mesh)
+        self._choose_packed = packed_chooser(self.updates.shapes) if cfg.rollout.update_padding == "pack" else None
+        self.ref_trainable = self._reference_params() if cfg.algo.beta != 0.0 else None
 
     def _init_engines(self):
         """The generation engine of the policy and, with rollout.quant, the one of its packed rollout copy."""
@@ -308,28 +294,6 @@ class GRPOTrainer:
                                 score_fn=score_completions)
 
     # ------------------------------------------------------------------ update
-    def _step_fn(self, old_from: str, batch: UpdateBatch, ref_logp):
-        """The update compiled before the first rollout for this batch's shape; the jitted one (which compiles
-        now, with a warning) only for a shape outside `update_shapes`, which the layouts never produce."""
-        key = (old_from, batch_key(batch, ref_logp))
-        step = self._aot_steps.get(key)
-        if step is None:
-            self._warn_missed("update", key)
-            return self.train_steps[old_from]
-        return step
-
-    def _ref_fn(self, batch: UpdateBatch):
-        fn = self._aot_ref.get(batch_key(batch))
-        if fn is None:
-            self._warn_missed("reference log-probs", batch_key(batch))
-            return self.logprob_fn
-        return fn
-
-    def _warn_missed(self, what: str, key) -> None:
-        if key not in self._missed_shapes and (self._aot_steps or self._aot_ref):  # (update() before train(): quiet)
-            self._missed_shapes.add(key)
-            log.warning("%s shape %s was not compiled ahead of time: compiling it now", what, key)
-
     def update_batch(self, rb: RolloutBatch) -> UpdateBatch:
         """The host update batch in the layout rollout.update_padding asks for."""
         r = self.cfg.rollout
@@ -346,7 +310,7 @@ class GRPOTrainer:
             batch = jax.tree.map(lambda v: jax.device_put(v, batch_sharding(self.mesh, v.ndim)), host)
             ref_logp = None
             if self.cfg.algo.beta != 0.0:
-                ref_logp = self._ref_fn(batch)(self.ref_trainable, self.rest, batch)
+                ref_logp = self.updates.reference(batch)(self.ref_trainable, self.rest, batch)
                 ref_logp = jax.device_put(ref_logp, batch_sharding(self.mesh, 2))
             t0 = time.perf_counter()
             metrics = self._run_updates(batch, ref_logp)
@@ -362,8 +326,8 @@ class GRPOTrainer:
         """One compiled update per entry of `old_logprob_sources`; the metrics of the last, with the sampler/learner
         mismatch of the first (the learner before any update of this batch)."""
         metrics, mismatch = {}, None
-        for old_from in self.old_logp_sources:
-            step = self._step_fn(old_from, batch, ref_logp)
+        for old_from in self.updates.sources:
+            step = self.updates.step(old_from, batch, ref_logp)
             self.trainable, self.opt_state, metrics = step(self.trainable, self.rest, self.opt_state, batch, ref_logp)
             if mismatch is None:
                 mismatch = {k: v for k, v in metrics.items() if k.startswith("mismatch/")}
@@ -401,46 +365,12 @@ class GRPOTrainer:
         return out
 
     # ------------------------------------------------------------------ ahead-of-time compiles and pre-flight
-    def compile_updates(self) -> dict[str, float]:
-        """Compile the update for every shape of `update_shapes` (and the reference log-probs when algo.beta != 0)
-        now, before the first rollout: jax.jit(...).lower(...).compile() on abstract batches, the programs kept
-        and run by `update`. Later steps compile no update. JAX's persistent cache (run.compile_cache) turns a
-        rerun's compiles into loads. Returns {program name: per-device bytes} of the largest shape."""
-        cfg = self.cfg
-        jobs = [(shape, "update", old_from) for shape in self.update_shapes
-                for old_from in dict.fromkeys(self.old_logp_sources)]  # the step variants the updates run
-        if cfg.algo.beta != 0.0:
-            jobs += [(shape, "reference", None) for shape in self.update_shapes]
-        bar = progress_bar(len(jobs), 0, enabled=cfg.run.progress, desc="compiling update", unit="program")
-        mem: dict[str, int] = {}
-        t_all = time.perf_counter()
-        try:
-            for i, (shape, what, old_from) in enumerate(jobs, start=1):
-                log.info("compiling %s %d/%d: %s", what, i, len(jobs), shape.label())
-                bar.set_postfix_str(shape.label())
-                name, compiled, secs = self._compile_update(shape, old_from)
-                if name not in mem:  # the first of each is the largest shape
-                    mem[name] = memory_report(compiled)["total"]
-                log.debug("compiled %s %d/%d in %.1f s", what, i, len(jobs), secs)
-                bar.update(1)
-        finally:
-            bar.close()
-        log.info("compiled %d update programs in %.1f s (%d shapes)", len(jobs), time.perf_counter() - t_all,
-                 len(self.update_shapes))
-        return mem
-
-    def _compile_update(self, shape, old_from: str | None) -> tuple[str, object, float]:
-        """(program name, compiled, seconds) of the update taking pi_old from `old_from` at `shape`, kept for
-        `update`; old_from None: the reference log-probs'."""
-        batch, ref = abstract_update(self.cfg, shape, self.mesh, old_logp=old_from == "old_logp")
-        if old_from is None:
-            compiled, secs = lower_compile(self.logprob_fn, self.ref_trainable, self.rest, batch, mesh=self.mesh)
-            self._aot_ref[batch_key(batch)] = compiled
-            return "reference_logprobs", compiled, secs
-        compiled, secs = lower_compile(self.train_steps[old_from], self.trainable, self.rest, self.opt_state, batch,
-                                       ref, mesh=self.mesh)
-        self._aot_steps[(old_from, batch_key(batch, ref))] = compiled
-        return "train_step", compiled, secs
+    def compile_updates(self) -> dict[str, int]:
+        """Compile the update for every shape an update can have (and the reference log-probs when algo.beta != 0)
+        now, before the first rollout (`UpdatePrograms.compile`); `update` runs those programs, and later steps
+        compile no update. Returns {program name: per-device bytes} of the largest shape."""
+        return self.updates.compile(self.trainable, self.rest, self.opt_state, self.ref_trainable,
+                                    progress=self.cfg.run.progress)
 
     def _samplings(self) -> dict[str, SamplingConfig]:
         """The rollout's sampling, and greedy when held-out evaluation decodes greedily too."""
