@@ -124,8 +124,7 @@ class GRPOTrainer:
         """The update's programs (`UpdatePrograms`: compiled before the first rollout for every shape an update can
         have, fixed by the config) and the frozen KL reference (algo.beta != 0)."""
         cfg = self.cfg
-        shardings = (jax.tree.map(lambda x: x.sharding, self.trainable), jax.tree.map(lambda x: x.sharding,
-                                                                                     self.opt_state))
+        shardings = tuple(jax.tree.map(lambda x: x.sharding, tree) for tree in (self.trainable, self.opt_state))
         self.updates = UpdatePrograms(self.graphdef, cfg, self.tx, shardings, self.mesh)
         self._choose_packed = packed_chooser(self.updates.shapes) if cfg.rollout.update_padding == "pack" else None
         self.ref_trainable = self._reference_params() if cfg.algo.beta != 0.0 else None
