@@ -25,7 +25,7 @@ Paths (`impl`; "auto" follows the compile target of `pallas_kernels.current_targ
 The index-based kernels ("splash", "cudnn") are used for self-attention only (`k_pos` None or the same
 array as `q_pos`) and assume the layouts lrmq builds: within a segment, the real tokens are contiguous and
 their positions consecutive (left-padded prompts, right-padded completions, packed rows of
-`lrmq.rl.batch.packed_arrays`, left-padded prefill). Then index order and distance equal position order
+`lrmq.rl.batch.packed_batch`, left-padded prefill). Then index order and distance equal position order
 and distance, and their masks equal the positional ones. For anything else pass impl="xla".
 """
 
