@@ -22,6 +22,7 @@ from lrmq.checkpoint.load import check_checkpoint, load_model, load_tokenizer, r
 from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms
 from lrmq.data.text import read_documents
 from lrmq.generation.engine import Engine, EngineConfig
+from lrmq.generation.paged import KV_CACHE_FORMATS
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.model.presets import preset_config
@@ -49,6 +50,10 @@ def parse_args(argv=None):
     ap.add_argument("--kv-pages", type=number(int, ge=0), default=0,
                     help="pages of the engine's KV pool (0 = enough that no sequence is ever preempted; with "
                          "--compile-only for a TPU topology: what fits, 0.9 of HBM less the programs' other memory)")
+    ap.add_argument("--kv-cache", choices=list(KV_CACHE_FORMATS), default="auto",
+                    help="format of the KV cache pages: auto (the model's dtype), bf16, or quantized with float32 "
+                         "scales: fp8_e4m3 / fp8_e5m2 (per layer and KV head) or int8 (per token and KV head); "
+                         "docs/generation.md, 'Quantized KV cache'")
     aot = ap.add_argument_group("ahead-of-time compile (no weights are read or allocated)")
     aot.add_argument("--compile-only", action="store_true",
                      help="compile generation for --topology (default: this machine) and print per-device memory")
@@ -89,7 +94,8 @@ def compile_only(args) -> int:
           f"slots, prompt {args.prompt_len} + {args.max_new_tokens} new tokens; weights {args.pack or mcfg.param_dtype}",
           flush=True)
     report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg,
-                                      engine=EngineConfig(slots=args.batch, pages=args.kv_pages),
+                                      engine=EngineConfig(slots=args.batch, pages=args.kv_pages,
+                                                          kv_cache=args.kv_cache),
                                       requests=args.batch, prompt_len=args.prompt_len, max_new=args.max_new_tokens,
                                       sampling=sampling, slots_option="--batch", pages_option="--kv-pages",
                                       log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -123,7 +129,7 @@ def generate(args) -> int:
     check_position_limit(model.cfg, len(ids[longest]) + args.max_new_tokens,
                          f"prompt {longest + 1} ({len(ids[longest])} tokens) + --max-new-tokens "
                          f"({args.max_new_tokens})")
-    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig(pages=args.kv_pages))
+    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig(pages=args.kv_pages, kv_cache=args.kv_cache))
     t0 = time.perf_counter()
     res = gen.generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     dt = time.perf_counter() - t0

@@ -30,6 +30,11 @@ class GenerationSection:
     kv_memory_fraction: float = opt(0.9, "generation.kv_pages=0 on an accelerator (or a --compile-only TPU "
                                          "topology): the share of each device's memory the weights and the KV "
                                          "pool may take together, as vLLM's gpu_memory_utilization", gt=0, le=1)
+    kv_cache: str = opt("auto", "format of the engine's KV cache pages: auto (the model's dtype), bf16, or "
+                                "quantized with float32 scales: fp8_e4m3 / fp8_e5m2 (per layer and KV head, "
+                                "calibrated on each call's first prefill) or int8 (per token and KV head); "
+                                "docs/generation.md, 'Quantized KV cache'",
+                        names=("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8"), kind="KV cache format")
     seed: int = opt(0, "sampling seed; sequence i (item x sample, in order) uses fold_in(key(seed), i), so "
                        "reruns and resumes repeat")
     max_positions: int = opt(0, "prompt + completion limit (0 = the model's max_position_embeddings)")
@@ -43,7 +48,8 @@ class GenerationSection:
             raise ValueError("page_size must be >= 1, kv_pages and max_positions >= 0")
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(slots=self.batch_size, page_size=self.page_size, pages=self.kv_pages)
+        return EngineConfig(slots=self.batch_size, page_size=self.page_size, pages=self.kv_pages,
+                            kv_cache=self.kv_cache)
 
 
 @dataclass

@@ -43,8 +43,9 @@ import numpy as np
 from flax import nnx
 
 from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch
-from lrmq.generation.paged import (LAYOUTS, PagedCache, abstract_pool, copy_pages, fitted_pages, new_pool, page_bytes,
-                                   pages_for, pool_shape, resolve_impl)
+from lrmq.generation.paged import (LAYOUTS, PagedCache, QuantPool, abstract_pool, check_kv_cache, copy_pages,
+                                   fitted_pages, is_quantized, new_pool, page_bytes, pages_for, pool_shape, resolve_impl,
+                                   storage_dtype)
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.generation.scheduler import Scheduler, Seq, SharedPrompt, prefill_batch, row_buckets, rows_for
 from lrmq.model.decoder import Decoder, layer_runs
@@ -56,7 +57,8 @@ class GenerationResult:
     tokens: np.ndarray  # [B, max_new_tokens] int32, pad after the end
     logprobs: np.ndarray  # [B, max_new_tokens] float32, 0 after the end
     lengths: np.ndarray  # [B] int32, generated tokens including EOS
-    # what the call did (`Scheduler.stats`): decode_calls, prefill_calls, prefilled_prompts, preempted, steps
+    # what the call did (`Scheduler.stats`): decode_calls, prefill_calls, prefilled_prompts, preempted, steps;
+    # with a quantized KV cache also kv_saturated: K / V entries clipped at the format's max (`paged.QuantPool`)
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -72,8 +74,12 @@ class EngineConfig:
     pool_bytes: int = 0
     block_pages: int = 8  # pages read per block of decode attention
     sync_steps: int = 64  # decode steps per device call at most (pages are reserved this far ahead)
+    # the pages' format (`paged.KV_CACHE_FORMATS`): auto = the model's dtype; bf16; fp8_e4m3 / fp8_e5m2 / int8
+    # quantized with their scales (`paged.QuantPool`)
+    kv_cache: str = "auto"
 
     def __post_init__(self):
+        check_kv_cache(self.kv_cache, "engine.kv_cache")
         for name in ("slots", "pages", "pool_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"engine.{name} must be >= 0 (got {getattr(self, name)})")
@@ -122,7 +128,7 @@ def call_sizes(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt
     width = pages_for(prompt, c.page_size) + own
     width = -(-width // c.block_pages) * c.block_pages
     worst = 1 + slots * (own + pages_for(prompt, c.page_size))  # every slot at full length: no preemption
-    pages = c.pages or fitted_pages(c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh), worst,
+    pages = c.pages or fitted_pages(c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh, c.kv_cache), worst,
                                     minimum=1 + own + pages_for(prompt, c.page_size))
     return slots, pages, width, worst
 
@@ -133,7 +139,7 @@ def pool_info(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt:
     sized ("kv_pages": set; "fitted": to `pool_bytes`, below the worst case; "worst case")."""
     slots, pages, _, worst = call_sizes(c, model_cfg, mesh, n_requests, longest_prompt, max_new)
     return {"pages": pages, "tokens": (pages - 1) * c.page_size, "page_size": c.page_size,
-            "bytes_per_device": pages * page_bytes(model_cfg, c.page_size, mesh), "worst_case_pages": worst,
+            "bytes_per_device": pages * page_bytes(model_cfg, c.page_size, mesh, c.kv_cache), "worst_case_pages": worst,
             "slots": slots, "sized": "kv_pages" if c.pages else "fitted" if pages < worst else "worst case"}
 
 
@@ -251,8 +257,9 @@ class Engine:
         """The decode attention a call made now takes (`paged.resolve_impl` for the compile target: the mesh's
         devices, or a `pallas_kernels.target`); its pool layout is `paged.LAYOUTS[...]` of it."""
         cfg = self.model_cfg
-        return resolve_impl(self.impl, cfg.num_heads, pool_shape(cfg, 1, self.config.page_size), jnp.dtype(cfg.dtype),
-                            mesh=mesh if mesh is not None else self.mesh)
+        return resolve_impl(self.impl, cfg.num_heads, pool_shape(cfg, 1, self.config.page_size),
+                            storage_dtype(cfg, self.config.kv_cache), mesh=mesh if mesh is not None else self.mesh,
+                            scaled=is_quantized(self.config.kv_cache))
 
     def _decode_for(self, sampling: SamplingConfig, impl: str):
         if (sampling, impl) not in self._decode:
@@ -281,7 +288,7 @@ class Engine:
         row bucket's prefill and decode), running them on idle inputs: later calls compile nothing."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
         impl, ps, length = self.resolved_impl(), self.config.page_size, bucket_length(prompt_len)
-        pool = new_pool(self.model_cfg, pages, ps, self.mesh, LAYOUTS[impl])
+        pool = new_pool(self.model_cfg, pages, ps, self.mesh, LAYOUTS[impl], self.config.kv_cache)
         decode = self._decode_for(sampling, impl)
         for rows in self.row_buckets(slots):
             pool = self._prefill(state, pool, PrefillBatch.zeros(rows, length, pages_for(length, ps)))
@@ -294,7 +301,7 @@ class Engine:
         every slot's prompt at once), for ahead-of-time compiles and memory checks."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
         impl, ps, length = self.resolved_impl(mesh), self.config.page_size, bucket_length(prompt_len)
-        pool = abstract_pool(self.model_cfg, pages, ps, mesh, LAYOUTS[impl])
+        pool = abstract_pool(self.model_cfg, pages, ps, mesh, LAYOUTS[impl], self.config.kv_cache)
         prefill = PrefillBatch.abstract(slots, length, pages_for(length, ps), mesh)
         return {"prefill": (self._prefill, (state, pool, prefill)),
                 "decode": (self._decode_for(sampling, impl), (state, pool, DecodeBatch.abstract(slots, width, mesh)))}
@@ -319,7 +326,7 @@ class Engine:
         c, impl = self.config, self.resolved_impl()
         sched = Scheduler(seqs, slots=slots, pages=pages, width=width, page_size=c.page_size,
                           sync_steps=c.sync_steps, buckets=self.row_buckets(slots))
-        pool = new_pool(self.model_cfg, pages, c.page_size, self.mesh, LAYOUTS[impl])
+        pool = new_pool(self.model_cfg, pages, c.page_size, self.mesh, LAYOUTS[impl], c.kv_cache)
         decode = self._decode_for(sampling, impl)
         prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
         while sched.busy:  # plan -> prefill / decode -> apply
@@ -330,7 +337,10 @@ class Engine:
             for s in sched.apply(batch, jax.tree.map(host_array, out)):
                 if on_finish is not None:
                     on_finish(s.index, s.tokens, s.logprobs)
-        return collect(seqs, width_new, self.pad_id, sched.stats)
+        stats = dict(sched.stats)
+        if isinstance(pool, QuantPool):
+            stats["kv_saturated"] = int(np.sum(host_array(pool.saturated)))
+        return collect(seqs, width_new, self.pad_id, stats)
 
     def _prefill_prompts(self, state, pool, prompts: list[SharedPrompt], buckets: Sequence[int], length: int = 0):
         """Write the first len - 1 tokens of each prompt into its pages; rows: a row bucket, length: the prompt

@@ -57,6 +57,100 @@ _NEG = -1e30  # finite: a block with nothing visible must not turn the running m
 # The pool layout each decode implementation reads in place (see the module docstring).
 LAYOUTS = {"xla": "interleaved", "tpu": "interleaved", "gpu": "split"}
 
+# ------------------------------------------------------------------------ the KV cache's storage format
+# "auto": the model's dtype (the pool is a plain array / pair, as it always was); "bf16": bfloat16 pages;
+# "fp8_e4m3" / "fp8_e5m2" / "int8": quantized pages in a `QuantPool` with their scales (module docstring of
+# `QuantPool`).
+KV_CACHE_FORMATS = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
+QUANT_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
+
+
+def check_kv_cache(kv_cache: str, key: str = "kv_cache") -> str:
+    if kv_cache not in KV_CACHE_FORMATS:
+        raise ValueError(f"{key} must be one of {', '.join(KV_CACHE_FORMATS)} (got {kv_cache!r})")
+    return kv_cache
+
+
+def is_quantized(kv_cache: str) -> bool:
+    return kv_cache in QUANT_DTYPES
+
+
+def storage_dtype(cfg, kv_cache: str = "auto"):
+    """dtype of the pool's pages: the model's ("auto"), bfloat16 ("bf16") or the quantized format's."""
+    check_kv_cache(kv_cache)
+    if kv_cache == "auto":
+        return jnp.dtype(cfg.dtype)
+    return jnp.dtype(jnp.bfloat16 if kv_cache == "bf16" else QUANT_DTYPES[kv_cache])
+
+
+def format_max(kv_cache: str) -> float:
+    """The largest magnitude a quantized format stores (a scale maps a head's absmax onto it)."""
+    return 127.0 if kv_cache == "int8" else float(jnp.finfo(QUANT_DTYPES[kv_cache]).max)
+
+
+def per_token_scales(kv_cache: str, layout: str) -> bool:
+    """Whether a quantized pool keeps scale pages (one scale per token and KV head, for K and V): int8 (a
+    per-token absmax, nothing saturates) and every "split" pool (JAX's GPU kernel reads its scales from pages;
+    fp8 there writes the head's scale for each token)."""
+    return kv_cache == "int8" or layout == "split"
+
+
+@struct.dataclass
+class QuantPool:
+    """A quantized pool: `pages` (the plain pool's array or (K, V) pair, in the quantized dtype) and its scales.
+
+    * k_scale / v_scale [KVH, L] float32: per layer and KV head, pool-global (fp8). 0 = not yet calibrated: the
+      first write that sees a layer's keys (the call's first prefill) sets absmax / format max; later writes
+      keep it, clip at the format's max and count what they clipped in `saturated` [KVH] (int32).
+    * k_token / v_token [KVH, L, P, page_size] float32 scale pages (`per_token_scales`; None otherwise): int8's
+      per-token absmax / 127, or the head's fp8 scale repeated for the GPU kernel. Copy on write copies them
+      with the pages.
+    The value of a stored entry is page x scale. Every leaf has the KV heads first (heads split on a mesh).
+    """
+
+    pages: jax.Array | tuple
+    k_scale: jax.Array
+    v_scale: jax.Array
+    saturated: jax.Array
+    k_token: jax.Array | None = None
+    v_token: jax.Array | None = None
+    fmt: str = struct.field(pytree_node=False, default="fp8_e4m3")
+
+
+def _data(pool):
+    """The pages of a pool (a QuantPool's `pages`; a plain pool itself)."""
+    return pool.pages if isinstance(pool, QuantPool) else pool
+
+
+def pool_dtype(pool):
+    return jax.tree.leaves(_data(pool))[0].dtype
+
+
+# fp8 per-head scales map FP8_HEADROOM x the calibration's absmax onto the format's max: decode-time keys and
+# values beyond the prompts' range are then still stored, not clipped. An fp8 value's relative precision is the
+# same across its normal range (2^-6 .. 448 for e4m3), so the headroom costs only the smallest entries (which
+# fall 2 binades deeper into the subnormals).
+FP8_HEADROOM = 4.0
+
+
+def quant_scales(x, live, scale, fmax):
+    """(scale [KVH], clipped [KVH]) of a per-head write: x [R, T, KVH, D] at live [R, T]; `scale` 0 is
+    calibrated here (FP8_HEADROOM x absmax of the live entries / fmax)."""
+    amax = jnp.max(jnp.where(live[:, :, None, None], jnp.abs(x.astype(jnp.float32)), 0.0), axis=(0, 1, 3))
+    scale = jnp.where(scale > 0, scale, FP8_HEADROOM * amax / fmax)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    over = (jnp.abs(x.astype(jnp.float32)) / safe[:, None]) > fmax
+    return scale, jnp.sum(over & live[:, :, None, None], axis=(0, 1, 3)).astype(jnp.int32)
+
+
+def quantize(x, scale, dtype, fmax):
+    """x [..., KVH, D] / scale (broadcast over D) in `dtype`, clipped at +-fmax (rounded for int8)."""
+    y = x.astype(jnp.float32) / jnp.where(scale > 0, scale, 1.0)[..., None]
+    y = jnp.clip(y, -fmax, fmax)
+    if jnp.issubdtype(dtype, jnp.integer):
+        y = jnp.round(y)
+    return y.astype(dtype)
+
 
 def pool_shape(cfg, pages: int, page_size: int, layout: str = "interleaved"):
     """The pool's array shape ("interleaved"), or the shape of each of its K and V arrays ("split")."""
@@ -66,7 +160,7 @@ def pool_shape(cfg, pages: int, page_size: int, layout: str = "interleaved"):
 
 
 def is_split(pool) -> bool:
-    return isinstance(pool, tuple)
+    return isinstance(_data(pool), tuple)
 
 
 def layout_of(pool) -> str:
@@ -75,6 +169,7 @@ def layout_of(pool) -> str:
 
 def interleaved_shape(pool) -> tuple[int, ...]:
     """[L, P, page_size, 2*KVH, D] of a pool in either layout."""
+    pool = _data(pool)
     if is_split(pool):
         kvh, n_layers, pages, page_size, d = pool[0].shape
         return (n_layers, pages, page_size, 2 * kvh, d)
@@ -82,6 +177,7 @@ def interleaved_shape(pool) -> tuple[int, ...]:
 
 
 def kv_heads_of(pool) -> int:
+    pool = _data(pool)
     return pool[0].shape[0] if is_split(pool) else pool.shape[3] // 2
 
 
@@ -93,6 +189,15 @@ def interleave(k: jax.Array, v: jax.Array) -> jax.Array:
 def read_pages(pool, layer, pages):
     """Keys and values [S, n * page_size, KVH, D] (f32) of `layer` at pages [S, n], from either layout."""
     s, n = pages.shape
+    if isinstance(pool, QuantPool):  # dequantized: the pages times their scales (per token, else per head)
+        k, v = read_pages(pool.pages, layer, pages)
+
+        def scaled(x, token, head):
+            if token is None:
+                return x * head[:, layer][None, None, :, None]
+            t = token[:, layer, pages]  # [KVH, S, n, page_size]
+            return x * jnp.moveaxis(t, 0, -1).reshape(s, n * t.shape[-1], t.shape[0])[..., None]
+        return scaled(k, pool.k_token, pool.k_scale), scaled(v, pool.v_token, pool.v_scale)
     if is_split(pool):
         def one(x):  # [KVH, S, n, page_size, D] -> [S, n * page_size, KVH, D]
             x = x[:, layer, pages]
@@ -104,7 +209,12 @@ def read_pages(pool, layer, pages):
 
 
 def copy_pages(pool, src, dst):
-    """Every layer's page src[i] copied to page dst[i] (copy on write of a shared prompt's last page)."""
+    """Every layer's page src[i] copied to page dst[i] (copy on write of a shared prompt's last page); a
+    QuantPool's scale pages with them (its per-head scales are pool-global: nothing to copy)."""
+    if isinstance(pool, QuantPool):
+        token = {name: getattr(pool, name).at[:, :, dst].set(getattr(pool, name)[:, :, src])
+                 for name in ("k_token", "v_token") if getattr(pool, name) is not None}
+        return pool.replace(pages=copy_pages(pool.pages, src, dst), **token)
     if is_split(pool):
         return tuple(x.at[:, :, dst].set(x[:, :, src]) for x in pool)
     return pool.at[:, dst].set(pool[:, src])
@@ -169,14 +279,24 @@ def _rpa_module():
     return kernel
 
 
-def tpu_unsupported(q_heads: int, pool_shape, dtype) -> str | None:
-    """Why the TPU kernel cannot take a pool / queries of these shapes (None: it can)."""
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def tpu_unsupported(q_heads: int, pool_shape, dtype, scaled: bool = False) -> str | None:
+    """Why the TPU kernel cannot take a pool / queries of these shapes (None: it can). scaled: the pages are a
+    QuantPool's (fp8 pages are taken with their per-head scales; unscaled they are not)."""
     rpa = _rpa_module()
     if rpa is None:
         return "this jax has no ragged_paged_attention"
     d, combined = pool_shape[-1], pool_shape[-2]
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        return f"{jnp.dtype(dtype).name} KV pages (the kernel takes bf16 / f32)"
+    if jnp.dtype(dtype) in _FP8 and not scaled:
+        return f"{jnp.dtype(dtype).name} KV pages without scales"
+    if jnp.dtype(dtype) == jnp.dtype(jnp.int8):
+        return ("int8 KV pages (the kernel's int8 path is not implemented in jax, and per-token scales need a "
+                "kernel that reads scale pages: the XLA path reads them)")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e4m3fn),
+                                jnp.dtype(jnp.float8_e5m2)):
+        return f"{jnp.dtype(dtype).name} KV pages (the kernel takes bf16 / f32 / fp8)"
     if d % 128:
         return f"head_dim {d} (a multiple of 128)"
     try:
@@ -213,15 +333,27 @@ def decode_attention_tpu(q, pool, layer, page_table, lengths, window, *, block_p
     """
     del block_pages
     s, h, d = q.shape
+    quant = isinstance(pool, QuantPool)
+    if quant:  # fp8 pages, per-KV-head scales folded into q (s_k) and the output (s_v): the kernel at scale 1.0
+        if pool.k_token is not None:
+            raise ValueError("the TPU kernel reads per-head scales only; this pool has per-token scale pages")
+        kvh = kv_heads_of(pool)
+        heads = lambda sc: jnp.repeat(sc[:, layer], h // kvh)[None, :, None]  # noqa: E731  [1, H, 1]
+        q_in, s_v, pool = (q.astype(jnp.float32) * heads(pool.k_scale)).astype(q.dtype), heads(pool.v_scale), pool.pages
+    else:
+        q_in = q.astype(pool.dtype)
     n_layers, pages = pool.shape[:2]
     kv_blk, q_blk, vmem = tpu_block_sizes(pk.current_target().device_kind, q_heads=h, pool_shape=pool.shape,
                                           dtype=pool.dtype, width=page_table.shape[1], slots=s)
     flat = pool.reshape(n_layers * pages, *pool.shape[2:])
     table = (page_table + layer * pages).astype(jnp.int32)
+    scales = {"k_scale": 1.0, "v_scale": 1.0} if quant else {}  # static: the kernel dequantizes fp8 to q's dtype
     out = _tpu_kernel()(
-        q.astype(pool.dtype), flat, jnp.maximum(lengths, 1).astype(jnp.int32), table,
+        q_in, flat, jnp.maximum(lengths, 1).astype(jnp.int32), table,
         jnp.arange(s + 1, dtype=jnp.int32), jnp.array([s], jnp.int32), sm_scale=d ** -0.5, sliding_window=window,
-        num_kv_pages_per_block=kv_blk, num_queries_per_block=q_blk, vmem_limit_bytes=vmem)
+        num_kv_pages_per_block=kv_blk, num_queries_per_block=q_blk, vmem_limit_bytes=vmem, **scales)
+    if quant:
+        out = out.astype(jnp.float32) * s_v
     return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
@@ -240,14 +372,16 @@ def _gpu_module():
     return paged_attention
 
 
-def gpu_unsupported(q_heads: int, pool_shape, dtype) -> str | None:
+def gpu_unsupported(q_heads: int, pool_shape, dtype, scaled: bool = False) -> str | None:
     """Why the GPU kernel cannot take queries / a pool of these shapes (None: it can). pool_shape: the
-    interleaved shape [L, P, page_size, 2*KVH, D] (`pool_shape(cfg, ...)`)."""
+    interleaved shape [L, P, page_size, 2*KVH, D] (`pool_shape(cfg, ...)`); scaled: the pages are a QuantPool's
+    (int8 / fp8 pages are taken with their scale pages only)."""
     if _gpu_module() is None:
         return "this jax has no GPU paged_attention"
     page_size, d = pool_shape[2], pool_shape[-1]
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-        return f"{jnp.dtype(dtype).name} KV pages (the kernel takes f32 / bf16 / f16)"
+    quant = (jnp.dtype(jnp.int8), *_FP8) if scaled else ()
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32), *quant):
+        return f"{jnp.dtype(dtype).name} KV pages (the kernel takes f32 / bf16 / f16, int8 / fp8 with scale pages)"
     for name, n in (("head_dim", d), ("page_size", page_size)):
         if n < 16 or n & (n - 1):  # Triton blocks: powers of two, at least 16 for its dots
             return f"{name} {n} (a power of two >= 16)"
@@ -284,15 +418,22 @@ def decode_attention_gpu(q, pool, layer, page_table, lengths, window, *, block_p
     """
     if window is not None:
         return decode_attention_xla(q, pool, layer, page_table, lengths, window, block_pages=block_pages)
-    k, v = pool
+    scales = {}
+    if isinstance(pool, QuantPool):  # quantized pages: the kernel scales per token from the scale pages
+        kvh, n_layers, pages = pool.k_token.shape[:3]
+        scales = {"k_scales_pages": pool.k_token.reshape(kvh, n_layers * pages, -1),
+                  "v_scales_pages": pool.v_token.reshape(kvh, n_layers * pages, -1)}
+        q_dtype, (k, v) = q.dtype, pool.pages
+    else:
+        (k, v), q_dtype = pool, pool[0].dtype
     kvh, n_layers, pages = k.shape[:3]
     flat = lambda x: x.reshape(kvh, n_layers * pages, *x.shape[3:])  # noqa: E731
     per_block, splits = gpu_blocks(page_table.shape[1], block_pages)
     with jax.default_matmul_precision("highest"):  # f32 pages: IEEE dots in Triton, not TF32 (the kernel's
         out = _gpu_kernel()(  # dots take the default precision; 16-bit pages are unaffected)
-            (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k.dtype), flat(k), flat(v),
+            (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q_dtype), flat(k), flat(v),
             (page_table + layer * pages).astype(jnp.int32), lengths.astype(jnp.int32), block_h=GPU_BLOCK_H,
-            pages_per_compute_block=per_block, k_splits=splits)
+            pages_per_compute_block=per_block, k_splits=splits, **scales)
     return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
@@ -302,12 +443,13 @@ DECODE_ATTENTION: dict[str, Callable] = {"xla": decode_attention_xla, "tpu": dec
                                          "gpu": decode_attention_gpu}
 
 
-def resolve_impl(impl: str, q_heads: int, pool_shape, dtype, *, layout: str | None = None, mesh=None) -> str:
+def resolve_impl(impl: str, q_heads: int, pool_shape, dtype, *, layout: str | None = None, mesh=None,
+                 scaled: bool = False) -> str:
     """The DECODE_ATTENTION entry a call takes (the one place "auto" is decided): "auto" -> the compile target's
     kernel ("tpu" / "gpu") when it takes these shapes (`tpu_unsupported`, `gpu_unsupported`) and reads a pool of
     `layout` (None: any, the pool is made for the choice), else "xla"; any other name as given. pool_shape: the
     interleaved shape (`pool_shape(cfg, pages, page_size)`); mesh: decide for its devices (`jax.set_mesh`), not
-    the target in effect."""
+    the target in effect; scaled: a quantized pool (`QuantPool`) of `dtype` pages."""
     if impl != "auto":
         if impl not in DECODE_ATTENTION:
             raise ValueError(f"decode attention impl must be 'auto' or one of {sorted(DECODE_ATTENTION)}, "
@@ -315,12 +457,12 @@ def resolve_impl(impl: str, q_heads: int, pool_shape, dtype, *, layout: str | No
         return impl
     if mesh is not None:
         with jax.set_mesh(mesh):
-            return resolve_impl(impl, q_heads, pool_shape, dtype, layout=layout)
+            return resolve_impl(impl, q_heads, pool_shape, dtype, layout=layout, scaled=scaled)
     platform = pk.current_target().platform
     unsupported = {"tpu": tpu_unsupported, "gpu": gpu_unsupported}.get(platform)
     if unsupported is None or layout not in (None, LAYOUTS[platform]):
         return "xla"
-    return platform if unsupported(q_heads, pool_shape, dtype) is None else "xla"
+    return platform if unsupported(q_heads, pool_shape, dtype, scaled) is None else "xla"
 
 
 # --------------------------------------------------------------------------------- the pool on a mesh
@@ -349,35 +491,60 @@ def kv_head_axes(mesh, kv_heads: int) -> tuple[str, ...]:
     return best
 
 
-def pool_spec(mesh, kv_heads: int, layout: str = "interleaved"):
-    """PartitionSpec of the pool (a pair of them, "split"): heads over `kv_head_axes`, the rest whole. A
-    contiguous share of the interleaved heads is whole (K, V) pairs, so each chip's share is itself a pool."""
+def pool_spec(mesh, kv_heads: int, layout: str = "interleaved", kv_cache: str = "auto"):
+    """PartitionSpec of the pool (a pair of them, "split"; a QuantPool of them, quantized): heads over
+    `kv_head_axes`, the rest whole. A contiguous share of the interleaved heads is whole (K, V) pairs, so each
+    chip's share is itself a pool; a QuantPool's scales have the heads first, split the same way."""
     heads = spec_entry(kv_head_axes(mesh, kv_heads))
     if layout == "split":
-        return (P(heads, None, None, None, None),) * 2
-    return P(None, None, None, heads, None)
+        pages = (P(heads, None, None, None, None),) * 2
+    else:
+        pages = P(None, None, None, heads, None)
+    if not is_quantized(kv_cache):
+        return pages
+    token = P(heads, None, None, None) if per_token_scales(kv_cache, layout) else None
+    return QuantPool(pages, P(heads, None), P(heads, None), P(heads), token, token, fmt=kv_cache)
 
 
-def pool_sharding(mesh, cfg, layout: str = "interleaved"):
+def _spec_of(pool, mesh):
+    """`pool_spec` of an existing pool (its layout and format)."""
+    fmt = pool.fmt if isinstance(pool, QuantPool) else "auto"
+    return pool_spec(mesh, kv_heads_of(pool), layout_of(pool), fmt)
+
+
+def pool_sharding(mesh, cfg, layout: str = "interleaved", kv_cache: str = "auto"):
     if mesh is None:
         return None
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), pool_spec(mesh, cfg.num_kv_heads, layout))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), pool_spec(mesh, cfg.num_kv_heads, layout, kv_cache))
 
 
-def abstract_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved"):
-    """The pool's ShapeDtypeStruct(s), laid out for `mesh`: what `new_pool` returns, for ahead-of-time compiles."""
-    shape, dtype = pool_shape(cfg, pages, page_size, layout), jnp.dtype(cfg.dtype)
-    sharding = pool_sharding(mesh, cfg, layout)
+def abstract_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved", kv_cache: str = "auto"):
+    """The pool's ShapeDtypeStruct(s), laid out for `mesh`: what `new_pool` returns, for ahead-of-time compiles.
+    kv_cache: the pages' format (`KV_CACHE_FORMATS`; a quantized one: a QuantPool with its scales)."""
+    shape, dtype = pool_shape(cfg, pages, page_size, layout), storage_dtype(cfg, kv_cache)
+    sharding = pool_sharding(mesh, cfg, layout, kv_cache)
+    sh = lambda name: getattr(sharding, name) if sharding is not None else None  # noqa: E731
+    pages_sharding = sharding.pages if isinstance(sharding, QuantPool) else sharding
     if layout == "split":
-        return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for sh in (sharding or (None, None)))
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        data = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=s) for s in (pages_sharding or (None, None)))
+    else:
+        data = jax.ShapeDtypeStruct(shape, dtype, sharding=pages_sharding)
+    if not is_quantized(kv_cache):
+        return data
+    kvh, n_layers = cfg.num_kv_heads, cfg.num_layers
+    head = lambda name: jax.ShapeDtypeStruct((kvh, n_layers), jnp.float32, sharding=sh(name))  # noqa: E731
+    token = lambda name: jax.ShapeDtypeStruct((kvh, n_layers, pages, page_size), jnp.float32,  # noqa: E731
+                                              sharding=sh(name)) if per_token_scales(kv_cache, layout) else None
+    return QuantPool(data, head("k_scale"), head("v_scale"), jax.ShapeDtypeStruct((kvh,), jnp.int32,
+                     sharding=sh("saturated")), token("k_token"), token("v_token"), fmt=kv_cache)
 
 
-def new_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved"):
-    """A zeroed pool, laid out for `mesh` (`pool_sharding`): no chip ever holds more than its share."""
+def new_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved", kv_cache: str = "auto"):
+    """A zeroed pool, laid out for `mesh` (`pool_sharding`): no chip ever holds more than its share (scales 0:
+    not calibrated yet)."""
     # created sharded (each chip allocates its share); an eager op: compiled once per shape and layout
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
-                        abstract_pool(cfg, pages, page_size, mesh, layout))
+                        abstract_pool(cfg, pages, page_size, mesh, layout, kv_cache))
 
 
 def _mesh_for(pool) -> tuple[object, tuple[str, ...]] | tuple[None, tuple]:
@@ -410,7 +577,7 @@ class PagedCache:
         return interleaved_shape(self.pool)[2]
 
     def _spec(self, mesh):
-        return pool_spec(mesh, kv_heads_of(self.pool), layout_of(self.pool))
+        return _spec_of(self.pool, mesh)
 
     def at_layer(self, layer) -> "PagedCache":
         return self.replace(layer=layer)
@@ -426,27 +593,47 @@ class PagedCache:
         page = jnp.where(live, jnp.take_along_axis(self.page_table, index, axis=1), NULL_PAGE)
         offset = jnp.where(live, q_pos % self.page_size, 0)
 
-        def store(pool, k, v, page, offset, layer):
+        def store(pool, k, v, page, offset, layer, live):
+            if isinstance(pool, QuantPool):
+                return store_quant(pool, k, v, page, offset, layer, live)
             if is_split(pool):  # [KVH, L, P, page_size, D] at [:, layer, page, offset] is [KVH, R, T, D]
                 return tuple(x.at[:, layer, page, offset].set(jnp.moveaxis(y, 2, 0).astype(x.dtype))
                              for x, y in ((pool[0], k), (pool[1], v)))
             return pool.at[layer, page, offset].set(interleave(k, v).astype(pool.dtype))
 
+        def store_quant(qp, k, v, page, offset, layer, live):
+            fmax, dtype, token = format_max(qp.fmt), pool_dtype(qp), {}
+            k_scale, v_scale, saturated = qp.k_scale, qp.v_scale, qp.saturated
+            if qp.fmt == "int8":  # per token and head: absmax / 127, nothing clips
+                ks, vs = (jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / fmax for x in (k, v))  # [R, T, KVH]
+            else:  # per head, pool-global: calibrated by the first write that sees the layer, then clipped
+                (ks, k_sat), (vs, v_sat) = (quant_scales(x, live, sc[:, layer], fmax)
+                                            for x, sc in ((k, k_scale), (v, v_scale)))
+                k_scale, v_scale = k_scale.at[:, layer].set(ks), v_scale.at[:, layer].set(vs)
+                saturated = saturated + k_sat + v_sat
+                ks, vs = (jnp.broadcast_to(x, k.shape[:-1]) for x in (ks, vs))
+            if qp.k_token is not None:  # [KVH, L, P, page_size] at [:, layer, page, offset] is [KVH, R, T]
+                token = {name: getattr(qp, name).at[:, layer, page, offset].set(jnp.moveaxis(x, 2, 0))
+                         for name, x in (("k_token", ks), ("v_token", vs))}
+            kq, vq = quantize(k, ks, dtype, fmax), quantize(v, vs, dtype, fmax)
+            return qp.replace(pages=store(qp.pages, kq, vq, page, offset, layer, live), k_scale=k_scale,
+                              v_scale=v_scale, saturated=saturated, **token)
+
         mesh, heads = _mesh_for(self.pool)
         if not heads:  # one device, or a pool whole on every chip: XLA partitions the scatter
-            return self.replace(pool=store(self.pool, k, v, page, offset, self.layer))
+            return self.replace(pool=store(self.pool, k, v, page, offset, self.layer, live))
         # each chip stores its KV heads of every row (rows gathered over the data axes: activation-sized)
         kv, pool = P(None, None, spec_entry(heads), None), self._spec(mesh)
-        fn = jax.shard_map(store, mesh=mesh, in_specs=(pool, kv, kv, P(), P(), P()), out_specs=pool,
+        fn = jax.shard_map(store, mesh=mesh, in_specs=(pool, kv, kv, P(), P(), P(), P()), out_specs=pool,
                            check_vma=False)
-        return self.replace(pool=fn(self.pool, k, v, page, offset, jnp.asarray(self.layer, jnp.int32)))
+        return self.replace(pool=fn(self.pool, k, v, page, offset, jnp.asarray(self.layer, jnp.int32), live))
 
     def attend(self, q, q_pos, window):
         """Decode: q [S, 1, H, D] at q_pos [S, 1] against each slot's pages -> [S, 1, H, D]."""
         lengths = jnp.where(self.live, q_pos[:, 0] + 1, 0)
         layout = layout_of(self.pool)  # "auto" (the Engine passes its choice): a kernel that reads this pool
-        impl = resolve_impl(self.impl, q.shape[2], interleaved_shape(self.pool), jax.tree.leaves(self.pool)[0].dtype,
-                            layout=layout)
+        impl = resolve_impl(self.impl, q.shape[2], interleaved_shape(self.pool), pool_dtype(self.pool), layout=layout,
+                            scaled=isinstance(self.pool, QuantPool))
         if impl != "xla" and LAYOUTS[impl] != layout:
             raise ValueError(f"decode attention {impl!r} reads a {LAYOUTS[impl]!r} pool; this one is not "
                              f"(make it with new_pool(..., layout=LAYOUTS[{impl!r}]))")
@@ -470,11 +657,15 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- sizing the pool to the device
-def page_bytes(cfg, page_size: int, mesh=None) -> int:
+def page_bytes(cfg, page_size: int, mesh=None, kv_cache: str = "auto", layout: str = "interleaved") -> int:
     """Bytes one page of the pool takes on each device: K and V of every layer for `page_size` tokens, the
-    device's share of the KV heads (`kv_head_axes`). The same in either layout."""
+    device's share of the KV heads (`kv_head_axes`), in the cache's format (with its scale pages, when it keeps
+    them: `per_token_scales`)."""
     share = axes_size(mesh, kv_head_axes(mesh, cfg.num_kv_heads)) if mesh is not None else 1
-    per_page = cfg.num_layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    entries = cfg.num_layers * page_size * 2 * cfg.num_kv_heads
+    per_page = entries * cfg.head_dim * storage_dtype(cfg, kv_cache).itemsize
+    if is_quantized(kv_cache) and per_token_scales(kv_cache, layout):
+        per_page += entries * 4
     return per_page // share
 
 

@@ -111,6 +111,12 @@ class RolloutSection:
     quant_scales: Literal["rtn", "awq"] = opt(
         "rtn", "rollout.quant int8 / int4: plain round-to-nearest, or AWQ scales searched once on the first rollout "
                "batch (prompts and completions) and folded into the float weights before every re-quantization")
+    kv_cache: Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8"] = opt(
+        "auto", "format of the rollout engine's KV cache pages: auto (the model's dtype), bf16, or quantized with "
+                "float32 scales: fp8_e4m3 / fp8_e5m2 (per layer and KV head, calibrated on each call's first "
+                "prefill) or int8 (per token and KV head). Quantized, the sampler's attention differs from the "
+                "learner's: algo.rollout_correction=auto turns the correction on (docs/generation.md, 'Quantized "
+                "KV cache')")
     lora: Literal["unmerged", "merged"] = opt(
         "unmerged", "quant.mode=qlora: rollouts run the packed base and the adapters as the learner does "
                     "(unmerged; rollout.quant must be none: the base is packed already), or merge the adapters into "
@@ -119,7 +125,7 @@ class RolloutSection:
     def engine_config(self):
         return EngineConfig(slots=self.generation_batch or self.prompts_per_step * self.group_size,
                             page_size=self.page_size, pages=self.kv_pages,
-                            sync_steps=self.sync_steps)
+                            sync_steps=self.sync_steps, kv_cache=self.kv_cache)
 
 
 @dataclass
@@ -196,7 +202,8 @@ class AlgoSection:
 
     def resolved_rollout_correction(self, quantized_rollout: bool = False) -> str:
         """The correction the step applies: `auto` is TRL's default (sequence_mask, as TRL with vLLM) when the
-        rollout samples a different copy of the weights, else none (the sampler is the learner)."""
+        rollout samples a different copy of the weights or through a quantized KV cache (`sampler_differs`), else
+        none (the sampler is the learner)."""
         if self.rollout_correction == "auto":
             return "sequence_mask" if quantized_rollout else "none"
         return self.rollout_correction
@@ -339,6 +346,13 @@ class TrainConfig:
         """Whether rollouts sample from a packed copy instead of the learner itself."""
         return self.rollout.quant != "none"
 
+    @property
+    def sampler_differs(self) -> bool:
+        """Whether the sampler's log-probs come from a different forward than the learner's: a packed rollout copy
+        (rollout.quant) or a quantized KV cache (rollout.kv_cache fp8 / int8). algo.rollout_correction=auto turns
+        the correction on then."""
+        return self.quantized_rollout or self.rollout.kv_cache in ("fp8_e4m3", "fp8_e5m2", "int8")
+
     def loss_config(self) -> LossConfig:
         """The loss part of algo.* as `grpo_loss` takes it: rollout.max_new_tokens is the Dr.GRPO constant and
         algo.rollout_correction's `auto` is resolved (`AlgoSection.resolved_rollout_correction`)."""
@@ -347,6 +361,6 @@ class TrainConfig:
                           importance_level=a.importance_sampling, aggregation=a.loss_aggregation,
                           max_len=self.rollout.max_new_tokens, beta=a.beta, kl_estimator=a.kl_estimator,
                           kl_bias_correction=a.kl_bias_correction,
-                          rollout_correction=a.resolved_rollout_correction(self.quantized_rollout),
+                          rollout_correction=a.resolved_rollout_correction(self.sampler_differs),
                           rollout_correction_cap=a.rollout_correction_cap,
                           rollout_correction_min=a.rollout_correction_min)

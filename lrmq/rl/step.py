@@ -225,8 +225,8 @@ def rollout_quant_warning(cfg: TrainConfig) -> str | None:
     """A warning for quantized rollouts with no correction whose PPO ratio divides by the sampler's log-probs: the
     clip then acts on the quantization mismatch, unweighted (docs/grpo.md's study: int4 -0.124 held-out accuracy
     against FP rollouts, where ignoring the mismatch cost -0.021 and MIS/TIS nothing measurable)."""
-    if cfg.quantized_rollout and old_logprob_sources(cfg)[0] == "behaviour_logp":
-        return (f"rollout.quant={cfg.rollout.quant} with algo.rollout_correction=none and algo.old_logprobs=rollout: "
+    if cfg.sampler_differs and old_logprob_sources(cfg)[0] == "behaviour_logp":
+        return (f"rollout.quant={cfg.rollout.quant}, rollout.kv_cache={cfg.rollout.kv_cache} with algo.rollout_correction=none and algo.old_logprobs=rollout: "
                 "the PPO clip compares the learner with the quantized sampler, uncorrected. Prefer "
                 "algo.rollout_correction=auto (sequence_mask), or algo.old_logprobs=recompute to ignore the "
                 "mismatch (docs/grpo.md, quantized rollouts)")

@@ -1,0 +1,336 @@
+"""The quantized KV cache (lrmq.generation.paged.QuantPool; docs/generation.md, "Quantized KV cache").
+
+* `kv_cache=auto` is the model's dtype: the pool is the plain array it always was and the engine's tokens,
+  log-probs and stats are exactly the default's.
+* Pages round-trip within the format's error: fp8_e4m3 / fp8_e5m2 per KV head (calibrated by the first write,
+  clipped and counted after), int8 per token and KV head; in both pool layouts.
+* Copy on write of a shared prompt's last page carries its scale pages: a prompt shared by two samples decodes
+  as it does alone.
+* Preemption and recompute give the same tokens with a quantized cache.
+* The XLA path, the TPU kernel (its reference: neither interpret mode runs it on CPU in jax 0.10.2) with the
+  per-KV-head scales folded into q and the output, and the GPU kernel (Pallas interpret mode) with scale pages
+  agree on a quantized pool.
+* Per-token log-prob error and greedy agreement against the float cache (printed: `pytest -s`).
+* Config: rollout.kv_cache / generation.kv_cache / --kv-cache, unknown values refused naming the key;
+  algo.rollout_correction=auto turns the correction on with a quantized cache; rollout.kv_cache=fp8_e4m3
+  trains a step of the tiny recipe.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_MODEL_DIR, tiny_train_config
+from lrmq.checkpoint.hf import load_hf_model
+from lrmq.generation import paged
+from lrmq.generation.engine import Engine, EngineConfig
+from lrmq.generation.sampling import SamplingConfig
+
+QUANT = ("fp8_e4m3", "fp8_e5m2", "int8")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_hf_model(TINY_MODEL_DIR)
+
+
+def _cfg(layers=2, kvh=2, d=32, dtype="float32"):
+    return type("Cfg", (), dict(num_layers=layers, num_kv_heads=kvh, head_dim=d, dtype=dtype))()
+
+
+def _keys(n, seed=7):
+    return np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(jax.random.key(seed), i)))(
+        jnp.arange(n)))
+
+
+def _write(pool, k, v, table, q_pos, layer, mode="prefill"):
+    cache = paged.PagedCache(pool, table, jnp.ones(table.shape[0], bool), layer=layer, mode=mode)
+    return cache.write(k, v, q_pos).pool
+
+
+# ------------------------------------------------------------------------------------------ the pool
+def test_auto_is_the_plain_pool_and_the_default_engine(tiny):
+    cfg = tiny.cfg
+    auto = paged.new_pool(cfg, 5, 8, kv_cache="auto")
+    plain = paged.new_pool(cfg, 5, 8)
+    assert not isinstance(auto, paged.QuantPool) and auto.dtype == plain.dtype == jnp.dtype(cfg.dtype)
+    assert paged.page_bytes(cfg, 8, kv_cache="auto") == paged.page_bytes(cfg, 8)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 4]]
+    runs = [Engine(tiny, eos_ids=[127], pad_id=0, config=c).generate(
+        tiny, prompts, max_new_tokens=10, sampling=SamplingConfig(temperature=1.2), keys=_keys(3))
+        for c in (EngineConfig(page_size=8), EngineConfig(page_size=8, kv_cache="auto"))]
+    np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+    np.testing.assert_array_equal(runs[0].logprobs, runs[1].logprobs)  # bit-identical
+    assert runs[0].stats == runs[1].stats and "kv_saturated" not in runs[1].stats
+
+
+def _bound(fmt, x, scale):
+    """The largest round-trip error of entries x at `scale` (broadcast to x): half a step of the format."""
+    if fmt == "int8":
+        return scale / 2
+    mant, sub = {"fp8_e4m3": (3, -9), "fp8_e5m2": (2, -16)}[fmt]
+    return np.abs(x) * 2.0 ** -(mant + 1) + scale * 2.0 ** (sub - 1)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "split"])
+@pytest.mark.parametrize("fmt", QUANT)
+def test_quantized_pages_round_trip_within_the_format(fmt, layout):
+    rng = np.random.default_rng(0)
+    cfg, ps, pages, t = _cfg(), 4, 9, 8
+    pool = paged.new_pool(cfg, pages, ps, layout=layout, kv_cache=fmt)
+    assert isinstance(pool, paged.QuantPool) and paged.pool_dtype(pool) == paged.storage_dtype(cfg, fmt)
+    assert (pool.k_token is not None) == paged.per_token_scales(fmt, layout)
+    table = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    q_pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+    k = rng.normal(size=(2, t, 2, 32)).astype(np.float32) * np.array([1.0, 30.0])[:, None]  # heads' ranges differ
+    v = rng.normal(size=(2, t, 2, 32)).astype(np.float32)
+    for layer in (0, 1):
+        pool = _write(pool, jnp.asarray(k), jnp.asarray(v) * (layer + 1), table, q_pos, layer)
+    for layer in (0, 1):
+        gk, gv = (np.asarray(x) for x in paged.read_pages(pool, layer, table))
+        for got, want, head_scale, token in ((gk, k, pool.k_scale, pool.k_token),
+                                             (gv, v * (layer + 1), pool.v_scale, pool.v_token)):
+            if fmt == "int8":  # per token: absmax / 127
+                scale = np.abs(want).max(-1, keepdims=True) / 127
+            else:  # per head: FP8_HEADROOM x the absmax of what the first write saw, on the format's max
+                scale = paged.FP8_HEADROOM * np.abs(want).max((0, 1, 3)) / paged.format_max(fmt)
+                np.testing.assert_allclose(np.asarray(head_scale)[:, layer], scale, rtol=1e-6)
+                scale = scale[:, None]
+            assert np.all(np.abs(got - want) <= _bound(fmt, want, scale) * (1 + 1e-5) + 1e-12)
+            assert np.abs(got - want).max() > 0  # really quantized
+            if token is not None and fmt != "int8":  # the GPU kernel's scale pages: the head's scale per token
+                np.testing.assert_allclose(np.asarray(token)[:, layer, 1:5].reshape(2, -1),
+                                           np.broadcast_to(np.asarray(head_scale)[:, layer, None], (2, 4 * ps)))
+    assert int(np.sum(pool.saturated)) == 0
+    # a later write beyond the calibrated range is clipped at the format's max and counted (fp8; int8 never clips)
+    pool = _write(pool, jnp.asarray(k) * 10, jnp.asarray(v), table, q_pos, 0)
+    gk, _ = paged.read_pages(pool, 0, table)
+    if fmt == "int8":
+        assert int(np.sum(pool.saturated)) == 0
+    else:
+        limit = np.asarray(pool.k_scale)[:, 0] * paged.format_max(fmt)
+        over = np.abs(k * 10) > limit[:, None] * (1 + 2.0 ** -3)
+        assert over.any() and int(np.sum(pool.saturated)) >= over.sum()
+        np.testing.assert_allclose(np.abs(np.asarray(gk))[over], np.broadcast_to(limit[:, None], over.shape)[over],
+                                   rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "split"])
+@pytest.mark.parametrize("fmt", QUANT)
+def test_copy_on_write_carries_the_scales(fmt, layout):
+    rng = np.random.default_rng(2)
+    cfg, ps = _cfg(), 4
+    pool = paged.new_pool(cfg, 9, ps, layout=layout, kv_cache=fmt)
+    table = jnp.asarray([[1, 2]], jnp.int32)
+    k, v = (jnp.asarray(rng.normal(size=(1, 7, 2, 32)).astype(np.float32) * 3) for _ in range(2))
+    for layer in (0, 1):
+        pool = _write(pool, k, v, table, jnp.arange(7)[None], layer)
+    copied = paged.copy_pages(pool, jnp.asarray([2, 0]), jnp.asarray([6, 0]))
+    for layer in (0, 1):
+        src = paged.read_pages(copied, layer, jnp.asarray([[2]]))
+        dst = paged.read_pages(copied, layer, jnp.asarray([[6]]))
+        for a, b in zip(src, dst):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert np.abs(np.asarray(b)).max() > 0
+    if pool.k_token is not None:  # the page's scale pages came along: without them page 6 would read as zeros
+        np.testing.assert_array_equal(np.asarray(copied.k_token[:, :, 6]), np.asarray(pool.k_token[:, :, 2]))
+
+
+# ------------------------------------------------------------------------------------------ the engine
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
+def test_a_shared_prompt_decodes_as_it_does_alone(tiny, fmt):
+    """The prompt (11 tokens: 10 prefilled, its last page partly full at page_size 8) is prefilled once for both
+    samples and its last page copied into each (copy on write, scale pages included)."""
+    prompt, keys = list(range(5, 16)), _keys(2)
+    eng = Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(page_size=8, kv_cache=fmt))
+    s = SamplingConfig(temperature=1.2)
+    shared = eng.generate(tiny, [prompt, prompt], max_new_tokens=12, sampling=s, keys=keys)
+    assert shared.stats["prefilled_prompts"] == 1
+    for i in range(2):
+        alone = eng.generate(tiny, [prompt], max_new_tokens=12, sampling=s, keys=keys[i:i + 1])
+        np.testing.assert_array_equal(shared.tokens[i], alone.tokens[0])
+        np.testing.assert_allclose(shared.logprobs[i], alone.logprobs[0], atol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
+def test_preemption_and_recompute_give_the_same_tokens(tiny, fmt):
+    prompts = [[9, 10, 11, 12, 13, 14, 15], [5, 6, 7], [3], list(range(4, 25)), [8, 8, 9]]
+    budgets, keys, s = [30, 9, 22, 26, 5], _keys(5), SamplingConfig(temperature=1.3)
+    runs = [Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(
+        slots=3, page_size=8, pages=pages, sync_steps=8, kv_cache=fmt)).generate(
+        tiny, prompts, max_new_tokens=budgets, sampling=s, keys=keys) for pages in (0, 9)]
+    assert runs[0].stats["preempted"] == 0 and runs[1].stats["preempted"] > 0
+    np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+    np.testing.assert_array_equal(runs[0].lengths, runs[1].lengths)
+    np.testing.assert_allclose(runs[0].logprobs, runs[1].logprobs, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------ the kernels
+def _reference_tpu_kernel(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, num_kv_pages_per_block,
+                          num_queries_per_block, vmem_limit_bytes, **kw):
+    """The TPU kernel's own reference, after its static and dynamic validators (as tests/test_paged_tpu.py)."""
+    rpa = paged._rpa_module()
+    assert kw["k_scale"] == 1.0 and kw["v_scale"] == 1.0 and pages.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    rpa.static_validate_inputs(q, pages, kv_lens, table, cu_q_lens, num_seqs, **kw,
+                               num_kv_pages_per_block=num_kv_pages_per_block,
+                               num_queries_per_block=num_queries_per_block, vmem_limit_bytes=vmem_limit_bytes)
+    rpa.dynamic_validate_inputs(q, pages, kv_lens, table, cu_q_lens, num_seqs, **kw)
+    return rpa.ref_ragged_paged_attention(q, pages, kv_lens, table, cu_q_lens, num_seqs, **kw)
+
+
+def _quant_pools(fmt, layouts, d, kvh=2, layers=2, ps=16, width=4, slots=4, seed=3):
+    """Pools of each layout holding the same keys / values (written through PagedCache.write), their table, the
+    float keys / values, and the same pools unquantized."""
+    rng = np.random.default_rng(seed)
+    cfg = _cfg(layers, kvh, d)
+    pages = 1 + slots * width
+    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(slots, width).astype(np.int32))
+    t = width * ps
+    k = jnp.asarray(rng.normal(size=(slots, t, kvh, d)).astype(np.float32) * np.linspace(0.5, 4, kvh)[:, None])
+    v = jnp.asarray(rng.normal(size=(slots, t, kvh, d)).astype(np.float32))
+    q_pos = jnp.broadcast_to(jnp.arange(t), (slots, t))
+    out = {}
+    for layout in layouts:
+        for name, kv_cache in (("quant", fmt), ("float", "auto")):
+            pool = paged.new_pool(cfg, pages, ps, layout=layout, kv_cache=kv_cache)
+            for layer in range(layers):
+                pool = _write(pool, k * (layer + 1), v, table, q_pos, layer)
+            out[name, layout] = pool
+    return out, table
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_tpu_kernel_with_folded_scales_equals_xla(monkeypatch, fmt):
+    pools, table = _quant_pools(fmt, ["interleaved"], d=128)
+    monkeypatch.setattr(paged, "_tpu_kernel", lambda: _reference_tpu_kernel)
+    rng = np.random.default_rng(4)
+    s, h = table.shape[0], 8  # GQA: 4 query heads per KV head
+    q = jnp.asarray(rng.normal(size=(s, h, 128)).astype(np.float32))
+    lengths = jnp.asarray([1, 37, 64, 0], jnp.int32)
+    pool = pools["quant", "interleaved"]
+    assert paged.tpu_unsupported(h, paged.interleaved_shape(pool), paged.pool_dtype(pool), scaled=True) is None
+    for layer in (0, 1):
+        want = np.asarray(paged.decode_attention_xla(q, pool, layer, table, lengths, None, block_pages=2))
+        got = np.asarray(paged.decode_attention_tpu(q, pool, layer, table, lengths, None))
+        flt = np.asarray(paged.decode_attention_xla(q, pools["float", "interleaved"], layer, table, lengths, None,
+                                                    block_pages=2))
+        assert np.isfinite(got).all() and np.all(got[3] == 0)
+        np.testing.assert_allclose(got, want, atol=2e-5)  # the scales fold exactly
+        rel = np.linalg.norm(got - flt) / np.linalg.norm(flt)  # against the float pool: the format's error
+        assert 0 < rel < (0.05 if fmt == "fp8_e4m3" else 0.1), rel
+
+
+def test_tpu_refuses_int8_and_takes_fp8_with_scales():
+    shape = (2, 9, 16, 4, 128)
+    assert "int8" in paged.tpu_unsupported(8, shape, jnp.int8, scaled=True)
+    assert paged.tpu_unsupported(8, shape, jnp.float8_e4m3fn, scaled=True) is None
+    assert paged.tpu_unsupported(8, shape, jnp.float8_e4m3fn) is not None  # fp8 pages without scales
+    import pallas_kernels as pk
+    with pk.target("tpu", "TPU v5 lite"):
+        assert paged.resolve_impl("auto", 8, shape, jnp.float8_e5m2, scaled=True) == "tpu"
+        assert paged.resolve_impl("auto", 8, shape, jnp.int8, scaled=True) == "xla"
+    with pk.target("gpu"):
+        assert paged.resolve_impl("auto", 8, shape, jnp.int8, scaled=True) == "gpu"
+        assert paged.resolve_impl("auto", 8, shape, jnp.int8) == "xla"  # int8 pages without scale pages
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_gpu_kernel_with_scale_pages_equals_xla(fmt):
+    pools, table = _quant_pools(fmt, ["interleaved", "split"], d=16)
+    rng = np.random.default_rng(5)
+    s, h = table.shape[0], 4
+    q = jnp.asarray(rng.normal(size=(s, h, 16)).astype(np.float32))
+    lengths = jnp.asarray([1, 37, 64, 0], jnp.int32)
+    split = pools["quant", "split"]
+    assert split.k_token is not None and paged.gpu_unsupported(h, paged.interleaved_shape(split), paged.pool_dtype(
+        split), scaled=True) is None
+    for layer in (0, 1):
+        got = np.asarray(paged.decode_attention_gpu(q, split, layer, table, lengths, None, block_pages=2))
+        want = np.asarray(paged.decode_attention_xla(q, split, layer, table, lengths, None, block_pages=2))
+        inter = np.asarray(paged.decode_attention_xla(q, pools["quant", "interleaved"], layer, table, lengths, None,
+                                                      block_pages=2))
+        assert np.isfinite(got).all() and np.all(got[3] == 0)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+        if fmt == "int8":  # per-token scales in both layouts: the same stored values
+            np.testing.assert_allclose(inter, want, atol=2e-6)
+
+
+# ------------------------------------------------------------------------------------------ the error
+def test_logprob_error_against_the_float_cache(tiny):
+    """Greedy decoding of 64 tokens after 120-token prompts (up to 184 positions of the tiny model's 256): the
+    per-token log-prob error against the float cache over the tokens before the first disagreement, and greedy
+    agreement. The figures are printed (pytest -s) and reported in docs/generation.md."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, size=120).tolist() for _ in range(4)]
+    s = SamplingConfig(greedy=True)
+    ref = Engine(tiny, eos_ids=[319], pad_id=0, config=EngineConfig(page_size=16)).generate(
+        tiny, prompts, max_new_tokens=64, sampling=s)
+    report = {}
+    for fmt in ("bf16",) + QUANT:
+        res = Engine(tiny, eos_ids=[319], pad_id=0, config=EngineConfig(page_size=16, kv_cache=fmt)).generate(
+            tiny, prompts, max_new_tokens=64, sampling=s)
+        errs, agree = [], []
+        for i in range(len(prompts)):
+            n = int(min(ref.lengths[i], res.lengths[i]))
+            same = ref.tokens[i, :n] == res.tokens[i, :n]
+            first = n if same.all() else int(np.argmin(same))
+            agree.append(first / n)
+            errs.append(np.abs(ref.logprobs[i, :first + (first < n)] - res.logprobs[i, :first + (first < n)]))
+        err = np.concatenate(errs)
+        report[fmt] = {"mean_abs_logprob_err": float(err.mean()), "max_abs_logprob_err": float(err.max()),
+                       "greedy_agreement": float(np.mean(agree)), "kv_saturated": res.stats.get("kv_saturated", 0)}
+    print("kv cache vs float cache, tiny model, 120 + 64 tokens:", json.dumps(report, indent=1))
+    assert report["bf16"]["mean_abs_logprob_err"] < 1e-2
+    for fmt in QUANT:
+        assert report[fmt]["mean_abs_logprob_err"] < 0.1 and report[fmt]["greedy_agreement"] > 0.5
+    assert report["int8"]["mean_abs_logprob_err"] < report["fp8_e5m2"]["mean_abs_logprob_err"]
+
+
+# ------------------------------------------------------------------------------------------ config
+def test_config_options_and_refusals(tmp_path):
+    from lrmq.configlib import ConfigError
+    from lrmq.evals.config import GenerationSection
+
+    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": "int8"})
+    assert cfg.rollout.engine_config().kv_cache == "int8"
+    assert tiny_train_config(str(tmp_path)).rollout.engine_config().kv_cache == "auto"
+    with pytest.raises(ConfigError, match="rollout.kv_cache"):
+        tiny_train_config(str(tmp_path), rollout={"kv_cache": "fp4"})
+    assert GenerationSection(kv_cache="fp8_e5m2").engine_config().kv_cache == "fp8_e5m2"
+    with pytest.raises(ValueError, match="engine.kv_cache"):
+        EngineConfig(kv_cache="fp8")
+    from lrmq.configlib import config_from_dict
+    from lrmq.evals.config import EvalConfig
+    with pytest.raises(ConfigError, match="generation.kv_cache"):
+        config_from_dict(EvalConfig, {"suite": "synthetic", "generation": {"kv_cache": "fp4"}})
+
+
+def test_auto_correction_turns_on_with_a_quantized_kv_cache(tmp_path):
+    from lrmq.rl.step import old_logprob_sources, rollout_quant_warning
+
+    correction = lambda **a: tiny_train_config(str(tmp_path), **a).loss_config().rollout_correction  # noqa: E731
+    assert correction() == "none" and correction(rollout={"kv_cache": "bf16"}) == "none"
+    for fmt in QUANT:
+        assert correction(rollout={"kv_cache": fmt}) == "sequence_mask"
+    assert correction(rollout={"kv_cache": "int8"}, algo={"rollout_correction": "token_truncate"}) == "token_truncate"
+    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": "fp8_e4m3"}, algo={"rollout_correction": "none"})
+    assert old_logprob_sources(cfg)[0] == "behaviour_logp" and "kv_cache=fp8_e4m3" in rollout_quant_warning(cfg)
+
+
+@pytest.mark.slow(reason="an in-process GRPO step of the tiny recipe (compiles the engine and the update)")
+def test_fp8_kv_cache_trains_a_step(tmp_path):
+    from lrmq.rl.trainer import GRPOTrainer
+
+    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": "fp8_e4m3"},
+                            run={"steps": 1, "eval_size": 0, "save_every": 1})
+    assert cfg.loss_config().rollout_correction == "sequence_mask"
+    GRPOTrainer(cfg).train()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    row = [r for r in rows if r["step"] == 1][-1]
+    assert np.isfinite(row["train/loss"])
+    assert row["train/mismatch/kl_k3"] > 0  # the fp8 cache's sampler differs from the float learner
