@@ -334,3 +334,50 @@ def test_fp8_kv_cache_trains_a_step(tmp_path):
     row = [r for r in rows if r["step"] == 1][-1]
     assert np.isfinite(row["train/loss"])
     assert row["train/mismatch/kl_k3"] > 0  # the fp8 cache's sampler differs from the float learner
+
+
+# ------------------------------------------------------------------------------------------ on a mesh
+@pytest.mark.slow(reason="an 8-CPU-device subprocess compiling the sharded engine and the single-device one per format")
+def test_sharded_quantized_engine_matches_one_device(multi_device_run):
+    out = multi_device_run("test_kv_cache_quant.py", "sharded-engine", n_devices=8, timeout=900)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _sharded_engine() -> None:
+    """The quantized pool's pages and scales split over the KV heads (the mesh specs of a QuantPool): the tokens,
+    saturation count and (to a step of the format) log-probs of one device."""
+    from lrmq.checkpoint.load import load_model
+    from lrmq.sharding import make_mesh, shard_model
+
+    assert len(jax.devices()) == 8
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [5, 6, 7], [20, 21, 22, 23, 24]] * 2
+    sampling = SamplingConfig(temperature=1.0)
+
+    def run(mesh, fmt, impl="auto"):
+        model = load_model(TINY_MODEL_DIR)
+        if mesh is not None:
+            with jax.set_mesh(mesh):
+                model = shard_model(model, mesh)
+        eng = Engine(model, eos_ids=[271], pad_id=0, mesh=mesh, impl=impl,
+                     config=EngineConfig(slots=8, page_size=4, sync_steps=8, kv_cache=fmt))
+        return eng.generate(model, prompts, max_new_tokens=[12, 30, 7, 30, 20] * 2, sampling=sampling, seed=3)
+
+    for fmt in ("fp8_e4m3", "int8"):
+        ref = run(None, fmt)
+        # KV heads (2) over data; over tensor; the GPU kernel (interpret mode) on its split pool with scale pages
+        for shape, impl in (((2, 4, 1), "auto"), ((2, 2, 2), "auto"), ((2, 2, 2), "gpu")):
+            got = run(make_mesh(shape), fmt, impl)
+            np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=f"{fmt} {shape} {impl}")
+            # a key a float ulp apart (another reduction order on the mesh) can round to the next code: a step of
+            # the format (int8: absmax / 127 of its token) instead of float noise
+            np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=5e-3, err_msg=f"{fmt} {shape} {impl}")
+            assert got.stats["kv_saturated"] == ref.stats["kv_saturated"], (fmt, shape, impl)
+            print(fmt, shape, impl, "OK")
+    print("OK")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["sharded-engine"]:
+        _sharded_engine()
