@@ -10,6 +10,9 @@
 * The XLA path, the TPU kernel (its reference: neither interpret mode runs it on CPU in jax 0.10.2) with the
   per-KV-head scales folded into q and the output, and the GPU kernel (Pallas interpret mode) with scale pages
   agree on a quantized pool.
+* libtpu compiles the engine with fp8 pages in the TPU kernel for v5e / v5p / v6e, the pool argument half the
+  bf16 pool's bytes; int8 compiles on the XLA path.
+* On 8 CPU devices the quantized pool split over KV heads gives the one-device tokens and clip count.
 * Per-token log-prob error and greedy agreement against the float cache (printed: `pytest -s`).
 * Config: rollout.kv_cache / generation.kv_cache / --kv-cache, unknown values refused naming the key;
   algo.rollout_correction=auto turns the correction on with a quantized cache; rollout.kv_cache=fp8_e4m3
@@ -334,6 +337,56 @@ def test_fp8_kv_cache_trains_a_step(tmp_path):
     row = [r for r in rows if r["step"] == 1][-1]
     assert np.isfinite(row["train/loss"])
     assert row["train/mismatch/kl_k3"] > 0  # the fp8 cache's sampler differs from the float learner
+
+
+# ------------------------------------------------------------------------------------------ TPU compiles (libtpu)
+def _compile_tpu(topology, kv_cache):
+    import os
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from test_paged_tpu import TINY, _require_libtpu
+
+    from lrmq import aot
+    from lrmq.model.config import ModelConfig
+    from lrmq.sharding import MeshConfig, make_mesh
+
+    _require_libtpu()
+    cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")  # head_dim 128, 8 KV heads
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=list(aot.topology_devices(topology))[:1])
+    graphdef, state = aot.abstract_model(cfg, mesh)
+    return aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=8, prompt_len=64, max_new=64,
+                                engine=EngineConfig(slots=8, sync_steps=4, kv_cache=kv_cache),
+                                sampling=SamplingConfig())
+
+
+_SLOW_COMPILE = pytest.mark.slow(reason="a libtpu compile of the engine per generation (15-25 s each); v5e runs "
+                                        "unmarked")
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", pytest.param("v5p:2x2x1", marks=_SLOW_COMPILE),
+                                      pytest.param("v6e:2x2", marks=_SLOW_COMPILE)])
+def test_the_tpu_kernel_compiles_on_fp8_pages(topology):
+    """libtpu (ahead of time, from this CPU host) takes fp8 pages in the ragged paged attention kernel, at the
+    static scales 1.0."""
+    text = _compile_tpu(topology, "fp8_e4m3")["decode"][0].as_text()
+    assert "ragged_paged_attention" in text and "f8e4m3fn" in text
+
+
+@pytest.mark.slow(reason="three libtpu compiles of the engine (bf16, fp8 and int8 pools)")
+def test_the_fp8_pool_is_half_the_bf16_pool_on_tpu():
+    """The v5e decode program's arguments shrink by half the bf16 pool (less the scales); int8 compiles on the
+    XLA path (the kernel does not take it)."""
+    from test_paged_tpu import TINY
+
+    from lrmq.generation.engine import call_sizes
+    from lrmq.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")
+    size = lambda kv: _compile_tpu("v5e:2x2", kv)["decode"][0].memory_analysis().argument_size_in_bytes  # noqa: E731
+    pages = call_sizes(EngineConfig(slots=8, sync_steps=4), cfg, None, 8, 64, 64)[1]
+    saved = pages * paged.page_bytes(cfg, 16, kv_cache="fp8_e4m3")  # half the bf16 pool (fp8: 1 byte an entry)
+    assert abs((size("auto") - size("fp8_e4m3")) - saved) < 0.01 * saved
+    assert "ragged_paged_attention" not in _compile_tpu("v5e:2x2", "int8")["decode"][0].as_text()
 
 
 # ------------------------------------------------------------------------------------------ on a mesh
