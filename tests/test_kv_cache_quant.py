@@ -326,10 +326,12 @@ def test_auto_correction_turns_on_with_a_quantized_kv_cache(tmp_path):
 
 
 @pytest.mark.slow(reason="an in-process GRPO step of the tiny recipe (compiles the engine and the update)")
-def test_fp8_kv_cache_trains_a_step(tmp_path):
+@pytest.mark.parametrize("kv_cache,quant", [("fp8_e4m3", "none"), ("int8", "int4")])
+def test_quantized_kv_cache_trains_a_step(tmp_path, kv_cache, quant):
+    """fp8 KV alone, and int8 KV with the packed int4 rollout copy (both in one decode program)."""
     from lrmq.rl.trainer import GRPOTrainer
 
-    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": "fp8_e4m3"},
+    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": kv_cache, "quant": quant},
                             run={"steps": 1, "eval_size": 0, "save_every": 1})
     assert cfg.loss_config().rollout_correction == "sequence_mask"
     GRPOTrainer(cfg).train()
