@@ -228,6 +228,19 @@ def test_tpu_kernel_with_folded_scales_equals_xla(monkeypatch, fmt):
         assert 0 < rel < (0.05 if fmt == "fp8_e4m3" else 0.1), rel
 
 
+def test_page_bytes_count_the_scale_pages():
+    import pallas_kernels as pk
+
+    cfg = _cfg(layers=2, kvh=2, d=32)
+    entries = 2 * 16 * 2 * 2  # layers x page_size x (K, V) x KV heads
+    assert paged.page_bytes(cfg, 16) == entries * 32 * 4  # f32, as before
+    assert paged.page_bytes(cfg, 16, kv_cache="bf16") == entries * 32 * 2
+    assert paged.page_bytes(cfg, 16, kv_cache="fp8_e4m3") == entries * 32  # per-head scales: pool-global
+    assert paged.page_bytes(cfg, 16, kv_cache="int8") == entries * (32 + 4)  # a float32 scale per token and head
+    with pk.target("gpu"):  # the GPU kernel's pool keeps fp8 scale pages too
+        assert paged.page_bytes(cfg, 16, kv_cache="fp8_e5m2") == entries * (32 + 4)
+
+
 def test_tpu_refuses_int8_and_takes_fp8_with_scales():
     shape = (2, 9, 16, 4, 128)
     assert "int8" in paged.tpu_unsupported(8, shape, jnp.int8, scaled=True)

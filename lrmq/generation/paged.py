@@ -657,13 +657,21 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- sizing the pool to the device
-def page_bytes(cfg, page_size: int, mesh=None, kv_cache: str = "auto", layout: str = "interleaved") -> int:
+def page_bytes(cfg, page_size: int, mesh=None, kv_cache: str = "auto", layout: str | None = None) -> int:
     """Bytes one page of the pool takes on each device: K and V of every layer for `page_size` tokens, the
     device's share of the KV heads (`kv_head_axes`), in the cache's format (with its scale pages, when it keeps
-    them: `per_token_scales`)."""
+    them: `per_token_scales`; layout None: "split" when compiling for a GPU (the mesh's devices, else the
+    target in effect), where "auto" takes the GPU kernel's pool, else "interleaved")."""
     share = axes_size(mesh, kv_head_axes(mesh, cfg.num_kv_heads)) if mesh is not None else 1
     entries = cfg.num_layers * page_size * 2 * cfg.num_kv_heads
     per_page = entries * cfg.head_dim * storage_dtype(cfg, kv_cache).itemsize
+    if is_quantized(kv_cache) and layout is None:
+        if mesh is not None:
+            with jax.set_mesh(mesh):
+                platform = pk.current_target().platform
+        else:
+            platform = pk.current_target().platform
+        layout = "split" if platform == "gpu" else "interleaved"
     if is_quantized(kv_cache) and per_token_scales(kv_cache, layout):
         per_page += entries * 4
     return per_page // share
