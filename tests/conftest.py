@@ -55,6 +55,26 @@ def hf_checkpoint(tmp_path_factory):
     return make
 
 
+def built_once_per_run(tmp_path_factory, name: str, build) -> str:
+    """A directory that `build(dir)` fills once per test run, shared by the xdist workers (the first to ask
+    builds it under a lock, the others wait and reuse it; a failed build is retried by the next one). The root
+    is this run's temp dir (xdist: the workers' common parent), never one that outlives the run."""
+    import fcntl
+    import json
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(str(path))
+            done.write_text(json.dumps({"built_by": os.environ.get("PYTEST_XDIST_WORKER", "main")}))
+    return str(path)
+
+
 def run_with_devices(script: str, *args: str, n_devices: int = 8, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run tests/<script> in a fresh interpreter with `n_devices` forced CPU devices.
 

@@ -35,9 +35,18 @@ def _tokenizer(path: str, texts):
 
 
 def structured_model(tmp_path_factory) -> dict:
-    """{"model": HF dir, "calib": jsonl, "eval": txt} -- trained once per pytest session."""
-    if _CACHE:
-        return _CACHE
+    """{"model": HF dir, "calib": jsonl, "eval": txt} -- trained once per test run, whichever worker asks first
+    (test_awq.py and test_gptq_model.py may run on different xdist workers)."""
+    from conftest import built_once_per_run
+
+    if not _CACHE:
+        root = built_once_per_run(tmp_path_factory, "ptq_structured", _build_structured)
+        _CACHE.update(model=os.path.join(root, "hf"), calib=os.path.join(root, "calib.jsonl"),
+                      eval=os.path.join(root, "eval.txt"), root=root)
+    return _CACHE
+
+
+def _build_structured(root: str) -> None:
     from lrmq.checkpoint.hf import save_hf_model
     from lrmq.data.synthetic import make_splits, write_jsonl
     from lrmq.model.config import ModelConfig, RopeConfig
@@ -46,18 +55,15 @@ def structured_model(tmp_path_factory) -> dict:
     from lrmq.tokenizer import Tokenizer
     from flax import nnx
 
-    root = tmp_path_factory.mktemp("ptq_structured")
     train, held = make_splits(1500, 300, seed=3)
     doc = lambda r: f"{r['problem']} Answer: {r['solution']}"
-    calib = str(root / "calib.jsonl")
-    write_jsonl(calib, [{"text": doc(r)} for r in train])
-    eval_txt = str(root / "eval.txt")
-    with open(eval_txt, "w") as f:
+    write_jsonl(os.path.join(root, "calib.jsonl"), [{"text": doc(r)} for r in train])
+    with open(os.path.join(root, "eval.txt"), "w") as f:
         f.write("\n\n".join(doc(r) for r in held))
-    mdir = root / "model"
-    mdir.mkdir()
-    _tokenizer(str(mdir), [doc(r) for r in train])
-    tok = Tokenizer.from_dir(str(mdir))
+    mdir = os.path.join(root, "model")
+    os.mkdir(mdir)
+    _tokenizer(mdir, [doc(r) for r in train])
+    tok = Tokenizer.from_dir(mdir)
     cfg = ModelConfig(family="qwen3", vocab_size=128, hidden_size=256, intermediate_size=512, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=64, qk_norm="head", layer_types=("full_attention",) * 2,
                       rope={"full_attention": RopeConfig(theta=10000.0)}, max_position_embeddings=512)
@@ -71,10 +77,7 @@ def structured_model(tmp_path_factory) -> dict:
     before = np.asarray(model(probe))
     plant_outlier_channels(model)
     np.testing.assert_allclose(np.asarray(model(probe)), before, rtol=1e-4, atol=1e-4)  # same function
-    out = str(root / "hf")
-    save_hf_model(model, out, dtype="float32", tokenizer_from=str(mdir))
-    _CACHE.update(model=out, calib=calib, eval=eval_txt, root=str(root))
-    return _CACHE
+    save_hf_model(model, os.path.join(root, "hf"), dtype="float32", tokenizer_from=mdir)
 
 
 def plant_outlier_channels(model, frac=0.2, s=16.0, seed=0):

@@ -113,3 +113,29 @@ def test_suite_timing_records_the_cpu_time_of_a_test_and_its_subprocesses(tmp_pa
     controller.pytest_runtest_logreport(report)
     assert controller.tests["t.py::busy"]["cpu_s"] == 0.0
 
+
+
+def test_built_once_per_run_builds_once_and_retries_a_failed_build(tmp_path_factory):
+    """conftest.built_once_per_run: one build per name, its directory reused; a build that raised leaves no
+    done marker, so the next caller builds again into a clean directory."""
+    from conftest import built_once_per_run
+
+    calls = []
+
+    def build(path):
+        calls.append(path)
+        with open(os.path.join(path, "x"), "w") as f:
+            f.write("built")
+
+    a = built_once_per_run(tmp_path_factory, "suite_budget_once", build)
+    b = built_once_per_run(tmp_path_factory, "suite_budget_once", build)
+    assert a == b and len(calls) == 1 and open(os.path.join(a, "x")).read() == "built"
+
+    def broken(path):
+        open(os.path.join(path, "half"), "w").close()
+        raise RuntimeError("build failed")
+
+    with pytest.raises(RuntimeError):
+        built_once_per_run(tmp_path_factory, "suite_budget_retry", broken)
+    c = built_once_per_run(tmp_path_factory, "suite_budget_retry", build)
+    assert sorted(os.listdir(c)) == ["x"]  # rebuilt from an empty directory
