@@ -185,7 +185,7 @@ def test_kill_9_during_training_resumes_exactly(tmp_path):
 
     steps = 4  # killed within 0.3 s of the first save: three steps are left to resume
     cmd = [sys.executable, "-m", "lrmq.train", "--config", os.path.join(REPO, "configs", "tiny_demo.yaml"),
-           f"run.steps={steps}", "run.save_every=1", "run.keep_checkpoints=10", "run.eval_size=4",
+           f"run.steps={steps}", "run.save_every=1", "run.keep_checkpoints=10", "run.eval_size=0",
            "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
            "rollout.max_new_tokens=24", "data.synthetic_train_size=64", "data.synthetic_eval_size=4",
            "rollout.update_shapes=1"]
