@@ -449,3 +449,20 @@ if __name__ == "__main__":
 
     if sys.argv[1:] == ["sharded-engine"]:
         _sharded_engine()
+
+
+def test_every_config_offers_the_engine_formats():
+    """rollout.kv_cache's Literal (typed for --help-config) and generation.kv_cache's names are the engine's
+    KV_CACHE_FORMATS, so a format added to the engine cannot be missing from a config."""
+    import dataclasses
+    import typing
+
+    from lrmq.config_help import NAMES
+    from lrmq.evals.config import GenerationSection
+    from lrmq.generation.paged import KV_CACHE_FORMATS
+    from lrmq.rl.config import RolloutSection
+
+    hint = typing.get_type_hints(RolloutSection)["kv_cache"]
+    assert typing.get_args(hint) == KV_CACHE_FORMATS
+    field = {f.name: f for f in dataclasses.fields(GenerationSection)}["kv_cache"]
+    assert tuple(field.metadata[NAMES]) == KV_CACHE_FORMATS

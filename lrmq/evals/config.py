@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 from lrmq.configlib import ConfigError, apply_overrides, config_from_dict, opt
 from lrmq.evals.benchmarks import EVAL_PROMPTS, resolve_suite
 from lrmq.generation.engine import EngineConfig
+from lrmq.generation.paged import KV_CACHE_FORMATS
 
 
 @dataclass
@@ -34,7 +35,7 @@ class GenerationSection:
                                 "quantized with float32 scales: fp8_e4m3 / fp8_e5m2 (per layer and KV head, "
                                 "calibrated on each call's first prefill) or int8 (per token and KV head); "
                                 "docs/generation.md, 'Quantized KV cache'",
-                        names=("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8"), kind="KV cache format")
+                        names=KV_CACHE_FORMATS, kind="KV cache format")
     seed: int = opt(0, "sampling seed; sequence i (item x sample, in order) uses fold_in(key(seed), i), so "
                        "reruns and resumes repeat")
     max_positions: int = opt(0, "prompt + completion limit (0 = the model's max_position_embeddings)")

@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 from lrmq.configlib import ConfigError, check_data_parallel_batch, opt
 from lrmq.data.prompts import PROMPT_TEMPLATES
 from lrmq.generation.engine import EngineConfig
+from lrmq.generation.paged import is_quantized
 from lrmq.model.presets import PRESETS
 from lrmq.rl.advantages import ADVANTAGES
 from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, LossConfig
@@ -351,7 +352,7 @@ class TrainConfig:
         """Whether the sampler's log-probs come from a different forward than the learner's: a packed rollout copy
         (rollout.quant) or a quantized KV cache (rollout.kv_cache fp8 / int8). algo.rollout_correction=auto turns
         the correction on then."""
-        return self.quantized_rollout or self.rollout.kv_cache in ("fp8_e4m3", "fp8_e5m2", "int8")
+        return self.quantized_rollout or is_quantized(self.rollout.kv_cache)
 
     def loss_config(self) -> LossConfig:
         """The loss part of algo.* as `grpo_loss` takes it: rollout.max_new_tokens is the Dr.GRPO constant and
