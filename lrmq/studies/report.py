@@ -11,6 +11,9 @@
   evaluation problems and sampling key, and train arms of one seed the prompt order.
 * Paper 1's question, quantized training vs quantizing after training at the same bits (`equal_bits_pairs`):
   each QAT / QLoRA arm against every PTQ arm of its FP baseline's policy at its nominal bits, paired by seed.
+* Rollouts (train arms that logged a sampler/learner mismatch: quantized weights or KV cache in the rollouts):
+  the reward and the mismatch KL averaged over training, the rollout's weight and KV bytes per cached token, and
+  the CPU speed as measured (rollout s, rollout tokens/s, step s over the steps after the first).
 * Plots (matplotlib, Agg): reward curves of the train arms (mean over seeds of reward/mean, min-max band),
   accuracy vs bits per weight, accuracy vs model bytes with the Pareto frontier, and the QuantLRM channel
   importance histograms of the arms that wrote `quant/importance.npz`.
@@ -211,16 +214,24 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
     if rollout_arms:
         lines += ["", "Rollouts (train arms; means over training steps, then mean ± std over seeds): the reward, "
                       "the sampler/learner mismatch KL(sampler || learner) (k1, k3 estimators), the fraction of "
-                      "tokens the correction truncated or masked, and the bytes of the rollout's weights:", "",
-                  "| arm | reward over training | KL k1 | KL k3 | corrected | rollout weight MiB |",
-                  "|---|---|---|---|---|---|"]
+                      "tokens the correction truncated or masked, the bytes of the rollout's weights and of one "
+                      "token in its KV cache, and the speed as measured on the study's machine (means over the "
+                      "steps after the first, which compiles: seconds of a rollout, its sampled tokens per "
+                      "second, seconds of a whole training step):", "",
+                  "| arm | reward over training | KL k1 | KL k3 | corrected | rollout weight MiB | KV bytes / token "
+                  "| rollout s | rollout tokens/s | step s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for a in rollout_arms:
             m = a["metrics"]
-            wb = m.get("train/rollout/weight_bytes")
+            wb, kv = m.get("train/rollout/weight_bytes"), m.get("train/rollout/kv_bytes_per_token")
+            kv_cell = f"{kv['mean']:g}" if kv else "-"
             lines.append(f"| {a['name']} | {_pm(m.get('train/reward/mean_avg'))} | "
                          f"{_pm(m.get('train/mismatch/kl_k1_avg'), 5)} | {_pm(m.get('train/mismatch/kl_k3_avg'), 5)} | "
                          f"{_pm(m.get('train/mismatch/corrected_frac_avg'))} | "
-                         f"{_mib(wb['mean']) if wb else '-'} |")
+                         f"{_mib(wb['mean']) if wb else '-'} | {kv_cell} | "
+                         f"{_pm(m.get('train/perf/rollout_s_avg'), 2)} | "
+                         f"{_pm(m.get('train/perf/rollout_tokens_per_s_avg'), 0)} | "
+                         f"{_pm(m.get('train/perf/step_s_avg'), 2)} |")
     if failed:
         lines += ["", "Jobs without a result:", ""]
         lines += [f"* {f['arm']} seed {f['seed']}: {f['status']}: {f['error']}" for f in failed]

@@ -279,6 +279,9 @@ class Study:
                     out["memory"][k] = src["memory"][k]
         if job.arm.kind == "train":
             out["train_metrics"] = last_metrics(os.path.join(job.dir, "run", "metrics.jsonl"))
+            run_config = os.path.join(job.dir, "run", "config.yaml")
+            if os.path.exists(run_config):
+                out["train_metrics"]["rollout/kv_bytes_per_token"] = rollout_kv_bytes_per_token(run_config)
         return out
 
     def run(self, *, progress: bool = True) -> dict:
@@ -380,12 +383,16 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-# Train metrics a study keeps: the last value of each, and the mean over the run's steps of the AVERAGED ones
-# (the reward over training; the sampler/learner mismatch of quantized rollouts, `mismatch/*_avg`).
+# Train metrics a study keeps: the last value of each, the mean over the run's steps of the AVERAGED ones
+# (the reward over training; the sampler/learner mismatch of quantized rollouts, `mismatch/*_avg`), and the
+# mean over the steps after the first of the TIMED ones (the CPU speed as measured; step 1 compiles or loads
+# the compiled programs).
 KEEP_LAST = ("step", "eval/sampled_accuracy", "eval/greedy_accuracy", "reward/mean", "reward/accuracy", "perf/step_s",
              "rollout/weight_bytes")
 AVERAGED = {"reward/mean": "reward/mean_avg", "train/mismatch/kl_k1": "mismatch/kl_k1_avg",
             "train/mismatch/kl_k3": "mismatch/kl_k3_avg", "train/mismatch/corrected_frac": "mismatch/corrected_frac_avg"}
+TIMED = {"perf/step_s": "perf/step_s_avg", "perf/rollout_s": "perf/rollout_s_avg",
+         "perf/rollout_tokens_per_s": "perf/rollout_tokens_per_s_avg"}
 
 
 def last_metrics(path: str) -> dict:
@@ -394,11 +401,26 @@ def last_metrics(path: str) -> dict:
     for r in rows:
         out.update({k: v for k, v in r.items() if isinstance(v, (int, float))})
     kept = {k: out[k] for k in KEEP_LAST if k in out}
-    for key, name in AVERAGED.items():
-        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-        if values:
-            kept[name] = sum(values) / len(values)
+    for averaged, skip in ((AVERAGED, 0), (TIMED, 1)):
+        for key, name in averaged.items():
+            values = [r[key] for r in rows if isinstance(r.get(key), (int, float))][skip:]
+            if values:
+                kept[name] = sum(values) / len(values)
     return kept
+
+
+def rollout_kv_bytes_per_token(run_config: str) -> float:
+    """Bytes one cached token takes in the rollout engine's KV pool of the run whose config.yaml this is: K and V
+    of every layer and KV head in `rollout.kv_cache`'s format, with its per-token scales where it keeps them
+    (`paged.page_bytes` on one device, the interleaved pool of the XLA and TPU paths; the model's config only,
+    no weights read)."""
+    from lrmq.checkpoint.load import read_model_config
+    from lrmq.generation.paged import page_bytes
+
+    cfg = load_config(TrainConfig, run_config)
+    model_cfg = read_model_config(cfg.model.checkpoint, dtype=cfg.model.dtype)
+    page = cfg.rollout.page_size
+    return page_bytes(model_cfg, page, kv_cache=cfg.rollout.kv_cache, layout="interleaved") / page
 
 
 def _progress(total: int, initial: int, enabled: bool):
