@@ -173,6 +173,79 @@ def test_preemption_and_recompute_give_the_same_tokens(tiny, fmt):
     np.testing.assert_allclose(runs[0].logprobs, runs[1].logprobs, atol=2e-5)
 
 
+# ------------------------------------------------------------------------------------------ kept scales
+def test_kept_kv_scales_are_reused_until_the_refresh(tiny):
+    """rollout.kv_scale_refresh=2 (`KVCalibration` around `Engine.generate(kv_scales=)`, as the trainer runs it,
+    an update after each rollout): rollout 0 calibrates on its prompts; rollout 1 writes under those scales
+    (returned bit-identical, not its own prompts' calibration, and its log-probs differ from its own); after 2
+    updates rollout 2 recalibrates on its prompts; rollout 3 reuses that, which reproduces a call that calibrated
+    itself bit for bit. refresh 0 (the default) calibrates every call, as the engine always did."""
+    from lrmq.rl.kv_scales import KVCalibration
+
+    eng = Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(page_size=8, kv_cache="fp8_e4m3"))
+    s = SamplingConfig(temperature=1.2)
+    first, later = [list(range(5, 16)), list(range(20, 31))], [list(range(200, 211)), list(range(150, 161))]
+
+    def gen(prompts, kv_scales=None):
+        return eng.generate(tiny, prompts, max_new_tokens=8, sampling=s, keys=_keys(2), kv_scales=kv_scales)
+
+    own = gen(later)  # the later prompts, calibrated on themselves
+    assert own.kv_scales.fmt == "fp8_e4m3" and own.kv_scales.k.shape == (tiny.cfg.num_kv_heads, tiny.cfg.num_layers)
+    assert np.all(own.kv_scales.k > 0) and np.all(own.kv_scales.v > 0)
+    cal, runs = KVCalibration(refresh=2), []
+    for step in range(4):
+        given = cal.for_rollout()
+        res = gen(first if step == 0 else later, given)
+        runs.append((given, res, cal.after_rollout(given, res)))
+        cal.after_update()
+    assert [st["rollout/kv_calibrated"] for _, _, st in runs] == [1.0, 0.0, 1.0, 0.0]
+    assert all(st["rollout/kv_saturated"] == res.stats["kv_saturated"] for _, res, st in runs)
+    kept = runs[0][1].kv_scales
+    assert runs[0][0] is None and runs[1][0] == kept and runs[1][1].kv_scales == kept  # bit-identical
+    assert kept != own.kv_scales and not np.array_equal(runs[1][1].logprobs, own.logprobs)
+    assert runs[2][0] is None and runs[2][1].kv_scales == own.kv_scales  # recalibrated on its own prompts
+    np.testing.assert_array_equal(runs[2][1].logprobs, own.logprobs)
+    assert runs[3][0] == own.kv_scales  # a call's own scales given back: the same call, bit for bit
+    np.testing.assert_array_equal(runs[3][1].tokens, own.tokens)
+    np.testing.assert_array_equal(runs[3][1].logprobs, own.logprobs)
+    cal = KVCalibration(refresh=0)
+    for _ in range(2):
+        given = cal.for_rollout()
+        res = gen(later, given)
+        assert given is None and "rollout/kv_calibrated" not in cal.after_rollout(given, res)
+        assert res.kv_scales == own.kv_scales and cal.scales is None
+        cal.after_update()
+
+
+def test_kv_scales_are_refused_where_they_do_not_apply(tiny, tmp_path):
+    """Kept scales are fp8's: int8 (a scale per token), auto and bf16 have none, refused naming why (the engine's
+    kv_scales before any compile; the config's rollout.kv_scale_refresh when it is read)."""
+    from lrmq.configlib import ConfigError
+
+    kvh, layers = tiny.cfg.num_kv_heads, tiny.cfg.num_layers
+    ones = np.ones((kvh, layers), np.float32)
+    with pytest.raises(ValueError, match="int8 scales each token"):
+        paged.KVScales("int8", ones, ones)
+    with pytest.raises(ValueError, match="finite"):
+        paged.KVScales("fp8_e4m3", ones * np.nan, ones)
+    scales = paged.KVScales("fp8_e4m3", ones, ones)
+    for kv_cache, match in (("int8", "int8 scales each token"), ("auto", "no scales"), ("fp8_e5m2", "calibrated for")):
+        with pytest.raises(ValueError, match=match):
+            Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(kv_cache=kv_cache)).generate(
+                tiny, [[5, 6]], max_new_tokens=2, kv_scales=scales)
+    with pytest.raises(ValueError, match="kv_heads, layers"):
+        Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(kv_cache="fp8_e4m3")).generate(
+            tiny, [[5, 6]], max_new_tokens=2, kv_scales=paged.KVScales("fp8_e4m3", ones[:, :1], ones[:, :1]))
+    assert tiny_train_config(str(tmp_path)).rollout.kv_scale_refresh == 0
+    assert tiny_train_config(str(tmp_path), rollout={"kv_cache": "fp8_e5m2", "kv_scale_refresh": 3}
+                             ).rollout.kv_scale_refresh == 3
+    for kv_cache, match in (("int8", "int8 scales each token"), ("auto", "no scales"), ("bf16", "no scales")):
+        with pytest.raises(ConfigError, match=f"rollout.kv_scale_refresh=2 .*{match}"):
+            tiny_train_config(str(tmp_path), rollout={"kv_cache": kv_cache, "kv_scale_refresh": 2})
+    with pytest.raises(ConfigError, match="rollout.kv_scale_refresh"):
+        tiny_train_config(str(tmp_path), rollout={"kv_cache": "fp8_e4m3", "kv_scale_refresh": -1})
+
+
 # ------------------------------------------------------------------------------------------ the kernels
 def _reference_tpu_kernel(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, num_kv_pages_per_block,
                           num_queries_per_block, vmem_limit_bytes, **kw):
@@ -339,19 +412,30 @@ def test_auto_correction_turns_on_with_a_quantized_kv_cache(tmp_path):
 
 
 @pytest.mark.slow(reason="an in-process GRPO step of the tiny recipe (compiles the engine and the update)")
-@pytest.mark.parametrize("kv_cache,quant", [("fp8_e4m3", "none"), ("int8", "int4")])
-def test_quantized_kv_cache_trains_a_step(tmp_path, kv_cache, quant):
-    """fp8 KV alone, and int8 KV with the packed int4 rollout copy (both in one decode program)."""
+@pytest.mark.parametrize("kv_cache,quant,refresh", [("fp8_e4m3", "none", 2), ("int8", "int4", 0)])
+def test_quantized_kv_cache_trains_a_step(tmp_path, kv_cache, quant, refresh):
+    """fp8 KV alone, with rollout.kv_scale_refresh=2 (the step's rollout calibrates and the trainer keeps its
+    scales; one update later the next rollout writes under them: rollout/kv_calibrated 1 then 0), and int8 KV
+    with the packed int4 rollout copy (both in one decode program)."""
     from lrmq.rl.trainer import GRPOTrainer
 
-    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": kv_cache, "quant": quant},
+    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": kv_cache, "quant": quant, "kv_scale_refresh": refresh},
                             run={"steps": 1, "eval_size": 0, "save_every": 1})
     assert cfg.loss_config().rollout_correction == "sequence_mask"
-    GRPOTrainer(cfg).train()
+    trainer = GRPOTrainer(cfg)
+    trainer.train()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     row = [r for r in rows if r["step"] == 1][-1]
     assert np.isfinite(row["train/loss"])
     assert row["train/mismatch/kl_k3"] > 0  # the fp8 cache's sampler differs from the float learner
+    assert row["rollout/kv_saturated"] >= 0
+    if not refresh:
+        assert "rollout/kv_calibrated" not in row and trainer.kv_calibration.scales is None
+        return
+    kept = trainer.kv_calibration.scales
+    assert row["rollout/kv_calibrated"] == 1.0 and kept is not None and trainer.kv_calibration.updates == 1
+    later = trainer.rollout(next(trainer.pipeline), jax.random.key(5))  # compiled already: no update needed
+    assert later.stats["rollout/kv_calibrated"] == 0.0 and trainer.kv_calibration.scales == kept
 
 
 # ------------------------------------------------------------------------------------------ TPU compiles (libtpu)
@@ -421,14 +505,15 @@ def _sharded_engine() -> None:
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [5, 6, 7], [20, 21, 22, 23, 24]] * 2
     sampling = SamplingConfig(temperature=1.0)
 
-    def run(mesh, fmt, impl="auto"):
+    def run(mesh, fmt, impl="auto", kv_scales=None):
         model = load_model(TINY_MODEL_DIR)
         if mesh is not None:
             with jax.set_mesh(mesh):
                 model = shard_model(model, mesh)
         eng = Engine(model, eos_ids=[271], pad_id=0, mesh=mesh, impl=impl,
                      config=EngineConfig(slots=8, page_size=4, sync_steps=8, kv_cache=fmt))
-        return eng.generate(model, prompts, max_new_tokens=[12, 30, 7, 30, 20] * 2, sampling=sampling, seed=3)
+        return eng.generate(model, prompts, max_new_tokens=[12, 30, 7, 30, 20] * 2, sampling=sampling, seed=3,
+                            kv_scales=kv_scales)
 
     for fmt in ("fp8_e4m3", "int8"):
         ref = run(None, fmt)
@@ -440,7 +525,14 @@ def _sharded_engine() -> None:
             # the format (int8: absmax / 127 of its token) instead of float noise
             np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=5e-3, err_msg=f"{fmt} {shape} {impl}")
             assert got.stats["kv_saturated"] == ref.stats["kv_saturated"], (fmt, shape, impl)
+            if fmt != "int8":  # the heads' scales calibrated on the mesh are the one-device ones
+                np.testing.assert_allclose(got.kv_scales.k, ref.kv_scales.k, rtol=1e-6)
+                np.testing.assert_allclose(got.kv_scales.v, ref.kv_scales.v, rtol=1e-6)
             print(fmt, shape, impl, "OK")
+        if fmt != "int8":  # the one-device scales given to the mesh's pool (split over the KV heads) are kept
+            got = run(make_mesh((2, 4, 1)), fmt, kv_scales=ref.kv_scales)
+            assert got.kv_scales == ref.kv_scales
+            np.testing.assert_array_equal(got.tokens, ref.tokens)
     print("OK")
 
 

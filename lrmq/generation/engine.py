@@ -43,9 +43,9 @@ import numpy as np
 from flax import nnx
 
 from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch
-from lrmq.generation.paged import (LAYOUTS, PagedCache, QuantPool, abstract_pool, check_kv_cache, copy_pages,
-                                   fitted_pages, is_quantized, new_pool, page_bytes, pages_for, pool_shape, resolve_impl,
-                                   storage_dtype)
+from lrmq.generation.paged import (LAYOUTS, KVScales, PagedCache, QuantPool, abstract_pool, check_kv_cache,
+                                   check_kv_scales, copy_pages, fitted_pages, is_quantized, new_pool, page_bytes,
+                                   pages_for, pool_scales, pool_shape, resolve_impl, storage_dtype, with_scales)
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.generation.scheduler import Scheduler, Seq, SharedPrompt, prefill_batch, row_buckets, rows_for
 from lrmq.model.decoder import Decoder, layer_runs
@@ -60,6 +60,9 @@ class GenerationResult:
     # what the call did (`Scheduler.stats`): decode_calls, prefill_calls, prefilled_prompts, preempted, steps;
     # with a quantized KV cache also kv_saturated: K / V entries clipped at the format's max (`paged.QuantPool`)
     stats: dict[str, int] = field(default_factory=dict)
+    # fp8 KV cache: the per-layer / KV-head scales the call wrote under (calibrated on its first prefill, or the
+    # `kv_scales` it was given); pass them to a later call to keep them (`rollout.kv_scale_refresh`). None else
+    kv_scales: KVScales | None = None
 
 
 @dataclass(frozen=True)
@@ -310,14 +313,18 @@ class Engine:
     def generate(self, state, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
                  sampling: SamplingConfig = SamplingConfig(), seed: int | jax.Array = 0,
                  keys: np.ndarray | None = None, on_finish=None, prompt_capacity: int = 0,
-                 new_capacity: int = 0) -> GenerationResult:
+                 new_capacity: int = 0, kv_scales: KVScales | None = None) -> GenerationResult:
         """Complete every prompt. keys: raw per-sequence key data [N, ...] (default: `sequence_keys` of
         the seed's key); max_new_tokens: one budget, or one per prompt; on_finish(i, tokens, logprobs): called
         as sequence i stops (records can be written while the others still decode); prompt_capacity: size the
         programs for prompts this long (as `warmup` did) instead of the longest given; new_capacity: likewise for
-        completions (the page table covers it; what a step costs does not depend on it)."""
+        completions (the page table covers it; what a step costs does not depend on it); kv_scales: an fp8 cache
+        writes under these scales (a `GenerationResult.kv_scales` of an earlier call) instead of calibrating them on
+        this call's first prefill (an error for any other kv_cache)."""
         state = nnx.state(state) if isinstance(state, nnx.Module) else state
         seqs = requests(prompts, max_new_tokens, keys, seed)
+        if kv_scales is not None:
+            check_kv_scales(kv_scales, self.config.kv_cache, self.model_cfg)
         longest = max(len(s.prompt) for s in seqs)
         if prompt_capacity and longest > prompt_capacity:
             raise ValueError(f"a prompt has {longest} tokens, more than prompt_capacity {prompt_capacity}")
@@ -327,6 +334,8 @@ class Engine:
         sched = Scheduler(seqs, slots=slots, pages=pages, width=width, page_size=c.page_size,
                           sync_steps=c.sync_steps, buckets=self.row_buckets(slots))
         pool = new_pool(self.model_cfg, pages, c.page_size, self.mesh, LAYOUTS[impl], c.kv_cache)
+        if kv_scales is not None:
+            pool = with_scales(pool, kv_scales)
         decode = self._decode_for(sampling, impl)
         prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
         while sched.busy:  # plan -> prefill / decode -> apply
@@ -340,7 +349,7 @@ class Engine:
         stats = dict(sched.stats)
         if isinstance(pool, QuantPool):
             stats["kv_saturated"] = int(np.sum(host_array(pool.saturated)))
-        return collect(seqs, width_new, self.pad_id, stats)
+        return dataclasses.replace(collect(seqs, width_new, self.pad_id, stats), kv_scales=pool_scales(pool))
 
     def _prefill_prompts(self, state, pool, prompts: list[SharedPrompt], buckets: Sequence[int], length: int = 0):
         """Write the first len - 1 tokens of each prompt into its pages; rows: a row bucket, length: the prompt

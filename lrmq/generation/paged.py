@@ -35,6 +35,7 @@ slot (rows split over the remaining data axes), and every slot's pages stay wher
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -42,13 +43,15 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
 from pallas_kernels.tpu_tiles import generation
 
-from lrmq.sharding import DECODE_RULES, axes_size, dividing_axes, entry_axes, is_manual, logical_to_spec, spec_entry
+from lrmq.sharding import (DECODE_RULES, axes_size, dividing_axes, entry_axes, host_array, is_manual, logical_to_spec,
+                           spec_entry)
 
 NULL_PAGE = 0  # the page rows that are not live write to; never allocated
 _NEG = -1e30  # finite: a block with nothing visible must not turn the running max into NaN
@@ -100,8 +103,9 @@ class QuantPool:
     """A quantized pool: `pages` (the plain pool's array or (K, V) pair, in the quantized dtype) and its scales.
 
     * k_scale / v_scale [KVH, L] float32: per layer and KV head, pool-global (fp8). 0 = not yet calibrated: the
-      first write that sees a layer's keys (the call's first prefill) sets absmax / format max; later writes
-      keep it, clip at the format's max and count what they clipped in `saturated` [KVH] (int32).
+      first write that sees a layer's keys (the call's first prefill) sets absmax / format max, unless the pool
+      was made holding a caller's `KVScales` (`with_scales`); later writes keep it, clip at the format's max and
+      count what they clipped in `saturated` [KVH] (int32).
     * k_token / v_token [KVH, L, P, page_size] float32 scale pages (`per_token_scales`; None otherwise): int8's
       per-token absmax / 127, or the head's fp8 scale repeated for the GPU kernel. Copy on write copies them
       with the pages.
@@ -115,6 +119,77 @@ class QuantPool:
     k_token: jax.Array | None = None
     v_token: jax.Array | None = None
     fmt: str = struct.field(pytree_node=False, default="fp8_e4m3")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVScales:
+    """The fp8 per-layer / KV-head scales of a `QuantPool` (host arrays), as a call calibrated them: what crosses
+    the engine's boundary both ways (`GenerationResult.kv_scales` out, `Engine.generate(kv_scales=...)` in), so a
+    caller can keep one calibration across calls (`rollout.kv_scale_refresh`). k / v: [kv_heads, layers] float32,
+    the value of a stored entry being page x scale. fp8 only: int8 keeps a scale per token (nothing to reuse)."""
+
+    fmt: str
+    k: np.ndarray
+    v: np.ndarray
+
+    def __post_init__(self):
+        if self.fmt not in KEPT_SCALE_FORMATS:
+            raise ValueError(f"KV scales are kept for {' / '.join(KEPT_SCALE_FORMATS)} only (got {self.fmt!r}: "
+                             f"{_no_kept_scales(self.fmt)})")
+        for name in ("k", "v"):
+            x = np.asarray(getattr(self, name))
+            if x.ndim != 2 or x.dtype != np.float32 or not np.all(np.isfinite(x)) or np.any(x < 0):
+                raise ValueError(f"KVScales.{name} must be finite, >= 0 float32 [kv_heads, layers] "
+                                 f"(got {x.dtype} {x.shape})")
+        if np.shape(self.k) != np.shape(self.v):
+            raise ValueError(f"KVScales: k {np.shape(self.k)} and v {np.shape(self.v)} differ in shape")
+
+    def __eq__(self, other):
+        return (isinstance(other, KVScales) and self.fmt == other.fmt and np.array_equal(self.k, other.k)
+                and np.array_equal(self.v, other.v))
+
+    __hash__ = None
+
+
+# The formats whose scales are per layer and KV head (pool-global), so a calibration can be kept across calls.
+KEPT_SCALE_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+
+
+def _no_kept_scales(fmt: str) -> str:
+    if fmt == "int8":
+        return "int8 scales each token by its own absmax when it is written: there is no calibration to keep"
+    return "an unquantized cache has no scales"
+
+
+def pool_scales(pool) -> KVScales | None:
+    """The per-head scales a pool holds (a 0 entry: a head never written, calibrated by its next write), on the
+    host; None for a pool without them (plain, int8)."""
+    if not isinstance(pool, QuantPool) or pool.fmt not in KEPT_SCALE_FORMATS:
+        return None
+    return KVScales(pool.fmt, host_array(pool.k_scale).astype(np.float32), host_array(pool.v_scale).astype(np.float32))
+
+
+def check_kv_scales(scales: KVScales, kv_cache: str, cfg) -> KVScales:
+    """`scales` if a cache of format `kv_cache` for a model of `cfg` can write under them, else a ValueError."""
+    if kv_cache not in KEPT_SCALE_FORMATS:
+        raise ValueError(f"kv_scales are for an fp8 KV cache; this engine's is {kv_cache!r} "
+                         f"({_no_kept_scales(kv_cache)})")
+    if scales.fmt != kv_cache:
+        raise ValueError(f"kv_scales were calibrated for {scales.fmt}, this engine's KV cache is {kv_cache}")
+    want = (cfg.num_kv_heads, cfg.num_layers)
+    if np.shape(scales.k) != want:
+        raise ValueError(f"kv_scales are [kv_heads, layers] = {np.shape(scales.k)}, this model's are {want}")
+    return scales
+
+
+def with_scales(pool: QuantPool, scales: KVScales) -> QuantPool:
+    """`pool` (a fresh one: nothing written yet) holding `scales` (`check_kv_scales`): its writes keep them instead
+    of calibrating (a 0 entry is still calibrated by its first write), laid out as the pool's own scales."""
+    def put(x, like):  # each device (each process's) takes its share of the host array
+        x = np.asarray(x, np.float32)
+        return jax.make_array_from_callback(x.shape, like.sharding, lambda index: x[index])
+
+    return pool.replace(k_scale=put(scales.k, pool.k_scale), v_scale=put(scales.v, pool.v_scale))
 
 
 def _data(pool):

@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 from lrmq.configlib import ConfigError, check_data_parallel_batch, opt
 from lrmq.data.prompts import PROMPT_TEMPLATES
 from lrmq.generation.engine import EngineConfig
-from lrmq.generation.paged import is_quantized
+from lrmq.generation.paged import KEPT_SCALE_FORMATS, is_quantized
 from lrmq.model.presets import PRESETS
 from lrmq.rl.advantages import ADVANTAGES
 from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, LossConfig
@@ -118,6 +118,12 @@ class RolloutSection:
                 "prefill) or int8 (per token and KV head). Quantized, the sampler's attention differs from the "
                 "learner's: algo.rollout_correction=auto turns the correction on (docs/generation.md, 'Quantized "
                 "KV cache')")
+    kv_scale_refresh: int = opt(
+        0, "rollout.kv_cache fp8_e4m3 / fp8_e5m2: 0 = calibrate the per-layer / KV-head scales on each rollout's "
+           "first prefill (its prompts' keys and values); k > 0 = keep one calibration across rollouts and "
+           "recalibrate only once k updates have passed (stable scales between refreshes; a resumed run "
+           "recalibrates at once; later keys beyond a kept scale's range clip: rollout/kv_saturated counts them). "
+           "int8 has a scale per token (nothing to keep), so k > 0 is refused for it as for auto / bf16", ge=0)
     lora: Literal["unmerged", "merged"] = opt(
         "unmerged", "quant.mode=qlora: rollouts run the packed base and the adapters as the learner does "
                     "(unmerged; rollout.quant must be none: the base is packed already), or merge the adapters into "
@@ -339,6 +345,12 @@ class TrainConfig:
         if r.lora == "merged" and r.quant == "none":
             raise ConfigError("rollout.lora=merged needs a rollout.quant format (int8, int4, nf4) to quantize the "
                               "merged weights into; rollout.lora=unmerged samples from the learner itself")
+        if r.kv_scale_refresh and r.kv_cache not in KEPT_SCALE_FORMATS:
+            why = ("int8 scales each token by its own absmax as it is written: there is no calibration to keep"
+                   if r.kv_cache == "int8" else f"rollout.kv_cache={r.kv_cache} has no scales")
+            raise ConfigError(f"rollout.kv_scale_refresh={r.kv_scale_refresh} keeps fp8 KV scales across rollouts; "
+                              f"{why}. Set rollout.kv_cache to {' or '.join(KEPT_SCALE_FORMATS)}, or "
+                              "rollout.kv_scale_refresh=0")
         if r.quant_scales == "awq" and r.quant not in ("int8", "int4"):
             raise ConfigError(f"rollout.quant_scales=awq needs rollout.quant int8 or int4 (got {r.quant})")
 

@@ -23,8 +23,8 @@ from lrmq.checkpoint.load import check_checkpoint, resolve_checkpoint
 from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
 from lrmq.data.pipeline import PromptPipeline
 from lrmq.data.prompts import format_prompt
-from lrmq.generation.engine import Engine, bucket_length, left_pad, pool_info, sequence_keys
-from lrmq.generation.paged import pool_budget
+from lrmq.generation.engine import Engine, GenerationResult, bucket_length, left_pad, pool_info, sequence_keys
+from lrmq.generation.paged import KVScales, pool_budget
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.ptq.qat_export import QUANTIZED_POLICY, export_qat_policy
@@ -34,6 +34,7 @@ from lrmq.rl.batch import (RolloutBatch, UpdateBatch, build_batch, bucketed_batc
                            padded_batch, truncate_left, truncated_rows)
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.evaluation import SuiteEval
+from lrmq.rl.kv_scales import KVCalibration
 from lrmq.rl.precompile import GIB, UpdatePrograms, check_budget, hbm_bytes, packed_chooser
 from lrmq.rl.rewards import score_completions, weighted_rewards
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant, awq_rollout_scales, calibration_blocks
@@ -141,6 +142,7 @@ class GRPOTrainer:
             None, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, graphdef=self.rollout_copy.graphdef,
             model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh)
         self._steps_since_refresh = 0
+        self.kv_calibration = KVCalibration(cfg.rollout.kv_scale_refresh)  # rollout.kv_scale_refresh
 
     def _init_run(self, writer_factory):
         """Evaluation suite, prompt pipeline, checkpoints, step counters and logs."""
@@ -231,16 +233,19 @@ class GRPOTrainer:
         tokens, mask = left_pad(ids, width, self.tokenizer.pad_id)
         return tokens, mask, truncated
 
-    def _generate(self, tokens, mask, key, sampling: SamplingConfig, max_new: int, *, rollout: bool = False):
+    def _generate(self, tokens, mask, key, sampling: SamplingConfig, max_new: int, *, rollout: bool = False,
+                  kv_scales: KVScales | None = None) -> GenerationResult:
         """Complete every (left-padded) prompt row through the engine (`rollout`: the rollout engine, on the
         quantized copy when rollout.quant is set); sequence i samples with `fold_in(key, i)`, so results depend
-        neither on rollout.generation_batch nor on the devices."""
+        neither on rollout.generation_batch nor on the devices. kv_scales: the fp8 KV scales to write under
+        (None: the call calibrates its own)."""
         prompts = [row[m > 0].tolist() for row, m in zip(tokens, mask)]
         engine, states = (self.rollout_engine, self.rollout_states()) if rollout else (self.engine, self.states())
         with jax.set_mesh(self.mesh):
             out = engine.generate(states, prompts, max_new_tokens=max_new, sampling=sampling,
-                                  keys=sequence_keys(key, len(prompts)), prompt_capacity=self.cfg.rollout.max_prompt_len)
-        return out.tokens, out.logprobs, out.lengths
+                                  keys=sequence_keys(key, len(prompts)), prompt_capacity=self.cfg.rollout.max_prompt_len,
+                                  kv_scales=kv_scales)
+        return out
 
     def rollout(self, batch: dict[str, list], key) -> Rollout:
         """Sample group_size completions of each prompt of `batch`, score them and compute their advantages."""
@@ -252,8 +257,11 @@ class GRPOTrainer:
         copy_stats = self.refresh_rollout_copy([row[m > 0].tolist() for row, m in zip(tokens[::g], mask[::g])])
         t0 = time.perf_counter()
         sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        comp, logp, lengths = self._generate(tokens, mask, key, sampling, r.max_new_tokens, rollout=True)
+        kv_scales = self.kv_calibration.for_rollout()
+        out = self._generate(tokens, mask, key, sampling, r.max_new_tokens, rollout=True, kv_scales=kv_scales)
+        comp, logp, lengths = out.tokens, out.logprobs, out.lengths
         t_gen = time.perf_counter() - t0
+        kv_stats = self.kv_calibration.after_rollout(kv_scales, out)
         texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(problems))]
         rewards, parts, info = self.score(texts, answers, lengths)
         adv = np.asarray(compute_advantages(a.advantage, rewards, g, eps=a.adv_eps,
@@ -277,6 +285,7 @@ class GRPOTrainer:
             "perf/rollout_s": t_gen,
             "rollout/weight_bytes": float(self._rollout_weight_bytes()),
             **copy_stats,
+            **kv_stats,
         }
         failed = bool(info.get("failed")) or int(info.get("timeouts", 0)) >= len(texts)
         return Rollout(rb, stats, completions, failed)
@@ -317,6 +326,7 @@ class GRPOTrainer:
         metrics["perf/train_tokens_per_s"] = host.token_count() * self.cfg.algo.num_iterations / max(dt, 1e-9)
         metrics["perf/update_s"] = dt
         self._steps_since_refresh += 1
+        self.kv_calibration.after_update()
         metrics["perf/update_width"] = float(host.tokens.shape[1])
         metrics["perf/update_rows"] = float(host.tokens.shape[0])  # packed: rows of several sequences
         return metrics
@@ -349,8 +359,8 @@ class GRPOTrainer:
         r = self.cfg.rollout
         out: dict[str, float] = {}
         for name, sampling in sorted(self._samplings().items()):
-            comp, _, lengths = self._generate(tokens, mask, jax.random.key(self.cfg.run.seed + 7919), sampling,
-                                              r.max_new_tokens)
+            out = self._generate(tokens, mask, jax.random.key(self.cfg.run.seed + 7919), sampling, r.max_new_tokens)
+            comp, lengths = out.tokens, out.lengths
             texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(rows))]
             rewards, info = score_completions(texts, answers, self.cfg.algo.reward,
                                               timeout_s=self.cfg.algo.reward_timeout_s)

@@ -1,0 +1,50 @@
+"""rollout.kv_scale_refresh: which fp8 KV-cache scales a rollout's engine call writes under.
+
+With rollout.kv_cache fp8_e4m3 / fp8_e5m2 the engine keeps one scale per layer and KV head for K and for V
+(`lrmq.generation.paged.QuantPool`). By default (refresh 0) each `Engine.generate` calibrates its own on its first
+prefill, from the prompts of that call. With refresh k > 0 the trainer keeps the scales a calibrating rollout
+returned (`GenerationResult.kv_scales`) and passes them to the following rollouts (`Engine.generate(kv_scales=)`),
+so they stay the same between refreshes, and lets the next rollout calibrate anew once k policy updates have
+passed since (FP8-RL's per-step recalibration is k = 1). The scales are not checkpointed: a resumed run
+recalibrates at its first rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lrmq.generation.engine import GenerationResult
+from lrmq.generation.paged import KVScales
+
+
+@dataclass
+class KVCalibration:
+    """The kept scales (`refresh` = rollout.kv_scale_refresh; see the module docstring) and the policy updates
+    since they were calibrated. `for_rollout` -> the engine call -> `after_rollout`; `after_update` per update."""
+
+    refresh: int
+    scales: KVScales | None = None
+    updates: int = 0  # policy updates since `scales` were calibrated
+
+    def for_rollout(self) -> KVScales | None:
+        """The scales the next rollout writes under; None: it calibrates its own (refresh 0: always; refresh k:
+        the first rollout, and the first after k updates)."""
+        if not self.refresh or self.updates >= self.refresh:
+            return None
+        return self.scales
+
+    def after_rollout(self, given: KVScales | None, result: GenerationResult) -> dict[str, float]:
+        """Keep the scales a calibrating rollout (`given` None) returned; its rollout/kv_* statistics:
+        kv_saturated (K / V entries clipped at the format's max: kept scales that the policy's keys outgrew show
+        there) and, with refresh k > 0, kv_calibrated (1: this rollout calibrated, 0: it reused the kept scales)."""
+        stats = {}
+        if "kv_saturated" in result.stats:
+            stats["rollout/kv_saturated"] = float(result.stats["kv_saturated"])
+        if self.refresh:
+            if given is None:
+                self.scales, self.updates = result.kv_scales, 0
+            stats["rollout/kv_calibrated"] = float(given is None)
+        return stats
+
+    def after_update(self) -> None:
+        self.updates += 1
