@@ -13,7 +13,11 @@
 * libtpu compiles the engine with fp8 pages in the TPU kernel for v5e / v5p / v6e, the pool argument half the
   bf16 pool's bytes; int8 compiles on the XLA path.
 * On 8 CPU devices the quantized pool split over KV heads gives the one-device tokens and clip count.
-* Per-token log-prob error and greedy agreement against the float cache (printed: `pytest -s`).
+* Kept fp8 scales (rollout.kv_scale_refresh): a call given scales writes under them and returns them
+  bit-identical, a call given its own is reproduced bit for bit, `KVCalibration` recalibrates after k updates;
+  int8 / auto / bf16 refuse them.
+* Per-token log-prob error and greedy agreement against the float cache (printed: `pytest -s`; at 2k positions per
+  family: benchmarks/kv_cache_error.py).
 * Config: rollout.kv_cache / generation.kv_cache / --kv-cache, unknown values refused naming the key;
   algo.rollout_correction=auto turns the correction on with a quantized cache; rollout.kv_cache=fp8_e4m3
   trains a step of the tiny recipe.
@@ -83,6 +87,9 @@ def _bound(fmt, x, scale):
 @pytest.mark.parametrize("layout", ["interleaved", "split"])
 @pytest.mark.parametrize("fmt", QUANT)
 def test_quantized_pages_round_trip_within_the_format(fmt, layout):
+    """Pages written through PagedCache.write read back within half a step of the format (fp8: per-head scales
+    calibrated by the first write; int8: per token); copy on write of a page carries its scale pages; a later write
+    past the calibrated range clips at the format's max and is counted."""
     rng = np.random.default_rng(0)
     cfg, ps, pages, t = _cfg(), 4, 9, 8
     pool = paged.new_pool(cfg, pages, ps, layout=layout, kv_cache=fmt)
@@ -110,6 +117,17 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
                 np.testing.assert_allclose(np.asarray(token)[:, layer, 1:5].reshape(2, -1),
                                            np.broadcast_to(np.asarray(head_scale)[:, layer, None], (2, 4 * ps)))
     assert int(np.sum(pool.saturated)) == 0
+    # copy on write of a page (a shared prompt's partly filled last page) carries its scale pages: page 6 then reads
+    # as page 2 (per-head scales are pool-global); without them it would read as zeros
+    copied = paged.copy_pages(pool, jnp.asarray([2, 0]), jnp.asarray([6, 0]))
+    for layer in (0, 1):
+        src, dst = (paged.read_pages(copied, layer, jnp.asarray([[p]])) for p in (2, 6))
+        for a, b in zip(src, dst):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert np.abs(np.asarray(b)).max() > 0
+    if pool.k_token is not None:
+        np.testing.assert_array_equal(np.asarray(copied.k_token[:, :, 6]), np.asarray(pool.k_token[:, :, 2]))
+        np.testing.assert_array_equal(np.asarray(copied.v_token[:, :, 6]), np.asarray(pool.v_token[:, :, 2]))
     # a later write beyond the calibrated range is clipped at the format's max and counted (fp8; int8 never clips)
     pool = _write(pool, jnp.asarray(k) * 10, jnp.asarray(v), table, q_pos, 0)
     gk, _ = paged.read_pages(pool, 0, table)
@@ -123,50 +141,51 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
                                    rtol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["interleaved", "split"])
-@pytest.mark.parametrize("fmt", QUANT)
-def test_copy_on_write_carries_the_scales(fmt, layout):
-    rng = np.random.default_rng(2)
-    cfg, ps = _cfg(), 4
-    pool = paged.new_pool(cfg, 9, ps, layout=layout, kv_cache=fmt)
-    table = jnp.asarray([[1, 2]], jnp.int32)
-    k, v = (jnp.asarray(rng.normal(size=(1, 7, 2, 32)).astype(np.float32) * 3) for _ in range(2))
-    for layer in (0, 1):
-        pool = _write(pool, k, v, table, jnp.arange(7)[None], layer)
-    copied = paged.copy_pages(pool, jnp.asarray([2, 0]), jnp.asarray([6, 0]))
-    for layer in (0, 1):
-        src = paged.read_pages(copied, layer, jnp.asarray([[2]]))
-        dst = paged.read_pages(copied, layer, jnp.asarray([[6]]))
-        for a, b in zip(src, dst):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-            assert np.abs(np.asarray(b)).max() > 0
-    if pool.k_token is not None:  # the page's scale pages came along: without them page 6 would read as zeros
-        np.testing.assert_array_equal(np.asarray(copied.k_token[:, :, 6]), np.asarray(pool.k_token[:, :, 2]))
-
-
 # ------------------------------------------------------------------------------------------ the engine
+# The engine tests below share one engine per KV format (and pool size), its programs sized by CAPACITY: every
+# call takes the same pool and page table, so each row bucket's prefill and decode compile once per format for
+# all of them.
+ENGINE = dict(slots=3, page_size=8, sync_steps=8)
+CAPACITY = dict(prompt_capacity=24, new_capacity=32)
+SAMPLING = SamplingConfig(temperature=1.2)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    made = {}
+
+    def get(fmt, pages=0):
+        if (fmt, pages) not in made:
+            made[fmt, pages] = Engine(tiny, eos_ids=[127], pad_id=0,
+                                      config=EngineConfig(**ENGINE, pages=pages, kv_cache=fmt))
+        return made[fmt, pages]
+
+    return get
+
+
+def _gen(eng, tiny, prompts, max_new, keys, kv_scales=None):
+    return eng.generate(tiny, prompts, max_new_tokens=max_new, sampling=SAMPLING, keys=keys, kv_scales=kv_scales,
+                        **CAPACITY)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
-def test_a_shared_prompt_decodes_as_it_does_alone(tiny, fmt):
+def test_a_shared_prompt_decodes_as_it_does_alone(tiny, engine, fmt):
     """The prompt (11 tokens: 10 prefilled, its last page partly full at page_size 8) is prefilled once for both
     samples and its last page copied into each (copy on write, scale pages included)."""
-    prompt, keys = list(range(5, 16)), _keys(2)
-    eng = Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(page_size=8, kv_cache=fmt))
-    s = SamplingConfig(temperature=1.2)
-    shared = eng.generate(tiny, [prompt, prompt], max_new_tokens=12, sampling=s, keys=keys)
+    prompt, keys, eng = list(range(5, 16)), _keys(2), engine(fmt)
+    shared = _gen(eng, tiny, [prompt, prompt], 12, keys)
     assert shared.stats["prefilled_prompts"] == 1
     for i in range(2):
-        alone = eng.generate(tiny, [prompt], max_new_tokens=12, sampling=s, keys=keys[i:i + 1])
+        alone = _gen(eng, tiny, [prompt], 12, keys[i:i + 1])
         np.testing.assert_array_equal(shared.tokens[i], alone.tokens[0])
         np.testing.assert_allclose(shared.logprobs[i], alone.logprobs[0], atol=2e-5)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
-def test_preemption_and_recompute_give_the_same_tokens(tiny, fmt):
+def test_preemption_and_recompute_give_the_same_tokens(tiny, engine, fmt):
     prompts = [[9, 10, 11, 12, 13, 14, 15], [5, 6, 7], [3], list(range(4, 25)), [8, 8, 9]]
-    budgets, keys, s = [30, 9, 22, 26, 5], _keys(5), SamplingConfig(temperature=1.3)
-    runs = [Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(
-        slots=3, page_size=8, pages=pages, sync_steps=8, kv_cache=fmt)).generate(
-        tiny, prompts, max_new_tokens=budgets, sampling=s, keys=keys) for pages in (0, 9)]
+    budgets, keys = [30, 9, 22, 26, 5], _keys(5)
+    runs = [_gen(engine(fmt, pages), tiny, prompts, budgets, keys) for pages in (0, 9)]
     assert runs[0].stats["preempted"] == 0 and runs[1].stats["preempted"] > 0
     np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
     np.testing.assert_array_equal(runs[0].lengths, runs[1].lengths)
@@ -174,7 +193,7 @@ def test_preemption_and_recompute_give_the_same_tokens(tiny, fmt):
 
 
 # ------------------------------------------------------------------------------------------ kept scales
-def test_kept_kv_scales_are_reused_until_the_refresh(tiny):
+def test_kept_kv_scales_are_reused_until_the_refresh(tiny, engine):
     """rollout.kv_scale_refresh=2 (`KVCalibration` around `Engine.generate(kv_scales=)`, as the trainer runs it,
     an update after each rollout): rollout 0 calibrates on its prompts; rollout 1 writes under those scales
     (returned bit-identical, not its own prompts' calibration, and its log-probs differ from its own); after 2
@@ -182,12 +201,11 @@ def test_kept_kv_scales_are_reused_until_the_refresh(tiny):
     itself bit for bit. refresh 0 (the default) calibrates every call, as the engine always did."""
     from lrmq.rl.kv_scales import KVCalibration
 
-    eng = Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(page_size=8, kv_cache="fp8_e4m3"))
-    s = SamplingConfig(temperature=1.2)
+    eng = engine("fp8_e4m3")
     first, later = [list(range(5, 16)), list(range(20, 31))], [list(range(200, 211)), list(range(150, 161))]
 
     def gen(prompts, kv_scales=None):
-        return eng.generate(tiny, prompts, max_new_tokens=8, sampling=s, keys=_keys(2), kv_scales=kv_scales)
+        return _gen(eng, tiny, prompts, 8, _keys(2), kv_scales)
 
     own = gen(later)  # the later prompts, calibrated on themselves
     assert own.kv_scales.fmt == "fp8_e4m3" and own.kv_scales.k.shape == (tiny.cfg.num_kv_heads, tiny.cfg.num_layers)
@@ -439,7 +457,11 @@ def test_quantized_kv_cache_trains_a_step(tmp_path, kv_cache, quant, refresh):
 
 
 # ------------------------------------------------------------------------------------------ TPU compiles (libtpu)
-def _compile_tpu(topology, kv_cache):
+_TPU_COMPILED: dict = {}  # (topology, kv_cache) -> {program: (compiled, s)}: v5e's fp8 decode serves both tests below
+
+
+def _compile_tpu(topology, kv_cache, programs=("decode",)):
+    """The engine's `programs` compiled by libtpu for one chip of `topology` (cached for the module: one worker)."""
     import os
 
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -450,12 +472,16 @@ def _compile_tpu(topology, kv_cache):
     from lrmq.sharding import MeshConfig, make_mesh
 
     _require_libtpu()
-    cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")  # head_dim 128, 8 KV heads
-    mesh = make_mesh(MeshConfig(1, 1, 1), devices=list(aot.topology_devices(topology))[:1])
-    graphdef, state = aot.abstract_model(cfg, mesh)
-    return aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=8, prompt_len=64, max_new=64,
-                                engine=EngineConfig(slots=8, sync_steps=4, kv_cache=kv_cache),
-                                sampling=SamplingConfig())
+    have = _TPU_COMPILED.setdefault((topology, kv_cache), {})
+    missing = tuple(p for p in programs if p not in have)
+    if missing:
+        cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")  # head_dim 128, 8 KV heads
+        mesh = make_mesh(MeshConfig(1, 1, 1), devices=list(aot.topology_devices(topology))[:1])
+        graphdef, state = aot.abstract_model(cfg, mesh)
+        have.update(aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=8, prompt_len=64, max_new=64,
+                                         engine=EngineConfig(slots=8, sync_steps=4, kv_cache=kv_cache),
+                                         sampling=SamplingConfig(), programs=missing))
+    return have
 
 
 _SLOW_COMPILE = pytest.mark.slow(reason="a libtpu compile of the engine per generation (15-25 s each); v5e runs "
@@ -467,11 +493,13 @@ _SLOW_COMPILE = pytest.mark.slow(reason="a libtpu compile of the engine per gene
 def test_the_tpu_kernel_compiles_on_fp8_pages(topology):
     """libtpu (ahead of time, from this CPU host) takes fp8 pages in the ragged paged attention kernel, at the
     static scales 1.0."""
-    text = _compile_tpu(topology, "fp8_e4m3")["decode"][0].as_text()
+    compiled = _compile_tpu(topology, "fp8_e4m3", ("prefill", "decode"))  # the whole engine: prefill writes fp8 too
+    text = compiled["decode"][0].as_text()
     assert "ragged_paged_attention" in text and "f8e4m3fn" in text
 
 
-@pytest.mark.slow(reason="three libtpu compiles of the engine (bf16, fp8 and int8 pools)")
+@pytest.mark.slow(reason="libtpu compiles of the engine's decode program (bf16, fp8 and int8 pools; fp8's is shared "
+                         "with test_the_tpu_kernel_compiles_on_fp8_pages[v5e:2x2] in one process)")
 def test_the_fp8_pool_is_half_the_bf16_pool_on_tpu():
     """The v5e decode program's arguments shrink by half the bf16 pool (less the scales); int8 compiles on the
     XLA path (the kernel does not take it)."""
