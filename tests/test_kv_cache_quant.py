@@ -60,17 +60,43 @@ def _write(pool, k, v, table, q_pos, layer, mode="prefill"):
     return cache.write(k, v, q_pos).pool
 
 
+# The engine tests share one engine per KV format (and pool size), its programs sized by CAPACITY: every
+# call takes the same pool and page table, so each row bucket's prefill and decode compile once per format for
+# all of them.
+ENGINE = dict(slots=3, page_size=8, sync_steps=8)
+CAPACITY = dict(prompt_capacity=128, new_capacity=64)
+SAMPLING = SamplingConfig(temperature=1.2)
+EOS = 319
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    made = {}
+
+    def get(fmt, pages=0):
+        if (fmt, pages) not in made:
+            made[fmt, pages] = Engine(tiny, eos_ids=[EOS], pad_id=0,
+                                      config=EngineConfig(**ENGINE, pages=pages, kv_cache=fmt))
+        return made[fmt, pages]
+
+    return get
+
+
+def _gen(eng, tiny, prompts, max_new, keys, kv_scales=None, sampling=SAMPLING):
+    return eng.generate(tiny, prompts, max_new_tokens=max_new, sampling=sampling, keys=keys, kv_scales=kv_scales,
+                        **CAPACITY)
+
+
 # ------------------------------------------------------------------------------------------ the pool
-def test_auto_is_the_plain_pool_and_the_default_engine(tiny):
+def test_auto_is_the_plain_pool_and_the_default_engine(tiny, engine):
     cfg = tiny.cfg
     auto = paged.new_pool(cfg, 5, 8, kv_cache="auto")
     plain = paged.new_pool(cfg, 5, 8)
     assert not isinstance(auto, paged.QuantPool) and auto.dtype == plain.dtype == jnp.dtype(cfg.dtype)
     assert paged.page_bytes(cfg, 8, kv_cache="auto") == paged.page_bytes(cfg, 8)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 4]]
-    runs = [Engine(tiny, eos_ids=[127], pad_id=0, config=c).generate(
-        tiny, prompts, max_new_tokens=10, sampling=SamplingConfig(temperature=1.2), keys=_keys(3))
-        for c in (EngineConfig(page_size=8), EngineConfig(page_size=8, kv_cache="auto"))]
+    default = Engine(tiny, eos_ids=[EOS], pad_id=0, config=EngineConfig(**ENGINE))  # the engine before kv_cache
+    runs = [_gen(e, tiny, prompts, 10, _keys(3)) for e in (default, engine("auto"))]
     np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
     np.testing.assert_array_equal(runs[0].logprobs, runs[1].logprobs)  # bit-identical
     assert runs[0].stats == runs[1].stats and "kv_saturated" not in runs[1].stats
@@ -142,32 +168,6 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
 
 
 # ------------------------------------------------------------------------------------------ the engine
-# The engine tests below share one engine per KV format (and pool size), its programs sized by CAPACITY: every
-# call takes the same pool and page table, so each row bucket's prefill and decode compile once per format for
-# all of them.
-ENGINE = dict(slots=3, page_size=8, sync_steps=8)
-CAPACITY = dict(prompt_capacity=24, new_capacity=32)
-SAMPLING = SamplingConfig(temperature=1.2)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    made = {}
-
-    def get(fmt, pages=0):
-        if (fmt, pages) not in made:
-            made[fmt, pages] = Engine(tiny, eos_ids=[127], pad_id=0,
-                                      config=EngineConfig(**ENGINE, pages=pages, kv_cache=fmt))
-        return made[fmt, pages]
-
-    return get
-
-
-def _gen(eng, tiny, prompts, max_new, keys, kv_scales=None):
-    return eng.generate(tiny, prompts, max_new_tokens=max_new, sampling=SAMPLING, keys=keys, kv_scales=kv_scales,
-                        **CAPACITY)
-
-
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
 def test_a_shared_prompt_decodes_as_it_does_alone(tiny, engine, fmt):
     """The prompt (11 tokens: 10 prefilled, its last page partly full at page_size 8) is prefilled once for both
@@ -368,19 +368,17 @@ def test_gpu_kernel_with_scale_pages_equals_xla(fmt):
 
 
 # ------------------------------------------------------------------------------------------ the error
-def test_logprob_error_against_the_float_cache(tiny):
+def test_logprob_error_against_the_float_cache(tiny, engine):
     """Greedy decoding of 64 tokens after 120-token prompts (up to 184 positions of the tiny model's 256): the
     per-token log-prob error against the float cache over the tokens before the first disagreement, and greedy
     agreement. The figures are printed (pytest -s) and reported in docs/generation.md."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 300, size=120).tolist() for _ in range(4)]
-    s = SamplingConfig(greedy=True)
-    ref = Engine(tiny, eos_ids=[319], pad_id=0, config=EngineConfig(page_size=16)).generate(
-        tiny, prompts, max_new_tokens=64, sampling=s)
+    s, keys = SamplingConfig(greedy=True), _keys(4)
+    ref = _gen(engine("auto"), tiny, prompts, 64, keys, sampling=s)
     report = {}
     for fmt in ("bf16",) + QUANT:
-        res = Engine(tiny, eos_ids=[319], pad_id=0, config=EngineConfig(page_size=16, kv_cache=fmt)).generate(
-            tiny, prompts, max_new_tokens=64, sampling=s)
+        res = _gen(engine(fmt), tiny, prompts, 64, keys, sampling=s)
         errs, agree = [], []
         for i in range(len(prompts)):
             n = int(min(ref.lengths[i], res.lengths[i]))
