@@ -5,7 +5,8 @@ With rollout.kv_cache fp8_e4m3 / fp8_e5m2 the engine keeps one scale per layer a
 prefill, from the prompts of that call. With refresh k > 0 the trainer keeps the scales a calibrating rollout
 returned (`GenerationResult.kv_scales`) and passes them to the following rollouts (`Engine.generate(kv_scales=)`),
 so they stay the same between refreshes, and lets the next rollout calibrate anew once k policy updates have
-passed since (FP8-RL's per-step recalibration is k = 1). The scales are not checkpointed: a resumed run
+passed since (k = 1 recalibrates every step as 0 does, FP8-RL's per-step recalibration, but reuses the scales
+after a step without an update, a failed reward batch). The scales are not checkpointed: a resumed run
 recalibrates at its first rollout.
 """
 
