@@ -9,9 +9,12 @@ records, per chip:
 * HBM bytes per decode step: each chip's share of the weights in the decode layout (`sharding.DECODE_RULES`,
   all of them read every step) plus the KV pages its attention reads at the mean
   context of a rollout (prompt + new / 2 tokens per slot, rounded up to the TPU kernel's blocks, the chip's
-  share of the KV heads). Not XLA's `cost_analysis()["bytes accessed"]`: XLA counts each loop body once (the
-  decode loop and the layer scan inside it) and a Pallas call as touching its whole operand (the
-  layer-flattened pool), so that figure is neither per step nor per layer; it is kept in the JSON as
+  share of the KV heads), at the bytes per token of the compiled program's pool argument (its input sharding and
+  dtype: bf16, or fp8 / int8 pages with their scales in the cases of benchmarks/kv_cache_tpu.py), plus
+  whole-pool copies XLA put in the compiled decode loop (and, amortized over a call, around it) and gathered
+  blocks it keeps in HBM, each a write and a read. Not XLA's `cost_analysis()["bytes accessed"]`: XLA counts each
+  loop body once (the decode loop and the layer scan inside it) and a Pallas call as touching its whole operand
+  (the layer-flattened pool), so that figure is neither per step nor per layer; it is kept in the JSON as
   `xla_bytes_accessed` for reference;
 * interconnect bytes per decode step: the operands of every collective in the decode loop's body and
   condition (lrmq.hlo), layer-scan bodies counted once per layer;
@@ -40,11 +43,17 @@ from common import REPO, machine_info, md_table, source_commit, write_json
 HBM_GBPS = {"TPU v5 lite": 819, "TPU v5": 2765, "TPU v6 lite": 1640}
 
 
-def _case(model, topology, slots, prompt, new, layout="tp", weights="bf16"):
+def _case(model, topology, slots, prompt, new, layout="tp", weights="bf16", kv_cache="auto", impl="auto", mesh=None,
+          prefill=False):
     name = (f"{model}/{topology}/{slots}x{prompt}+{new}" + ("" if layout == "tp" else f"/{layout}")
-            + ("" if weights == "bf16" else f"/{weights}"))
-    return name, dict(model=model, topology=topology, slots=slots, prompt=prompt, new=new, layout=layout,
-                      weights=weights)
+            + ("" if weights == "bf16" else f"/{weights}") + ("" if kv_cache == "auto" else f"/kv={kv_cache}")
+            + ("" if impl == "auto" else f"/{impl}") + ("" if mesh is None else f"/mesh={mesh[0]}x{mesh[1]}"))
+    spec = dict(model=model, topology=topology, slots=slots, prompt=prompt, new=new, layout=layout, weights=weights)
+    # benchmarks/kv_cache_tpu.py: the KV pages' format (EngineConfig.kv_cache), a forced decode attention (Engine's
+    # impl), a mesh (data, fsdp) other than data=1 x fsdp=all, and the prefill program compiled too
+    spec.update({k: v for k, v in dict(kv_cache=kv_cache, impl=impl, mesh=mesh, prefill=prefill).items()
+                 if v not in ("auto", None, False)})
+    return name, spec
 
 
 # Decode layouts: "tp" (lrmq's: tensor parallel over the fsdp axis, the pool's KV heads split alike);
@@ -81,13 +90,12 @@ CASES = dict([
 def measure(spec: dict) -> dict:
     """Compile one case's decode program and measure it (runs in the child process)."""
     import jax
-    import jax.numpy as jnp
 
     from lrmq import aot, sharding
     from lrmq.generation import engine as engine_mod, paged
     from lrmq.generation.engine import Engine, EngineConfig
     from lrmq.generation.sampling import SamplingConfig
-    from lrmq.hlo import Module, decode_loop
+    from lrmq.hlo import Module, array_shapes, decode_loop
     from lrmq.model.presets import preset_config
     from lrmq.sharding import MeshConfig, make_mesh, state_shardings
 
@@ -98,7 +106,8 @@ def measure(spec: dict) -> dict:
     DECODE_RULES = sharding.DECODE_RULES
     cfg = preset_config(spec["model"], dtype="bfloat16", param_dtype="bfloat16")
     devices = list(aot.topology_devices(spec["topology"]))
-    mesh = make_mesh(MeshConfig(1, len(devices), 1), devices=devices)
+    data, fsdp = spec.get("mesh") or (1, len(devices))
+    mesh = make_mesh(MeshConfig(data, fsdp, 1), devices=devices)
     chips, kind = len(devices), devices[0].device_kind
     graphdef, state = aot.abstract_model(cfg, mesh)
     if spec.get("weights", "bf16") != "bf16":  # the trainer's rollout copy of that policy (rollout.quant)
@@ -110,21 +119,31 @@ def measure(spec: dict) -> dict:
         graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)
         copy = RolloutCopy(graphdef, trainable, rest, RolloutQuant(spec["weights"]), mesh=mesh)
         graphdef, state = copy.graphdef, copy.abstract_states(trainable, rest)
-    engine = EngineConfig(slots=spec["slots"])  # the rollout's defaults: 16-token pages, 64 steps per call
+    kv_cache = spec.get("kv_cache", "auto")
+    # the rollout's defaults: 16-token pages, 64 steps per call
+    engine = EngineConfig(slots=spec["slots"], kv_cache=kv_cache)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0)
-    slots, pages, width = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=cfg, config=engine,
-                                 mesh=mesh).sizes(spec["slots"], spec["prompt"], spec["new"])
+    eng = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=cfg, config=engine, mesh=mesh,
+                 impl=spec.get("impl", "auto"))
+    slots, pages, width = eng.sizes(spec["slots"], spec["prompt"], spec["new"])
     out = {**spec, "device_kind": kind, "chips": chips, "pages": pages, "page_table_width": width,
            "page_size": engine.page_size, "hbm_gbps": HBM_GBPS.get(kind)}
     t0 = time.perf_counter()
-    try:
-        compiled, secs = aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, engine=engine,
-                                              requests=spec["slots"], prompt_len=spec["prompt"],
-                                              max_new=spec["new"], sampling=sampling, programs=("decode",))["decode"]
+    try:  # what aot.compile_generate compiles (its decode program), keeping the abstract pool it was given
+        calls = eng.abstract_calls(state, n_requests=spec["slots"], prompt_len=spec["prompt"], max_new=spec["new"],
+                                   sampling=sampling, mesh=mesh)
+        if spec.get("prefill"):  # the largest prefill (every slot's prompt at once) must fit too
+            pre_fn, pre_args = calls["prefill"]
+            out["prefill"] = aot.program_row("prefill", lambda: aot._compile(pre_fn, *pre_args, mesh=mesh))
+        fn, args = calls["decode"]
+        compiled, secs = aot._compile(fn, *args, mesh=mesh)
     except jax.errors.JaxRuntimeError as e:  # the compiler refuses a program past HBM
         out.update(error=str(e).splitlines()[0][:300], compile_s=time.perf_counter() - t0, fits=False)
         return out
     text = compiled.as_text()
+    if os.environ.get("DECODE_TPU_HLO"):  # keep the compiled program's text (debugging the parsers below)
+        with open(os.environ["DECODE_TPU_HLO"], "w") as f:
+            f.write(text)
     mem = aot.memory_report(compiled)
     hbm = aot.hbm_bytes(devices[0])
     cost = compiled.cost_analysis()
@@ -144,24 +163,45 @@ def measure(spec: dict) -> dict:
     head_shards = math.prod(mesh.shape[a] for a in heads) if heads else 1
     # rows each chip attends for: all slots when the KV heads split over every data axis, else its batch share
     row_shards = chips // head_shards
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2 // head_shards * cfg.num_layers  # bf16 K+V, all layers
+    # the formula (bf16 K+V, all layers), kept to check the compiled pool's bytes per token against
+    per_token_formula = 2 * cfg.num_kv_heads * cfg.head_dim * 2 // head_shards * cfg.num_layers
+    # the compiled program's pool argument on each chip (its input sharding, its dtypes): the leaves with a page
+    # axis (the pages, and int8's per-token scale pages) per token held, and the per-head scales (read whole)
+    pool_chip = pool_leaf_bytes(args[1], compiled)
+    per_token = sum(b for b, per_page in pool_chip if per_page) / (pages * engine.page_size)
+    scale_bytes = sum(b for b, per_page in pool_chip if not per_page)
     impl = "tpu" if "ragged_paged_attention" in text else "xla"
+    pool_dtype = paged.storage_dtype(cfg, kv_cache)
     if impl == "tpu":
         blk, _, _ = paged.tpu_block_sizes(kind, q_heads=cfg.num_heads // head_shards,
                                           pool_shape=(cfg.num_layers, pages, engine.page_size,
                                                       2 * cfg.num_kv_heads // head_shards, cfg.head_dim),
-                                          dtype=jnp.bfloat16, width=width, slots=slots // row_shards)
+                                          dtype=pool_dtype, width=width, slots=slots // row_shards)
         block_tokens = blk * engine.page_size
     else:
         block_tokens = engine.block_pages * engine.page_size
     context = spec["prompt"] + spec["new"] / 2
     read_tokens = math.ceil(context / block_tokens) * block_tokens
-    kv_bytes = slots // row_shards * read_tokens * per_token
+    kv_bytes = int(slots // row_shards * read_tokens * per_token) + scale_bytes
     step_bytes = weight_bytes + kv_bytes + embed * slots // cfg.vocab_size
 
     # collectives per decode step
     module = Module(text)
     loop = decode_loop(module)
+    kernel_pages = kernel_pool_operands(module, engine.page_size, 2 * cfg.num_kv_heads // head_shards, cfg.head_dim)
+    # whole-pool relayouts inside the decode loop (each reads and writes the chip's pool): HBM traffic of the step
+    chip_pool = (cfg.num_layers, pages, engine.page_size, 2 * cfg.num_kv_heads // head_shards, cfg.head_dim)
+    copies = pool_copies(module, loop, chip_pool)
+    pages_leaf = max((b for b, per_page in pool_chip if per_page), default=0)
+    copy_bytes = sum(2 * pages_leaf * c["times"] for c in copies)
+    # and before / after the loop (the entry computation: once per device call of up to sync_steps steps)
+    call_copies = [{"name": i.name, "type": i.type.split("{")[0]} for i in module.computations[module.entry]
+                   if i.op in ("copy", "copy-start") and chip_pool in array_shapes(i.type)]
+    copy_bytes += 2 * pages_leaf * len(call_copies) // engine.sync_steps
+    # the XLA path's gathered blocks of pages, when kept in HBM (each written, then read)
+    gathered = hbm_gathers(module, loop, unknown_trips=math.ceil(read_tokens / block_tokens))
+    gather_bytes = sum(2 * g["bytes"] * g["times"] for g in gathered)
+    step_bytes += copy_bytes + gather_bytes
     colls = [c for part in ("body", "condition") for c in module.collectives(loop.attr(part))]
     by_op: dict[str, int] = {}
     for c in colls:
@@ -171,31 +211,137 @@ def measure(spec: dict) -> dict:
     out.update(
         impl=impl, compile_s=round(secs, 1), memory=mem, hbm_bytes=hbm,
         fits=bool(hbm) and mem["total"] <= hbm * (1 - aot.HEADROOM),
-        pool_bytes_per_chip=math.prod((cfg.num_layers, pages, engine.page_size)) * 2 * cfg.num_kv_heads
-        * cfg.head_dim * 2 // head_shards, kv_head_axes=list(heads),
+        pool_bytes_per_chip=sum(b for b, _ in pool_chip), kv_head_axes=list(heads),
+        kv_cache=kv_cache, kv_bytes_per_token_per_chip=per_token, kv_bf16_formula_bytes_per_token=per_token_formula,
+        kv_scale_bytes_per_chip=scale_bytes, kernel_pool_operands=kernel_pages, pool_copies_per_step=copies,
+        pool_copy_bytes_per_step=copy_bytes, pool_copies_per_call=call_copies, sync_steps=engine.sync_steps,
+        hbm_gathers_per_step=gathered, hbm_gather_bytes_per_step=gather_bytes,
         weight_bytes_per_chip=weight_bytes, kv_read_bytes_per_step=kv_bytes, mean_context=context,
         kv_block_tokens=block_tokens, step_hbm_bytes=step_bytes,
         step_interconnect_bytes=sum(by_op.values()), interconnect_by_op=by_op,
         collectives_in_loop=len(colls), unknown_trip_counts=any(c.get("unknown_trips") for c in colls),
         largest_collective_in_loop=None if largest is None else {k: largest[k] for k in ("op", "bytes", "shapes")},
         tokens_per_s_per_chip=None if not gbps else slots / chips * gbps * 1e9 / step_bytes,
+        **({"fits_with_prefill": bool(hbm) and mem["total"] <= hbm * (1 - aot.HEADROOM)
+            and out["prefill"]["memory"] is not None and aot.row_total(out["prefill"]) <= hbm * (1 - aot.HEADROOM)}
+           if "prefill" in out else {}),
         xla_bytes_accessed=cost.get("bytes accessed"), xla_flops=cost.get("flops"))
     return out
 
 
-def run_case(name: str, timeout: float) -> dict:
+def pool_leaf_bytes(pool, compiled) -> list[tuple[int, bool]]:
+    """(bytes on one chip, has a page axis) of each leaf of the decode program's pool argument (argument 1), from
+    the compiled program's input shardings (the abstract pool's own where jax does not give them per argument)."""
+    import jax
+
+    leaves = jax.tree.leaves(pool)
+    try:
+        shardings = jax.tree.leaves(compiled.input_shardings[0][1])
+    except (TypeError, IndexError, KeyError):  # pragma: no cover - another jax's layout of input_shardings
+        shardings = []
+    if len(shardings) != len(leaves):
+        shardings = [leaf.sharding for leaf in leaves]
+    return [(math.prod(sh.shard_shape(leaf.shape)) * leaf.dtype.itemsize, leaf.ndim >= 4)
+            for leaf, sh in zip(leaves, shardings)]
+
+
+def kernel_pool_operands(module, page_size: int, combined: int, head_dim: int) -> list[str]:
+    """The distinct pool operands (type as printed, e.g. "f8e4m3fn[7168,16,4,128]") of the compiled program's Mosaic
+    calls: arrays [layers * pages, page_size, 2 * kv_heads per chip, head_dim], the layer-flattened pool the TPU
+    kernel reads in place. Shows the dtype the kernel reads (fp8 pages, not a bf16 copy); [] on the XLA path."""
+    from lrmq.hlo import _ARRAY
+
+    types = {i.name: i.type for ins in module.computations.values() for i in ins}
+    found = set()
+    for ins in (i for c in module.computations.values() for i in c):
+        if ins.op != "custom-call" or 'custom_call_target="tpu_custom_call"' not in ins.line:
+            continue
+        names = re.findall(r"%([\w.\-]+)", ins.line.split("custom-call(", 1)[1].split(")", 1)[0])
+        for name in names:
+            for dtype, dims in _ARRAY.findall(types.get(name, "")):
+                shape = tuple(int(d) for d in dims.split(",") if d)
+                if len(shape) == 4 and shape[1:] == (page_size, combined, head_dim):
+                    found.add(f"{dtype}[{dims}]")
+    return sorted(found)
+
+
+def pool_copies(module, loop, shape: tuple[int, ...]) -> list[dict]:
+    """Copies of a whole pool-shaped array (the chip's `shape`: pages, or a scale-page array) that one decode step
+    runs (the loop's body, nested loops such as the layer scan counted trip-count times): a relayout XLA inserted,
+    each reading and writing the whole array. [{"name", "type", "times"}]."""
+    from lrmq.hlo import array_shapes
+
+    out = []
+
+    def walk(comp, times, seen):
+        if comp in seen or comp not in module.computations:
+            return
+        seen = seen | {comp}
+        for ins in module.computations[comp]:
+            if ins.op in ("copy", "copy-start") and shape in array_shapes(ins.type):
+                out.append({"name": ins.name, "type": ins.type.split("{")[0], "times": times})
+            if ins.op == "while":
+                trips = module.trip_count(ins) or 1
+                for part in ("body", "condition"):
+                    walk(ins.attr(part), times * trips, seen)
+            else:
+                for callee in ins.callees:
+                    walk(callee, times, seen)
+
+    walk(loop.attr("body"), 1, frozenset())
+    return out
+
+
+def hbm_gathers(module, loop, unknown_trips: int) -> list[dict]:
+    """Gathers (a gather, or a fusion holding one) of 1 MiB or more that one decode step runs with the result in
+    HBM (its layout not in memory space S(1), VMEM): the XLA attention path's blocks of pages when XLA does not keep
+    them on chip; each is written, then read. Loops with an unknown trip count (the XLA path's loop over blocks
+    of pages, as long as the longest live row) are counted `unknown_trips` times. [{"name", "type", "bytes",
+    "times"}]."""
+    from lrmq.hlo import array_bytes
+
+    out = []
+
+    def walk(comp, times, seen):
+        if comp in seen or comp not in module.computations:
+            return
+        seen = seen | {comp}
+        for ins in module.computations[comp]:
+            if ins.op == "while":
+                trips = module.trip_count(ins) or unknown_trips
+                for part in ("body", "condition"):
+                    walk(ins.attr(part), times * trips, seen)
+                continue
+            gathers = ins.op == "gather" or (ins.op == "fusion" and any(
+                i.op == "gather" for c in ins.callees for i in module.computations.get(c, [])))
+            size = sum(array_bytes(ins.type))
+            if gathers and size >= 2 ** 20 and "S(1)" not in ins.type:
+                out.append({"name": ins.name, "type": ins.type.split("{")[0], "bytes": size, "times": times})
+            if ins.op in ("call", "conditional", "async-start"):
+                for callee in ins.callees:
+                    walk(callee, times, seen)
+
+    walk(loop.attr("body"), 1, frozenset())
+    return out
+
+
+def run_case(name: str, timeout: float, spec: dict | None = None) -> dict:
+    spec = CASES[name] if spec is None else spec
     t0 = time.time()
     load = os.getloadavg()[0]
     try:
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(CASES[name])], cwd=REPO,
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], cwd=REPO,
                            capture_output=True, text=True, timeout=timeout,
                            env=dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1"))
     except subprocess.TimeoutExpired:
-        return {**CASES[name], "error": f"did not finish within {timeout:.0f} s", "wall_s": time.time() - t0,
+        return {**spec, "error": f"did not finish within {timeout:.0f} s", "wall_s": time.time() - t0,
                 "load_at_start": load, "commit": source_commit()}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
-        res = {**CASES[name], "error": (p.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        err = p.stderr.strip().splitlines() or ["?"]
+        # the exception's own line (JAX prints a note on its filtered frames after it)
+        res = {**spec, "error": next((ln for ln in reversed(err) if re.match(r"[\w.]+(Error|Exception): ", ln)),
+                                     err[-1])[:300]}
     else:
         res = json.loads(lines[-1])
     return {**res, "wall_s": round(time.time() - t0, 1), "load_at_start": round(load, 1), "commit": source_commit()}

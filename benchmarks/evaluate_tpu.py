@@ -23,9 +23,10 @@ from common import REPO, machine_info, source_commit, write_json
 TOPOLOGIES = ("v5e:2x4", "v6e:2x4")
 
 
-def run(topology: str, shapes: str, suite: str, timeout: float) -> dict:
+def run(topology: str, shapes: str, suite: str, timeout: float, overrides: tuple[str, ...] = ()) -> dict:
+    """One compile-only command (overrides: key=value settings appended, e.g. generation.kv_cache=fp8_e4m3)."""
     cmd = [sys.executable, "-m", "lrmq.evaluate", "--compile-only", "--shapes", shapes, "--suite", suite,
-           "--topology", topology]
+           "--topology", topology, *overrides]
     t0, load = time.time(), os.getloadavg()[0]
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     try:
@@ -38,6 +39,11 @@ def run(topology: str, shapes: str, suite: str, timeout: float) -> dict:
     return {"topology": topology, "command": " ".join(["python"] + cmd[1:]), "exit_status": p.returncode,
             "fits": p.returncode == 0, "target_line": next((ln for ln in lines if ln.startswith("target:")), None),
             "table": [ln for ln in lines if ln.startswith("|")], "verdict": verdict,
+            **({"output": lines, "log": [ln for ln in p.stderr.splitlines()
+                                         if ln.startswith(("trying", "the worst-case", "KV pool"))],
+                "exception": next((ln for ln in reversed(p.stderr.splitlines())
+                                   if re.match(r"[\w.]+(Error|Exception|: error): ", ln)), None)}
+               if overrides else {}),
             "traceback": "Traceback" in p.stderr, "wall_s": round(time.time() - t0, 1),
             "load_at_start": round(load, 1), "commit": source_commit()}
 
