@@ -346,6 +346,47 @@ def test_tpu_refuses_int8_and_takes_fp8_with_scales():
         assert paged.resolve_impl("auto", 8, shape, jnp.int8) == "xla"  # int8 pages without scale pages
 
 
+def test_fp8_pages_at_one_kv_head_per_tpu_chip_are_refused_up_front():
+    """The TPU kernel is asked about a chip's share of the KV heads: 8 KV heads over fsdp=8 (Qwen3 on v5e:2x4, the
+    paper recipes' mesh) leave 1 per chip, which JAX's kernel refuses for fp8 pages (4 rows to a sublane). "auto"
+    then refuses with the setting, the mesh and what works (the XLA path on an fp8 pool copies the pool per layer
+    and step on TPU), before any compile (the Engine's constructor); 2 per chip (data=2 x fsdp=4) takes the
+    kernel, bf16 at 1 per chip still does, int8 and an explicit impl="xla" take XLA. No compile: libtpu's devices."""
+    import os
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from test_paged_tpu import TINY, _require_libtpu
+
+    from lrmq import aot
+    from lrmq.model.config import ModelConfig
+    from lrmq.sharding import MeshConfig, make_mesh
+
+    _require_libtpu()
+    devices = list(aot.topology_devices("v5e:2x4"))
+    one, two = make_mesh(MeshConfig(1, 8, 1), devices=devices), make_mesh(MeshConfig(2, 4, 1), devices=devices)
+    shape = (28, 9, 16, 16, 128)  # [L, P, page_size, 2 x 8 KV heads, D], 16 query heads
+    for dtype, fmt in ((jnp.float8_e4m3fn, "fp8_e4m3"), (jnp.float8_e5m2, "fp8_e5m2")):
+        assert paged.tpu_unsupported(16, shape, dtype, scaled=True) is None  # the whole pool's 8 heads: fine
+        with pytest.raises(ValueError, match=f"kv_cache={fmt} .*generation.kv_cache.* data=1 x fsdp=8 x tensor=1 "
+                                             "splits the 8 KV heads 8 ways, 1 per chip") as e:
+            paged.resolve_impl("auto", 16, shape, dtype, mesh=one, scaled=True)
+        for works in ("data=2 x fsdp=4, 2 per chip", "kv_cache=int8", "kv_cache=bf16", "impl='xla'"):
+            assert works in str(e.value)
+        assert paged.resolve_impl("auto", 16, shape, dtype, mesh=two, scaled=True) == "tpu"
+        assert paged.resolve_impl("xla", 16, shape, dtype, mesh=one, scaled=True) == "xla"
+    assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16, mesh=one) == "tpu"  # bf16 packs 2: 1 head is fine
+    assert paged.resolve_impl("auto", 16, shape, jnp.int8, mesh=one, scaled=True) == "xla"
+    cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")  # 8 KV heads, head_dim 128
+    graphdef, _ = aot.abstract_model(cfg, one)
+    make = lambda mesh, kv, impl="auto": Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef,  # noqa: E731
+                                                model_cfg=cfg, config=EngineConfig(kv_cache=kv), mesh=mesh, impl=impl)
+    with pytest.raises(ValueError, match="kv_cache=fp8_e4m3 .* 1 per chip"):
+        make(one, "fp8_e4m3")
+    assert make(two, "fp8_e4m3").resolved_impl() == "tpu"
+    assert make(one, "bf16").resolved_impl() == "tpu"
+    assert make(one, "fp8_e4m3", impl="xla").resolved_impl() == "xla"
+
+
 @pytest.mark.parametrize("fmt", QUANT)
 def test_gpu_kernel_with_scale_pages_equals_xla(fmt):
     pools, table = _quant_pools(fmt, ["interleaved", "split"], d=16)

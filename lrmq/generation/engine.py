@@ -255,6 +255,7 @@ class Engine:
         self._prefill = _on_mesh(jax.jit(partial(_prefill_fn, self.graphdef, engine=config, layout=self.layout),
                                          donate_argnums=(1,)), mesh)
         self._decode: dict = {}
+        self.resolved_impl()  # a choice it refuses (fp8 pages at 1 KV head per TPU chip) fails here, before compiling
 
     def resolved_impl(self, mesh=None) -> str:
         """The decode attention a call made now takes (`paged.resolve_impl` for the compile target: the mesh's

@@ -374,10 +374,17 @@ def tpu_unsupported(q_heads: int, pool_shape, dtype, scaled: bool = False) -> st
         return f"{jnp.dtype(dtype).name} KV pages (the kernel takes bf16 / f32 / fp8)"
     if d % 128:
         return f"head_dim {d} (a multiple of 128)"
+    return _tpu_heads_refusal(q_heads, combined, dtype)
+
+
+def _tpu_heads_refusal(q_heads: int, combined: int, dtype) -> str | None:
+    """The kernel wrapper's refusal of `combined` interleaved K/V heads (and `q_heads` queries) per call, None if
+    it takes them: it needs whole 32-bit sublanes of heads (bf16 packs 2 rows to one, fp8 4, so fp8 pages need
+    an even number of KV heads per chip)."""
     try:
-        rpa.get_min_heads_per_blk(q_heads, combined, dtype, dtype)
-    except ValueError as e:
-        return str(e)
+        _rpa_module().get_min_heads_per_blk(q_heads, combined, dtype, dtype)
+    except (ValueError, AssertionError) as e:
+        return str(e) or f"{q_heads} query heads over {combined} interleaved K/V heads"
     return None
 
 
@@ -524,7 +531,10 @@ def resolve_impl(impl: str, q_heads: int, pool_shape, dtype, *, layout: str | No
     kernel ("tpu" / "gpu") when it takes these shapes (`tpu_unsupported`, `gpu_unsupported`) and reads a pool of
     `layout` (None: any, the pool is made for the choice), else "xla"; any other name as given. pool_shape: the
     interleaved shape (`pool_shape(cfg, pages, page_size)`); mesh: decide for its devices (`jax.set_mesh`), not
-    the target in effect; scaled: a quantized pool (`QuantPool`) of `dtype` pages."""
+    the target in effect; scaled: a quantized pool (`QuantPool`) of `dtype` pages. The kernels are asked about
+    a chip's share of the heads (`kv_head_axes` of the mesh in effect), as they run per chip. fp8 pages the TPU
+    kernel refuses only for that share (one KV head per chip) raise a ValueError (`fp8_heads_message`) instead
+    of taking "xla": on TPU the XLA path copies an fp8 pool whole per layer and step (docs/tpu.md)."""
     if impl != "auto":
         if impl not in DECODE_ATTENTION:
             raise ValueError(f"decode attention impl must be 'auto' or one of {sorted(DECODE_ATTENTION)}, "
@@ -537,7 +547,50 @@ def resolve_impl(impl: str, q_heads: int, pool_shape, dtype, *, layout: str | No
     unsupported = {"tpu": tpu_unsupported, "gpu": gpu_unsupported}.get(platform)
     if unsupported is None or layout not in (None, LAYOUTS[platform]):
         return "xla"
-    return platform if unsupported(q_heads, pool_shape, dtype, scaled) is None else "xla"
+    # the kernel runs per chip (in a shard_map) on the chip's share of the KV heads and of the query heads
+    mesh, share = _head_share(pool_shape[-2] // 2)
+    chip_shape = (*pool_shape[:-2], pool_shape[-2] // share, pool_shape[-1])
+    why = unsupported(q_heads // share, chip_shape, dtype, scaled)
+    if why is None:
+        return platform
+    # fp8 pages refused only for the heads a chip holds (the last check): the XLA path on them is no fallback
+    if (platform == "tpu" and scaled and jnp.dtype(dtype) in _FP8
+            and why == _tpu_heads_refusal(q_heads // share, chip_shape[-2], dtype)):
+        raise ValueError(fp8_heads_message(dtype, pool_shape[-2] // 2, mesh, share))
+    return "xla"
+
+
+def _head_share(kv_heads: int) -> tuple[object, int]:
+    """(mesh, how many ways the pool's KV heads are split over it: `kv_head_axes`) for the mesh in effect
+    ((None, 1) without one, or inside a shard_map, where the shapes are already a chip's)."""
+    mesh = pk.mesh_in_effect()
+    if mesh is None or mesh.size == 1 or is_manual(mesh):
+        return mesh, 1
+    return mesh, axes_size(mesh, kv_head_axes(mesh, kv_heads))
+
+
+def fp8_heads_message(dtype, kv_heads: int, mesh, share: int) -> str:
+    """Why `resolve_impl` refuses fp8 pages on TPU at one KV head per chip (see docs/tpu.md, "fp8 / int8 KV pages
+    on a slice"), naming the setting, the mesh and what works instead."""
+    fmt = {jnp.dtype(jnp.float8_e4m3fn): "fp8_e4m3", jnp.dtype(jnp.float8_e5m2): "fp8_e5m2"}[jnp.dtype(dtype)]
+    per_chip = kv_heads // share
+    n = mesh.size if mesh is not None else 1
+    where = (f"the mesh {' x '.join(f'{a}={s}' for a, s in mesh.shape.items())} splits the {kv_heads} KV heads "
+             f"{share} ways, {per_chip} per chip" if mesh is not None and share > 1
+             else f"one chip holds all {kv_heads} KV heads")
+    splits = [s for s in range(1, n + 1) if n % s == 0 and kv_heads % s == 0 and kv_heads // s >= 2]
+    if splits:
+        s = max(splits)
+        mesh_hint = f"a mesh with >= 2 KV heads per chip (here: data={n // s} x fsdp={s}, {kv_heads // s} per chip)"
+    else:
+        mesh_hint = f"no mesh (the model has {kv_heads} KV head{'s' * (kv_heads != 1)})"
+    return (f"kv_cache={fmt} (rollout.kv_cache / generation.kv_cache / EngineConfig.kv_cache) on TPU: {where}. "
+            f"JAX's ragged paged attention kernel takes fp8 pages only at >= 2 KV heads per chip (fp8 packs 4 rows "
+            f"to a 32-bit sublane; {per_chip} KV head = {2 * per_chip} interleaved K/V rows), and the XLA path on "
+            f"an fp8 pool copies the chip's whole pool in every layer of every decode step on TPU (0.03x bf16's "
+            f"rate, docs/tpu.md), so decode attention 'auto' does not fall back to it. What works: {mesh_hint}; "
+            f"kv_cache=int8 (the XLA path: no copy inside the decode loop); kv_cache=bf16 / auto; or impl='xla' explicitly to "
+            f"take the slow path anyway.")
 
 
 # --------------------------------------------------------------------------------- the pool on a mesh
