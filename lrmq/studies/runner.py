@@ -31,8 +31,10 @@ from typing import Callable, Optional
 
 from lrmq import paths
 from lrmq.atomic import atomic_write_text
+from lrmq.checkpoint.load import read_model_config
 from lrmq.config_help import to_plain
 from lrmq.configlib import dump_config, load_config
+from lrmq.generation.paged import page_bytes
 from lrmq.ptq.methods import needs_calibration
 from lrmq.ptq.qat_export import QUANTIZED_POLICY
 from lrmq.rl.config import TrainConfig
@@ -414,9 +416,6 @@ def rollout_kv_bytes_per_token(run_config: str) -> float:
     of every layer and KV head in `rollout.kv_cache`'s format, with its per-token scales where it keeps them
     (`paged.page_bytes` on one device, the interleaved pool of the XLA and TPU paths; the model's config only,
     no weights read)."""
-    from lrmq.checkpoint.load import read_model_config
-    from lrmq.generation.paged import page_bytes
-
     cfg = load_config(TrainConfig, run_config)
     model_cfg = read_model_config(cfg.model.checkpoint, dtype=cfg.model.dtype)
     page = cfg.rollout.page_size
