@@ -359,8 +359,8 @@ class GRPOTrainer:
         r = self.cfg.rollout
         out: dict[str, float] = {}
         for name, sampling in sorted(self._samplings().items()):
-            out = self._generate(tokens, mask, jax.random.key(self.cfg.run.seed + 7919), sampling, r.max_new_tokens)
-            comp, lengths = out.tokens, out.lengths
+            gen = self._generate(tokens, mask, jax.random.key(self.cfg.run.seed + 7919), sampling, r.max_new_tokens)
+            comp, lengths = gen.tokens, gen.lengths
             texts = [self.tokenizer.decode(comp[i, : lengths[i]].tolist()) for i in range(len(rows))]
             rewards, info = score_completions(texts, answers, self.cfg.algo.reward,
                                               timeout_s=self.cfg.algo.reward_timeout_s)
