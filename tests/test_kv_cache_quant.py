@@ -167,6 +167,35 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
                                    rtol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "split"])
+def test_fp8_pages_held_as_int8_bits_read_and_write_the_same(layout):
+    """The XLA path's fp8 pool holds its pages as int8 (`paged.int8_bits`: on TPU an f8 pool was relaid whole per
+    layer and step): the same writes store the same bits and read back the same keys and values and attention as
+    the f8 pool; a kernel is refused on it; the engine makes it for "xla" only."""
+    rng = np.random.default_rng(1)
+    cfg, ps, pages, t = _cfg(), 4, 9, 8
+    table, q_pos = jnp.asarray([[1, 2], [3, 4]], jnp.int32), jnp.broadcast_to(jnp.arange(t), (2, t))
+    k, v = (jnp.asarray(rng.normal(size=(2, t, 2, 32)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(2, 4, 32)), jnp.float32)
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        f8, bits = (paged.new_pool(cfg, pages, ps, layout=layout, kv_cache=fmt, fp8_as_int8=b) for b in (False, True))
+        assert paged.pool_dtype(bits) == jnp.int8 and paged.pool_dtype(f8) == paged.QUANT_DTYPES[fmt]
+        f8, bits = (_write(p, k, v, table, q_pos, 1) for p in (f8, bits))
+        for a, b in zip(jax.tree.leaves(f8.pages), jax.tree.leaves(bits.pages)):
+            np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(a, jnp.int8)), np.asarray(b))
+        for a, b in zip(paged.read_pages(f8, 1, table), paged.read_pages(bits, 1, table)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        lengths = jnp.asarray([t, t - 3])
+        np.testing.assert_array_equal(
+            *(np.asarray(paged.decode_attention_xla(q, p, 1, table, lengths, None, block_pages=2)) for p in (f8, bits)))
+        kernel = "gpu" if layout == "split" else "tpu"
+        with pytest.raises(ValueError, match="as int8 bits"):
+            paged.PagedCache(bits, table, jnp.ones(2, bool), layer=1, impl=kernel).attend(q[:, None], q_pos[:, -1:],
+                                                                                          None)
+        assert paged.int8_bits(fmt, "xla") and not paged.int8_bits(fmt, "tpu") and not paged.int8_bits(fmt, "gpu")
+    assert not paged.int8_bits("int8", "xla") and not paged.int8_bits("bf16", "xla")
+
+
 # ------------------------------------------------------------------------------------------ the engine
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
 def test_a_shared_prompt_decodes_as_it_does_alone(tiny, engine, fmt):
@@ -535,6 +564,44 @@ def test_the_tpu_kernel_compiles_on_fp8_pages(topology):
     compiled = _compile_tpu(topology, "fp8_e4m3", ("prefill", "decode"))  # the whole engine: prefill writes fp8 too
     text = compiled["decode"][0].as_text()
     assert "ragged_paged_attention" in text and "f8e4m3fn" in text
+
+
+@pytest.mark.slow(reason="a libtpu compile of the tiny engine's decode program on 8 v5e chips (about 10 s here)")
+def test_the_xla_path_does_not_copy_an_fp8_pool_in_the_decode_loop_on_tpu():
+    """The XLA decode path on fp8 pages at 1 KV head per chip (impl="xla" on data=1 x fsdp=8, the path the refusal
+    above points away from): with an f8 pool libtpu copied the chip's whole pool in every layer of every decode
+    step (the pool's write and its gathered read in two layouts); the pool held as int8 bits is copied only
+    before and after the loop (as int8 KV's is)."""
+    import os
+    import re
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from test_paged_tpu import TINY, _require_libtpu
+
+    from lrmq import aot
+    from lrmq.model.config import ModelConfig
+    from lrmq.sharding import MeshConfig, make_mesh
+
+    _require_libtpu()
+    cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")  # 8 KV heads, head_dim 128
+    mesh = make_mesh(MeshConfig(1, 8, 1), devices=list(aot.topology_devices("v5e:2x4")))
+    graphdef, state = aot.abstract_model(cfg, mesh)
+    eng = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=cfg,
+                 config=EngineConfig(slots=16, sync_steps=4, kv_cache="fp8_e4m3"), mesh=mesh, impl="xla")
+    fn, args = eng.abstract_calls(state, n_requests=16, prompt_len=64, max_new=64, sampling=SamplingConfig(),
+                                  mesh=mesh)["decode"]
+    pages = args[1].pages
+    assert pages.dtype == jnp.int8
+    text = aot._compile(fn, *args, mesh=mesh)[0].as_text()
+    chip = f"[{pages.shape[0]},{pages.shape[1]},{pages.shape[2]},2,{pages.shape[4]}]"  # 1 KV head: 2 K/V rows
+    copies, comp = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" "):
+            comp = line.split(" ")[0] if not line.startswith("ENTRY") else "ENTRY"
+        elif chip in line and re.search(r"= \S+ copy(-start)?\(", line):
+            copies.setdefault(comp, []).append(line.strip()[:120])
+    assert "ENTRY" in copies  # the parser sees the copies (before / after the loop)
+    assert not {c: v for c, v in copies.items() if c != "ENTRY"}, copies  # none inside a loop
 
 
 @pytest.mark.slow(reason="libtpu compiles of the engine's decode program (bf16, fp8 and int8 pools; fp8's is shared "

@@ -44,8 +44,9 @@ from flax import nnx
 
 from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch
 from lrmq.generation.paged import (LAYOUTS, KVScales, PagedCache, QuantPool, abstract_pool, check_kv_cache,
-                                   check_kv_scales, copy_pages, fitted_pages, is_quantized, new_pool, page_bytes,
-                                   pages_for, pool_scales, pool_shape, resolve_impl, storage_dtype, with_scales)
+                                   check_kv_scales, copy_pages, fitted_pages, int8_bits, is_quantized, new_pool,
+                                   page_bytes, pages_for, pool_scales, pool_shape, resolve_impl, storage_dtype,
+                                   with_scales)
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.generation.scheduler import Scheduler, Seq, SharedPrompt, prefill_batch, row_buckets, rows_for
 from lrmq.model.decoder import Decoder, layer_runs
@@ -292,7 +293,8 @@ class Engine:
         row bucket's prefill and decode), running them on idle inputs: later calls compile nothing."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
         impl, ps, length = self.resolved_impl(), self.config.page_size, bucket_length(prompt_len)
-        pool = new_pool(self.model_cfg, pages, ps, self.mesh, LAYOUTS[impl], self.config.kv_cache)
+        pool = new_pool(self.model_cfg, pages, ps, self.mesh, LAYOUTS[impl], self.config.kv_cache,
+                        int8_bits(self.config.kv_cache, impl))
         decode = self._decode_for(sampling, impl)
         for rows in self.row_buckets(slots):
             pool = self._prefill(state, pool, PrefillBatch.zeros(rows, length, pages_for(length, ps)))
@@ -305,7 +307,8 @@ class Engine:
         every slot's prompt at once), for ahead-of-time compiles and memory checks."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
         impl, ps, length = self.resolved_impl(mesh), self.config.page_size, bucket_length(prompt_len)
-        pool = abstract_pool(self.model_cfg, pages, ps, mesh, LAYOUTS[impl], self.config.kv_cache)
+        pool = abstract_pool(self.model_cfg, pages, ps, mesh, LAYOUTS[impl], self.config.kv_cache,
+                             int8_bits(self.config.kv_cache, impl))
         prefill = PrefillBatch.abstract(slots, length, pages_for(length, ps), mesh)
         return {"prefill": (self._prefill, (state, pool, prefill)),
                 "decode": (self._decode_for(sampling, impl), (state, pool, DecodeBatch.abstract(slots, width, mesh)))}
@@ -334,7 +337,8 @@ class Engine:
         c, impl = self.config, self.resolved_impl()
         sched = Scheduler(seqs, slots=slots, pages=pages, width=width, page_size=c.page_size,
                           sync_steps=c.sync_steps, buckets=self.row_buckets(slots))
-        pool = new_pool(self.model_cfg, pages, c.page_size, self.mesh, LAYOUTS[impl], c.kv_cache)
+        pool = new_pool(self.model_cfg, pages, c.page_size, self.mesh, LAYOUTS[impl], c.kv_cache,
+                        int8_bits(c.kv_cache, impl))
         if kv_scales is not None:
             pool = with_scales(pool, kv_scales)
         decode = self._decode_for(sampling, impl)

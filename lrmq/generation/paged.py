@@ -261,11 +261,15 @@ def interleave(k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
 
 
-def read_pages(pool, layer, pages):
-    """Keys and values [S, n * page_size, KVH, D] (f32) of `layer` at pages [S, n], from either layout."""
+def read_pages(pool, layer, pages, fmt_dtype=None):
+    """Keys and values [S, n * page_size, KVH, D] (f32) of `layer` at pages [S, n], from either layout.
+    fmt_dtype: the pages' format where the pool holds its bits in another dtype (`int8_bits`): the gathered pages
+    are reinterpreted, never the pool."""
     s, n = pages.shape
+    bits = lambda x: x if fmt_dtype is None or x.dtype == fmt_dtype else jax.lax.bitcast_convert_type(  # noqa: E731
+        x, fmt_dtype)
     if isinstance(pool, QuantPool):  # dequantized: the pages times their scales (per token, else per head)
-        k, v = read_pages(pool.pages, layer, pages)
+        k, v = read_pages(pool.pages, layer, pages, QUANT_DTYPES[pool.fmt])
 
         def scaled(x, token, head):
             if token is None:
@@ -275,10 +279,10 @@ def read_pages(pool, layer, pages):
         return scaled(k, pool.k_token, pool.k_scale), scaled(v, pool.v_token, pool.v_scale)
     if is_split(pool):
         def one(x):  # [KVH, S, n, page_size, D] -> [S, n * page_size, KVH, D]
-            x = x[:, layer, pages]
+            x = bits(x[:, layer, pages])
             return jnp.moveaxis(x, 0, -2).reshape(s, n * x.shape[3], x.shape[0], x.shape[-1]).astype(jnp.float32)
         return one(pool[0]), one(pool[1])
-    kv = pool[layer, pages]
+    kv = bits(pool[layer, pages])
     kv = kv.reshape(s, n * kv.shape[2], *kv.shape[3:]).astype(jnp.float32)
     return kv[:, :, 0::2], kv[:, :, 1::2]
 
@@ -534,7 +538,7 @@ def resolve_impl(impl: str, q_heads: int, pool_shape, dtype, *, layout: str | No
     the target in effect; scaled: a quantized pool (`QuantPool`) of `dtype` pages. The kernels are asked about
     a chip's share of the heads (`kv_head_axes` of the mesh in effect), as they run per chip. fp8 pages the TPU
     kernel refuses only for that share (one KV head per chip) raise a ValueError (`fp8_heads_message`) instead
-    of taking "xla": on TPU the XLA path copies an fp8 pool whole per layer and step (docs/tpu.md)."""
+    of taking "xla" unasked (docs/tpu.md, "fp8 / int8 KV pages on a slice")."""
     if impl != "auto":
         if impl not in DECODE_ATTENTION:
             raise ValueError(f"decode attention impl must be 'auto' or one of {sorted(DECODE_ATTENTION)}, "
@@ -553,7 +557,7 @@ def resolve_impl(impl: str, q_heads: int, pool_shape, dtype, *, layout: str | No
     why = unsupported(q_heads // share, chip_shape, dtype, scaled)
     if why is None:
         return platform
-    # fp8 pages refused only for the heads a chip holds (the last check): the XLA path on them is no fallback
+    # fp8 pages refused only for the heads a chip holds (the last check): the XLA path is taken only when asked
     if (platform == "tpu" and scaled and jnp.dtype(dtype) in _FP8
             and why == _tpu_heads_refusal(q_heads // share, chip_shape[-2], dtype)):
         raise ValueError(fp8_heads_message(dtype, pool_shape[-2] // 2, mesh, share))
@@ -586,11 +590,12 @@ def fp8_heads_message(dtype, kv_heads: int, mesh, share: int) -> str:
         mesh_hint = f"no mesh (the model has {kv_heads} KV head{'s' * (kv_heads != 1)})"
     return (f"kv_cache={fmt} (rollout.kv_cache / generation.kv_cache / EngineConfig.kv_cache) on TPU: {where}. "
             f"JAX's ragged paged attention kernel takes fp8 pages only at >= 2 KV heads per chip (fp8 packs 4 rows "
-            f"to a 32-bit sublane; {per_chip} KV head = {2 * per_chip} interleaved K/V rows), and the XLA path on "
-            f"an fp8 pool copies the chip's whole pool in every layer of every decode step on TPU (0.03x bf16's "
-            f"rate, docs/tpu.md), so decode attention 'auto' does not fall back to it. What works: {mesh_hint}; "
-            f"kv_cache=int8 (the XLA path: no copy inside the decode loop); kv_cache=bf16 / auto; or impl='xla' explicitly to "
-            f"take the slow path anyway.")
+            f"to a 32-bit sublane; {per_chip} KV head = {2 * per_chip} interleaved K/V rows), and decode attention "
+            f"'auto' does not silently swap the kernel for the XLA path (it gathers pages instead of the kernel's "
+            f"DMA, and XLA relays the whole pool before and after each device call: two pool-sized temporaries, "
+            f"so the program is larger than bf16's; docs/tpu.md). What works: {mesh_hint}; kv_cache=int8 (the XLA "
+            f"path, the same relayouts); kv_cache=bf16 / auto; or impl='xla' given explicitly for fp8 pages on the "
+            f"XLA path.")
 
 
 # --------------------------------------------------------------------------------- the pool on a mesh
@@ -646,10 +651,23 @@ def pool_sharding(mesh, cfg, layout: str = "interleaved", kv_cache: str = "auto"
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), pool_spec(mesh, cfg.num_kv_heads, layout, kv_cache))
 
 
-def abstract_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved", kv_cache: str = "auto"):
+def int8_bits(kv_cache: str, impl: str) -> bool:
+    """Whether a pool of `kv_cache` pages read by decode attention `impl` holds fp8 pages as int8 (their bits, the
+    same bytes): the XLA path's. On TPU an f8 pool read by XLA's gather is laid out apart from the layout its
+    scatter writes, so XLA copied the chip's whole pool in every layer of every decode step (docs/tpu.md, "fp8 /
+    int8 KV pages on a slice"); an int8 pool is not (int8 KV never was), and only the gathered pages and the new
+    tokens are reinterpreted. The kernels read f8 pages in place."""
+    return kv_cache in ("fp8_e4m3", "fp8_e5m2") and impl == "xla"
+
+
+def abstract_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved", kv_cache: str = "auto",
+                  fp8_as_int8: bool = False):
     """The pool's ShapeDtypeStruct(s), laid out for `mesh`: what `new_pool` returns, for ahead-of-time compiles.
-    kv_cache: the pages' format (`KV_CACHE_FORMATS`; a quantized one: a QuantPool with its scales)."""
+    kv_cache: the pages' format (`KV_CACHE_FORMATS`; a quantized one: a QuantPool with its scales); fp8_as_int8:
+    fp8 pages held as int8 bits (`int8_bits`)."""
     shape, dtype = pool_shape(cfg, pages, page_size, layout), storage_dtype(cfg, kv_cache)
+    if fp8_as_int8 and dtype in _FP8:
+        dtype = jnp.dtype(jnp.int8)
     sharding = pool_sharding(mesh, cfg, layout, kv_cache)
     sh = lambda name: getattr(sharding, name) if sharding is not None else None  # noqa: E731
     pages_sharding = sharding.pages if isinstance(sharding, QuantPool) else sharding
@@ -667,12 +685,13 @@ def abstract_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "int
                      sharding=sh("saturated")), token("k_token"), token("v_token"), fmt=kv_cache)
 
 
-def new_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved", kv_cache: str = "auto"):
+def new_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interleaved", kv_cache: str = "auto",
+             fp8_as_int8: bool = False):
     """A zeroed pool, laid out for `mesh` (`pool_sharding`): no chip ever holds more than its share (scales 0:
     not calibrated yet)."""
     # created sharded (each chip allocates its share); an eager op: compiled once per shape and layout
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
-                        abstract_pool(cfg, pages, page_size, mesh, layout, kv_cache))
+                        abstract_pool(cfg, pages, page_size, mesh, layout, kv_cache, fp8_as_int8))
 
 
 def _mesh_for(pool) -> tuple[object, tuple[str, ...]] | tuple[None, tuple]:
@@ -730,7 +749,7 @@ class PagedCache:
             return pool.at[layer, page, offset].set(interleave(k, v).astype(pool.dtype))
 
         def store_quant(qp, k, v, page, offset, layer, live):
-            fmax, dtype, token = format_max(qp.fmt), pool_dtype(qp), {}
+            fmax, dtype, token = format_max(qp.fmt), QUANT_DTYPES[qp.fmt], {}
             k_scale, v_scale, saturated = qp.k_scale, qp.v_scale, qp.saturated
             if qp.fmt == "int8":  # per token and head: absmax / 127, nothing clips
                 ks, vs = (jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / fmax for x in (k, v))  # [R, T, KVH]
@@ -744,6 +763,8 @@ class PagedCache:
                 token = {name: getattr(qp, name).at[:, layer, page, offset].set(jnp.moveaxis(x, 2, 0))
                          for name, x in (("k_token", ks), ("v_token", vs))}
             kq, vq = quantize(k, ks, dtype, fmax), quantize(v, vs, dtype, fmax)
+            if pool_dtype(qp) != dtype:  # fp8 bits in an int8 pool (`int8_bits`)
+                kq, vq = (jax.lax.bitcast_convert_type(x, pool_dtype(qp)) for x in (kq, vq))
             return qp.replace(pages=store(qp.pages, kq, vq, page, offset, layer, live), k_scale=k_scale,
                               v_scale=v_scale, saturated=saturated, **token)
 
@@ -762,6 +783,9 @@ class PagedCache:
         layout = layout_of(self.pool)  # "auto" (the Engine passes its choice): a kernel that reads this pool
         impl = resolve_impl(self.impl, q.shape[2], interleaved_shape(self.pool), pool_dtype(self.pool), layout=layout,
                             scaled=isinstance(self.pool, QuantPool))
+        if impl != "xla" and isinstance(self.pool, QuantPool) and pool_dtype(self.pool) != QUANT_DTYPES[self.pool.fmt]:
+            raise ValueError(f"decode attention {impl!r} reads {self.pool.fmt} pages in their dtype; this pool holds "
+                             f"them as {pool_dtype(self.pool).name} bits (made for the XLA path: `int8_bits`)")
         if impl != "xla" and LAYOUTS[impl] != layout:
             raise ValueError(f"decode attention {impl!r} reads a {LAYOUTS[impl]!r} pool; this one is not "
                              f"(make it with new_pool(..., layout=LAYOUTS[{impl!r}]))")
