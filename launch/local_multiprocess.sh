@@ -11,7 +11,7 @@ PY=${PYTHON:-.venv/bin/python}
 pids=()
 for ((i = 0; i < N; i++)); do
   LRMQ_COORDINATOR=127.0.0.1:$PORT LRMQ_NUM_PROCESSES=$N LRMQ_PROCESS_ID=$i JAX_PLATFORMS=cpu \
-  XLA_FLAGS="--xla_force_host_platform_device_count=$D" \
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$D" \
     "$PY" -m lrmq.train "$@" > >(sed "s/^/[proc $i] /") 2>&1 &
   pids+=($!)
 done

@@ -372,8 +372,9 @@ def check_generate(graphdef, state, mesh, *, engine: EngineConfig, requests: int
     worst-case pool, or with the smallest pool when the compiler refused that, less the pool), compiled again.
     The report's `pool` is the pool compiled. A program the compiler refuses (RESOURCE_EXHAUSTED) or one past the
     budget does not fit: a set pool (`pages_option`) is shrunk to the largest that fits (`fit_pool`); when the
-    pool is not what is too large, fewer decode slots are tried (bisecting over powers of two, worst-case pools)
-    and the verdict names the largest count that fits (as `slots_option`). Never raises for memory."""
+    pool is not what is too large, fewer decode slots are tried (powers of two, worst-case pools, searched from the
+    count the failed programs' memory points to: `largest_fitting`) and the verdict names the largest count that
+    fits (as `slots_option`). Never raises for memory."""
     model_cfg = kw["model_cfg"]
     sizes = (requests, kw["prompt_len"], kw["max_new"])
     hbm = hbm_bytes(mesh.devices.flat[0])
@@ -421,21 +422,52 @@ def check_generate(graphdef, state, mesh, *, engine: EngineConfig, requests: int
             report.fitting_kv_pages = found[0]
             return report, f"{why}; {pages_option}={found[0]} fits"
     slots = engine.slots or min(requests, 256)
-    # bisect over power-of-two multiples of the data-parallel divisor below `slots`: the largest that fits with
-    # the worst-case pool (no preemption; one compile per program and count)
+    # the largest power-of-two multiple of the data-parallel divisor below `slots` that fits with the worst-case
+    # pool (no preemption; one compile per program and count), searched from the count the failed programs'
+    # memory points to (`_slot_guess`) and bisected from there
     counts = [batch_divisor(mesh) << k for k in range(64) if batch_divisor(mesh) << k < slots]
-    lo, hi, best = 0, len(counts), None  # counts[hi:] do not fit
+
+    def fits_at(i):
+        log(f"trying {counts[i]} decode slots")
+        return attempt(dataclasses.replace(engine, slots=counts[i], pages=0), sized=False)
+
+    best = largest_fitting(len(counts), fits_at, _slot_guess(counts, slots, report))
+    if best is not None:
+        return report, f"{why}; {slots_option}={counts[best[0]]} fits ({fit_line(best[1])})"
+    return report, f"{why}; no slot count fits: use more devices, pack the weights, or fewer new tokens"
+
+
+def largest_fitting(n: int, attempt, first: int | None = None) -> tuple[int, FitReport] | None:
+    """(index, report) of the largest i < n whose `attempt(i)` report fits, when fitting is monotone (every index
+    below a fitting one fits): a bisection whose first probe is `first` (a guess near the answer) and whose second
+    is the guess's neighbour on the side the first one points to (the next count up when the guess fits, down when
+    it does not), so a guess off by at most one takes two attempts; else the middle. None when none fits."""
+    lo, hi, best = 0, n, None  # [0, lo) fit, [hi, n) do not
+    guessed = first is not None and 0 <= first < n
+    mid = first if guessed else (lo + hi) // 2
     while lo < hi:
-        mid = (lo + hi) // 2
-        log(f"trying {counts[mid]} decode slots")
-        smaller = attempt(dataclasses.replace(engine, slots=counts[mid], pages=0), sized=False)
-        if smaller.fits:
-            lo, best = mid + 1, (counts[mid], smaller)
+        report = attempt(mid)
+        if report.fits:
+            lo, best = mid + 1, (mid, report)
         else:
             hi = mid
-    if best is not None:
-        return report, f"{why}; {slots_option}={best[0]} fits ({fit_line(best[1])})"
-    return report, f"{why}; no slot count fits: use more devices, pack the weights, or fewer new tokens"
+        neighbour = mid + 1 if report.fits else mid - 1
+        mid = neighbour if mid == first and guessed and lo <= neighbour < hi else (lo + hi) // 2
+    return best
+
+
+def _slot_guess(counts: list[int], slots: int, report: FitReport) -> int | None:
+    """The index of the largest count under `slots` * budget / needed, where needed is the most memory a program
+    of the failed `report` took (or asked for, when the compiler refused it): memory that grows in proportion
+    to the slots points at the count that fits. None when the report says nothing usable."""
+    budget = report.budget
+    asked = [row_total(r) if r["memory"] is not None else refused_bytes(r["refused"]) or 0.0 for r in report.rows]
+    needed = max(asked, default=0.0)
+    if not budget or not needed or math.isinf(needed):
+        return None
+    slots = report.pool["slots"] if report.pool else slots
+    fitting = [i for i, c in enumerate(counts) if c <= slots * budget / needed]
+    return fitting[-1] if fitting else 0
 
 
 def _min_pages(pool: dict) -> int:

@@ -183,7 +183,7 @@ def test_update_layouts_compile_for_a_multichip_slice(tmp_path, layout):
     assert aot.memory_report(step)["total"] > 0
 
 
-@pytest.mark.slow(reason="the slot search: four bisection steps of prefill and decode compiles for 4 v5e chips")
+@pytest.mark.slow(reason="the slot search: prefill and decode compiles at two to four slot counts for 4 v5e chips")
 def test_evaluate_compile_only_for_a_tpu_topology(capsys):
     """`lrmq.evaluate --compile-only`: the suite's generate call compiled for a TPU slice without weights;
     too many decode slots for the chip's HBM exits 3 with the verdict line naming the slot count that fits."""
@@ -251,3 +251,34 @@ def test_kv_pool_sized_to_the_device():
     assert aot.refused_bytes(refused[0]["refused"]) == 1.49 * 2 ** 40
     pages, _ = aot.fit_pool(attempt, refused, 10 ** 7, 10, 1000, budget, log=lambda m: None)
     assert 3 * pages * 1000 + gib <= budget
+
+
+def test_slot_search_starts_where_the_memory_points():
+    """`lrmq.evaluate/generate --compile-only`'s slot search: a bisection over the counts whose first probe is the
+    count the failed programs' memory points to; from a right guess two compiles settle it (the guess fits, the
+    next count up does not), and any guess still finds the largest fitting count."""
+    from lrmq import aot
+
+    for answer in (None, 0, 3, 9):  # the index of the largest count that fits (None: none fits)
+        for first in (None, 0, 2, 3, 4, 9, 12):
+            calls = []
+
+            def attempt(i):
+                calls.append(i)
+                return aot.FitReport([], None, answer is not None and i <= answer)
+
+            got = aot.largest_fitting(10, attempt, first)
+            assert (got[0] if got else None) == answer, (answer, first, calls)
+            assert len(calls) == len(set(calls)) <= 6  # never the same count twice; the bisection's 4 + 2 at most
+            if first == answer and answer not in (None, 9):
+                assert calls == [answer, answer + 1]
+            if answer is not None and first == answer + 1:
+                assert calls == [answer + 1, answer]  # a guess one too high: the count below it next
+    gib = 2 ** 30
+    refused = {"name": "prefill", "memory": None, "seconds": 1.0,
+               "refused": "RESOURCE_EXHAUSTED: ... HLO temporaries (80.00G) exceeds available HBM (15.75G)."}
+    report = aot.FitReport([refused], 16 * gib, False, pool={"slots": 4096})
+    counts = [4 << k for k in range(10)]  # 4 .. 2048
+    # 4096 slots asked for 80 GiB of a 14.4 GiB budget: about 737 slots fit, so 512 (index 7) is probed first
+    assert aot._slot_guess(counts, 4096, report) == 7
+    assert aot._slot_guess(counts, 4096, aot.FitReport([refused], None, False)) is None  # no budget known

@@ -308,6 +308,7 @@ def test_none_is_bit_identical_to_the_step_without_the_feature(tmp_path, monkeyp
     optimizer state, loss, gradient norm and every metric that existed before are bit for bit those of the step
     as it was; the only difference is the added mismatch/* metrics."""
     import lrmq.rl.step as step_mod
+    from conftest import compile_with_xla_defaults
     from lrmq.rl.step import METRIC_NAMES, make_train_step, old_logprob_sources
     results = {}
     for variant in ("legacy", "none", "auto"):
@@ -322,8 +323,9 @@ def test_none_is_bit_identical_to_the_step_without_the_feature(tmp_path, monkeyp
             assert sources == (("behaviour_logp",) * 2 if old_logprobs == "rollout" else ("own", "old_logp"))
             tr, opt = trainable, tx.init(trainable)
             for old_from in sources:  # mu = 2, as the trainer runs it
-                step = make_train_step(graphdef, cfg, tx, old_from=old_from)
-                tr, opt, out = step(jax.tree.map(jnp.copy, tr), rest, jax.tree.map(jnp.copy, opt), batch, None)
+                args = (jax.tree.map(jnp.copy, tr), rest, jax.tree.map(jnp.copy, opt), batch, None)
+                step = compile_with_xla_defaults(make_train_step(graphdef, cfg, tx, old_from=old_from), *args)
+                tr, opt, out = step(*args)
                 if old_from == "own":
                     batch = batch.replace(old_logp=out.pop("logp") * batch.completion_mask)
         results[variant] = (jax.tree.leaves(tr), jax.tree.leaves(opt), jax.device_get(out))

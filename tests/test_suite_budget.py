@@ -9,6 +9,7 @@ import json
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from conftest import SLOW_S, TESTS_DIR, pytest_collection_modifyitems, slow_report
@@ -139,3 +140,20 @@ def test_built_once_per_run_builds_once_and_retries_a_failed_build(tmp_path_fact
         built_once_per_run(tmp_path_factory, "suite_budget_retry", broken)
     c = built_once_per_run(tmp_path_factory, "suite_budget_retry", build)
     assert sorted(os.listdir(c)) == ["x"]  # rebuilt from an empty directory
+
+
+def test_the_suite_compiles_with_xla_s_older_cpu_emitters():
+    """conftest adds CPU_COMPILE_FLAG to XLA_FLAGS for the suite and its CLIs when jaxlib knows it (XLA aborts on
+    an unknown flag), and compile_with_xla_defaults lifts it for one program."""
+    import jax
+    import jax.numpy as jnp
+
+    import conftest
+
+    assert conftest._jaxlib_knows("--xla_cpu_use_fusion_emitters=false")
+    assert not conftest._jaxlib_knows("--xla_cpu_no_such_flag_in_any_jaxlib=true")
+    if os.environ.get("LRMQ_TEST_FUSION_EMITTERS") != "1":
+        assert conftest.CPU_COMPILE_FLAG in os.environ["XLA_FLAGS"].split()
+    f = jax.jit(lambda x: jnp.tanh(x) * 2 + 1)
+    x = jnp.linspace(-2, 2, 8)
+    np.testing.assert_allclose(conftest.compile_with_xla_defaults(f, x)(x), f(x), rtol=1e-6)
