@@ -82,7 +82,7 @@ KV_ARMS = {"fp": ("auto", "auto", "none"), "fp8-tis": ("fp8_e4m3", "token_trunca
            "w4-fp8-none": ("fp8_e4m3", "none", "int4")}
 
 
-@pytest.mark.parametrize("name,n_arms", [("kv_cache.yaml", 7), ("kv_cache_small.yaml", 5)])
+@pytest.mark.parametrize("name,n_arms", [("kv_cache.yaml", 7), ("kv_cache_small.yaml", 6)])
 def test_kv_cache_study_arms(name, n_arms):
     study = load_study_config(os.path.join(REPO_ROOT, "configs", "study", name))
     arms = {a.name: a for a in expand(study)}
