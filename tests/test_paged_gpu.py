@@ -121,11 +121,17 @@ def test_engine_on_the_gpu_kernel_equals_xla(hf_checkpoint):
         np.testing.assert_allclose(res.logprobs, ref.logprobs, atol=2e-5)
 
 
-def test_decode_lowers_to_the_triton_kernel_for_a_gpu_target(hf_checkpoint):
+@pytest.mark.parametrize("kv_cache", ["auto", "fp8_e4m3", "int8"])
+def test_decode_lowers_to_the_triton_kernel_for_a_gpu_target(hf_checkpoint, kv_cache):
+    """The engine's decode program lowered for CUDA (not compiled: no GPU here) reads the split pool through JAX's
+    Triton paged attention; a quantized KV cache's pages go to the same kernel with their per-token scale pages
+    (fp8 / int8 pages in their own dtype, float32 scales)."""
     from flax import nnx
 
+    from lrmq.generation.paged import QUANT_DTYPES, QuantPool
+
     model = load_hf_model(hf_checkpoint("olmo3")[0])  # layers: sliding (XLA), full (the kernel)
-    eng = Engine(model, eos_ids=[127], pad_id=0, config=EngineConfig(slots=4, page_size=16))
+    eng = Engine(model, eos_ids=[127], pad_id=0, config=EngineConfig(slots=4, page_size=16, kv_cache=kv_cache))
     with pk.target("gpu"):
         assert eng.resolved_impl() == "gpu"
         calls = eng.abstract_calls(nnx.state(model), n_requests=4, prompt_len=16, max_new=64,
@@ -133,8 +139,12 @@ def test_decode_lowers_to_the_triton_kernel_for_a_gpu_target(hf_checkpoint):
         fn, args = calls["decode"]
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     pool = args[1]
-    assert isinstance(pool, tuple) and pool[0].shape == (2, 2, pool[0].shape[2], 16, 16)  # [KVH, L, P, ps, D]
+    pages = pool.pages if isinstance(pool, QuantPool) else pool
+    assert isinstance(pages, tuple) and pages[0].shape == (2, 2, pages[0].shape[2], 16, 16)  # [KVH, L, P, ps, D]
     assert text.count("__gpu$xla.gpu.triton") == 1 and "paged_attention" in text
+    if kv_cache != "auto":
+        assert pages[0].dtype == QUANT_DTYPES[kv_cache] and pool.k_token is not None
+        assert pool.k_token.shape == pages[0].shape[:-1]  # one scale per token and KV head
 
 
 def _dot_precisions(jaxpr, out):
