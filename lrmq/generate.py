@@ -22,7 +22,7 @@ from lrmq.checkpoint.load import check_checkpoint, load_model, load_tokenizer, r
 from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms
 from lrmq.data.text import read_documents
 from lrmq.generation.engine import Engine, EngineConfig
-from lrmq.generation.paged import KV_CACHE_FORMATS
+from lrmq.generation.paged import DECODE_ATTENTION, KV_CACHE_FORMATS
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import check_position_limit
 from lrmq.model.presets import preset_config
@@ -54,6 +54,10 @@ def parse_args(argv=None):
                     help="format of the KV cache pages: auto (the model's dtype), bf16, or quantized with float32 "
                          "scales: fp8_e4m3 / fp8_e5m2 (per layer and KV head) or int8 (per token and KV head); "
                          "docs/generation.md, 'Quantized KV cache'")
+    ap.add_argument("--decode-attention", choices=["auto", *DECODE_ATTENTION], default="auto",
+                    help="decode attention: auto (the compile target's kernel: JAX's ragged paged attention on TPU, "
+                         "Triton on GPU, where it takes the shapes; else xla), or xla / tpu / gpu given explicitly. "
+                         "xla runs fp8 KV pages at 1 KV head per TPU chip, which auto refuses")
     aot = ap.add_argument_group("ahead-of-time compile (no weights are read or allocated)")
     aot.add_argument("--compile-only", action="store_true",
                      help="compile generation for --topology (default: this machine) and print per-device memory")
@@ -96,6 +100,7 @@ def compile_only(args) -> int:
     report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg,
                                       engine=EngineConfig(slots=args.batch, pages=args.kv_pages,
                                                           kv_cache=args.kv_cache),
+                                      impl=args.decode_attention,
                                       requests=args.batch, prompt_len=args.prompt_len, max_new=args.max_new_tokens,
                                       sampling=sampling, slots_option="--batch", pages_option="--kv-pages",
                                       log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -129,7 +134,8 @@ def generate(args) -> int:
     check_position_limit(model.cfg, len(ids[longest]) + args.max_new_tokens,
                          f"prompt {longest + 1} ({len(ids[longest])} tokens) + --max-new-tokens "
                          f"({args.max_new_tokens})")
-    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig(pages=args.kv_pages, kv_cache=args.kv_cache))
+    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id,
+                 config=EngineConfig(pages=args.kv_pages, kv_cache=args.kv_cache), impl=args.decode_attention)
     t0 = time.perf_counter()
     res = gen.generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     dt = time.perf_counter() - t0

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 from lrmq.configlib import ConfigError, apply_overrides, config_from_dict, opt
 from lrmq.evals.benchmarks import EVAL_PROMPTS, resolve_suite
 from lrmq.generation.engine import EngineConfig
-from lrmq.generation.paged import KV_CACHE_FORMATS
+from lrmq.generation.paged import DECODE_ATTENTION, KV_CACHE_FORMATS
 
 
 @dataclass
@@ -36,6 +36,12 @@ class GenerationSection:
                                 "calibrated on each call's first prefill) or int8 (per token and KV head); "
                                 "docs/generation.md, 'Quantized KV cache'",
                         names=KV_CACHE_FORMATS, kind="KV cache format")
+    decode_attention: str = opt("auto", "decode attention of the engine: auto (the compile target's kernel: JAX's "
+                                        "ragged paged attention on TPU, Triton on GPU, where it takes the shapes; "
+                                        "else xla), or xla / tpu / gpu given explicitly. xla runs fp8 KV pages at "
+                                        "1 KV head per TPU chip, which auto refuses (docs/generation.md, "
+                                        "'Quantized KV cache'; docs/tpu.md)",
+                                names=("auto", *DECODE_ATTENTION), kind="decode attention")
     seed: int = opt(0, "sampling seed; sequence i (item x sample, in order) uses fold_in(key(seed), i), so "
                        "reruns and resumes repeat")
     max_positions: int = opt(0, "prompt + completion limit (0 = the model's max_position_embeddings)")

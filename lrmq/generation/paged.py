@@ -594,8 +594,9 @@ def fp8_heads_message(dtype, kv_heads: int, mesh, share: int) -> str:
             f"'auto' does not silently swap the kernel for the XLA path (it gathers pages instead of the kernel's "
             f"DMA, and XLA relays the whole pool before and after each device call: two pool-sized temporaries, "
             f"so the program is larger than bf16's; docs/tpu.md). What works: {mesh_hint}; kv_cache=int8 (the XLA "
-            f"path, the same relayouts); kv_cache=bf16 / auto; or impl='xla' given explicitly for fp8 pages on the "
-            f"XLA path.")
+            f"path, the same relayouts); kv_cache=bf16 / auto; or the XLA path for fp8 pages, given explicitly: "
+            f"rollout.decode_attention=xla (lrmq.train), generation.decode_attention=xla (lrmq.evaluate), "
+            f"--decode-attention xla (lrmq.generate) or Engine(impl='xla').")
 
 
 # --------------------------------------------------------------------------------- the pool on a mesh

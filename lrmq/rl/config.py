@@ -13,11 +13,15 @@ from typing import ClassVar, Literal
 from lrmq.configlib import ConfigError, check_data_parallel_batch, opt
 from lrmq.data.prompts import PROMPT_TEMPLATES
 from lrmq.generation.engine import EngineConfig
-from lrmq.generation.paged import KEPT_SCALE_FORMATS, is_quantized
+from lrmq.generation.paged import DECODE_ATTENTION, KEPT_SCALE_FORMATS, is_quantized
 from lrmq.model.presets import PRESETS
 from lrmq.rl.advantages import ADVANTAGES
 from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, LossConfig
 from lrmq.rl.rewards import REWARDS
+
+
+# rollout.decode_attention: "auto" and the engine's decode attention names (paged.DECODE_ATTENTION), not restated
+DecodeAttention = Literal[("auto", *DECODE_ATTENTION)]
 
 
 @dataclass
@@ -124,6 +128,11 @@ class RolloutSection:
            "recalibrate only once k updates have passed (stable scales between refreshes; a resumed run "
            "recalibrates at once; later keys beyond a kept scale's range clip: rollout/kv_saturated counts them). "
            "int8 has a scale per token (nothing to keep), so k > 0 is refused for it as for auto / bf16", ge=0)
+    decode_attention: DecodeAttention = opt(
+        "auto", "decode attention of the rollout and evaluation engines: auto (the compile target's kernel: "
+                "JAX's ragged paged attention on TPU, Triton on GPU, where it takes the shapes; else xla), or "
+                "xla / tpu / gpu given explicitly. xla runs fp8 KV pages at 1 KV head per TPU chip, which auto "
+                "refuses (docs/generation.md, 'Quantized KV cache'; docs/tpu.md)")
     lora: Literal["unmerged", "merged"] = opt(
         "unmerged", "quant.mode=qlora: rollouts run the packed base and the adapters as the learner does "
                     "(unmerged; rollout.quant must be none: the base is packed already), or merge the adapters into "

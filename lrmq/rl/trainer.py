@@ -134,13 +134,15 @@ class GRPOTrainer:
         """The generation engine of the policy and, with rollout.quant, the one of its packed rollout copy."""
         cfg = self.cfg
         self.engine = Engine(None, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, graphdef=self.graphdef,
-                             model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh)
+                             model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh,
+                             impl=cfg.rollout.decode_attention)
         # rollout.quant: rollouts sample from a packed copy of the policy (its own engine); held-out evaluation,
         # checkpoints and exports stay with the float policy (`self.engine`)
         self.rollout_copy = self._make_rollout_copy()
         self.rollout_engine = self.engine if self.rollout_copy is None else Engine(
             None, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, graphdef=self.rollout_copy.graphdef,
-            model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh)
+            model_cfg=self.model_cfg, config=cfg.rollout.engine_config(), mesh=self.mesh,
+            impl=cfg.rollout.decode_attention)
         self._steps_since_refresh = 0
         self.kv_calibration = KVCalibration(cfg.rollout.kv_scale_refresh)  # rollout.kv_scale_refresh
 
