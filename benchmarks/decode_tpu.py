@@ -265,31 +265,37 @@ def kernel_pool_operands(module, page_size: int, combined: int, head_dim: int) -
     return sorted(found)
 
 
-def pool_copies(module, loop, shape: tuple[int, ...]) -> list[dict]:
-    """Copies of a whole pool-shaped array (the chip's `shape`: pages, or a scale-page array) that one decode step
-    runs (the loop's body, nested loops such as the layer scan counted trip-count times): a relayout XLA inserted,
-    each reading and writing the whole array. [{"name", "type", "times"}]."""
-    from lrmq.hlo import array_shapes
-
-    out = []
-
+def _step_instructions(module, loop, unknown_trips: int = 1, into: tuple[str, ...] | None = None):
+    """(instruction, times) of what one decode step runs: the loop's body, nested loops (the layer scan, the XLA
+    path's loop over blocks of pages) counted trip-count times, or `unknown_trips` times where the trip count is
+    unknown; `into`: the ops whose callees are walked too (None: every op's, fusions included)."""
     def walk(comp, times, seen):
         if comp in seen or comp not in module.computations:
             return
         seen = seen | {comp}
         for ins in module.computations[comp]:
-            if ins.op in ("copy", "copy-start") and shape in array_shapes(ins.type):
-                out.append({"name": ins.name, "type": ins.type.split("{")[0], "times": times})
             if ins.op == "while":
-                trips = module.trip_count(ins) or 1
+                trips = module.trip_count(ins) or unknown_trips
                 for part in ("body", "condition"):
-                    walk(ins.attr(part), times * trips, seen)
-            else:
+                    yield from walk(ins.attr(part), times * trips, seen)
+                continue
+            yield ins, times
+            if into is None or ins.op in into:
                 for callee in ins.callees:
-                    walk(callee, times, seen)
+                    yield from walk(callee, times, seen)
 
-    walk(loop.attr("body"), 1, frozenset())
-    return out
+    yield from walk(loop.attr("body"), 1, frozenset())
+
+
+def pool_copies(module, loop, shape: tuple[int, ...]) -> list[dict]:
+    """Copies of a whole pool-shaped array (the chip's `shape`: pages, or a scale-page array) that one decode step
+    runs (`_step_instructions`, loops of unknown length once): a relayout XLA inserted, each reading and writing
+    the whole array. [{"name", "type", "times"}]."""
+    from lrmq.hlo import array_shapes
+
+    return [{"name": ins.name, "type": ins.type.split("{")[0], "times": times}
+            for ins, times in _step_instructions(module, loop)
+            if ins.op in ("copy", "copy-start") and shape in array_shapes(ins.type)]
 
 
 def hbm_gathers(module, loop, unknown_trips: int) -> list[dict]:
@@ -301,27 +307,12 @@ def hbm_gathers(module, loop, unknown_trips: int) -> list[dict]:
     from lrmq.hlo import array_bytes
 
     out = []
-
-    def walk(comp, times, seen):
-        if comp in seen or comp not in module.computations:
-            return
-        seen = seen | {comp}
-        for ins in module.computations[comp]:
-            if ins.op == "while":
-                trips = module.trip_count(ins) or unknown_trips
-                for part in ("body", "condition"):
-                    walk(ins.attr(part), times * trips, seen)
-                continue
-            gathers = ins.op == "gather" or (ins.op == "fusion" and any(
-                i.op == "gather" for c in ins.callees for i in module.computations.get(c, [])))
-            size = sum(array_bytes(ins.type))
-            if gathers and size >= 2 ** 20 and "S(1)" not in ins.type:
-                out.append({"name": ins.name, "type": ins.type.split("{")[0], "bytes": size, "times": times})
-            if ins.op in ("call", "conditional", "async-start"):
-                for callee in ins.callees:
-                    walk(callee, times, seen)
-
-    walk(loop.attr("body"), 1, frozenset())
+    for ins, times in _step_instructions(module, loop, unknown_trips, into=("call", "conditional", "async-start")):
+        gathers = ins.op == "gather" or (ins.op == "fusion" and any(
+            i.op == "gather" for c in ins.callees for i in module.computations.get(c, [])))
+        size = sum(array_bytes(ins.type))
+        if gathers and size >= 2 ** 20 and "S(1)" not in ins.type:
+            out.append({"name": ins.name, "type": ins.type.split("{")[0], "bytes": size, "times": times})
     return out
 
 
