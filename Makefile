@@ -24,7 +24,9 @@ demo: $(STAMP)
 # would probe for a TPU at every start; the tests target TPUs through topologies, never the default backend.
 # Two worker processes (TEST_WORKERS=0 runs in one): most of the suite is XLA compiles and Python, each
 # mostly single-threaded, so two processes use both cores of a 2-core machine. A file's tests stay in one
-# worker (--dist loadfile): module fixtures are built once.
+# worker (--dist loadfile): module fixtures are built once. The heaviest files go first (conftest orders them by
+# tests/suite_costs.json; --no-loadscope-reorder stops xdist from reordering by test count), so that the last file
+# to start is a short one and neither worker waits for the other at the end.
 # One JAX compilation cache for the whole run, shared by the workers and the CLIs the tests start (the same tiny
 # programs compile once), in a temporary directory made here and removed at the end: nothing is cached across
 # runs, so a compile failure can never hide behind an earlier run's cache. The last line is the run's time
@@ -33,7 +35,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	@start=$$(date +%s); cache=$$(mktemp -d "$${TMPDIR:-/tmp}/lrmq-test-jax-cache.XXXXXX"); \
 	LRMQ_COMPILE_CACHE=$$cache JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q --durations=15 \
-	  $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests; rc=$$?; \
+	  $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests; rc=$$?; \
 	rm -rf "$$cache"; echo "make test: $$(( $$(date +%s) - start )) s (budget 720 s on 2 quiet cores)"; exit $$rc
 
 bench: $(STAMP)

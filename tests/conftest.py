@@ -186,11 +186,10 @@ def assert_adam_step_close(actual, desired, *, lr: float, atol: float, err_msg: 
 # goes when $LRMQ_SUITE_TIMING names a directory.
 SLOW_S = 30.0
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+import suite_timing  # noqa: E402  (tools/, just put on the path)
 
 
 def pytest_configure(config):
-    import suite_timing
-
     suite_timing.pytest_configure(config)
 
 
@@ -200,6 +199,9 @@ def pytest_collection_modifyitems(config, items):
     if bare:
         raise pytest.UsageError(f"@pytest.mark.slow needs reason=\"...\" (one line: why it takes over {SLOW_S:.0f} s): "
                                 + ", ".join(bare[:5]))
+    # the heaviest files first (the Makefile keeps xdist from reordering them: --no-loadscope-reorder)
+    order = suite_timing.heaviest_files_first([item.nodeid for item in items], suite_timing.load_costs())
+    items[:] = [items[i] for i in order]
 
 
 def slow_report(reports, marked: set[str]) -> tuple[list[tuple[float, str]], int]:

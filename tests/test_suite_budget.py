@@ -157,3 +157,24 @@ def test_the_suite_compiles_with_xla_s_older_cpu_emitters():
     f = jax.jit(lambda x: jnp.tanh(x) * 2 + 1)
     x = jnp.linspace(-2, 2, 8)
     np.testing.assert_allclose(conftest.compile_with_xla_defaults(f, x)(x), f(x), rtol=1e-6)
+
+
+def test_the_heaviest_files_run_first(tmp_path):
+    """conftest orders the collection by the files' recorded CPU seconds (tests/suite_costs.json), heaviest first,
+    so xdist's loadfile hands the long files out before the short ones; tests keep their order inside a file and
+    a file without a record counts as the median one. The Makefile stops xdist from re-sorting by test count."""
+    ids = ["tests/a.py::t1", "tests/a.py::t2", "tests/b.py::t1", "tests/new.py::t1", "tests/c.py::t1",
+           "tests/a.py::t3", "tests/d.py::t1"]
+    costs = {"tests/a.py": 5.0, "tests/b.py": 50.0, "tests/c.py": 20.0, "tests/d.py": 1.0}
+    order = [ids[i] for i in suite_timing.heaviest_files_first(ids, costs)]
+    assert order == ["tests/b.py::t1", "tests/new.py::t1", "tests/c.py::t1",  # new.py: the median, 20 s, first seen
+                     "tests/a.py::t1", "tests/a.py::t2", "tests/a.py::t3", "tests/d.py::t1"]
+    assert [ids[i] for i in suite_timing.heaviest_files_first(ids, {})] == sorted(ids, key=lambda n: ids.index(
+        n.split("::")[0] + "::t1"))  # no record: collection order, each file's tests together
+    costs_file = tmp_path / "costs.json"
+    costs_file.write_text(json.dumps(costs))
+    assert suite_timing.load_costs(str(costs_file)) == costs and suite_timing.load_costs(str(tmp_path / "x")) == {}
+    recorded = suite_timing.load_costs()
+    assert recorded and all(os.path.exists(os.path.join(os.path.dirname(TESTS_DIR), f)) for f in recorded)
+    make = open(os.path.join(os.path.dirname(TESTS_DIR), "Makefile")).read()
+    assert "--dist loadfile --no-loadscope-reorder" in make

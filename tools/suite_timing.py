@@ -157,12 +157,43 @@ def merge(parts_dir: str) -> dict:
             "tests": dict(sorted(tests.items(), key=lambda kv: -kv[1]["wall_s"]))}
 
 
+# ----------------------------------------------------------------------------- scheduling
+# The files' CPU seconds from the last committed quiet run (`--costs` writes it). xdist's loadfile hands whole
+# files to whichever worker is free, in the collection's order: the heaviest first (longest processing time first)
+# keeps one worker from starting a 400 s file while the other has nothing left. Only the order depends on it.
+COSTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "suite_costs.json")
+
+
+def load_costs(path: str = COSTS) -> dict[str, float]:
+    try:
+        with open(path) as f:
+            return {k: float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def heaviest_files_first(nodeids: list[str], costs: dict[str, float]) -> list[int]:
+    """The order (indices into nodeids) that runs whole files by their cost, heaviest first; a file without a
+    recorded cost counts as the median file. Tests keep their order inside a file, files of equal cost theirs."""
+    by_name = {os.path.basename(k): v for k, v in costs.items()}  # pytest's node ids depend on where it runs
+    known = sorted(by_name.values())
+    default = known[len(known) // 2] if known else 0.0
+    files = [n.split("::")[0] for n in nodeids]
+    first: dict[str, int] = {}
+    for i, f in enumerate(files):
+        first.setdefault(f, i)
+    return sorted(range(len(nodeids)),
+                  key=lambda i: (-by_name.get(os.path.basename(files[i]), default), first[files[i]], i))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("parts_dir", help=f"the directory ${ENV} named for the run")
     ap.add_argument("--out", required=True, help="merged JSON to write")
     ap.add_argument("--label", default="", help="what ran, on what, beside what (stored in the JSON)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--costs", default=None, metavar="FILE",
+                    help=f"also write the files' CPU seconds, the suite's scheduling order (default place: {COSTS})")
     args = ap.parse_args(argv)
     report = merge(args.parts_dir)
     report["meta"] = {"label": args.label, "date": datetime.date.today().isoformat(), "commit": _git_head(),
@@ -171,6 +202,11 @@ def main(argv=None) -> int:
     with open(tmp, "w") as f:
         json.dump(report, f, indent=1)
     os.replace(tmp, args.out)
+    if args.costs:
+        with open(args.costs + ".tmp", "w") as f:
+            json.dump({k: v["cpu_s"] for k, v in sorted(report["files"].items(), key=lambda kv: -kv[1]["cpu_s"])},
+                      f, indent=0)
+        os.replace(args.costs + ".tmp", args.costs)
     t = report["totals"]
     print(f"{t['tests']} tests on {t['workers']} workers in {t['elapsed_s']:.0f} s; test time {t['test_wall_s']:.0f} s, "
           f"in-process compile {t['in_process_compile_s']:.0f} s, {t['subprocesses']} subprocesses, "
