@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from conftest import REPO_ROOT, TINY_MODEL_DIR
 from lrmq.checkpoint.hf import load_hf_model
@@ -43,6 +44,12 @@ def test_logprobs_match_full_forward_and_stops_per_sequence(hf_checkpoint):
     model = load_hf_model(path)
     sampling = SamplingConfig(temperature=0.7)
     res = generate(model, PROMPTS, max_new_tokens=10, eos_ids=[7, 11, 42], pad_id=0, sampling=sampling, seed=1)
+    seqs = [list(p) + res.tokens[i, :int(res.lengths[i])].tolist() for i, p in enumerate(PROMPTS)]
+    # the full forward of every prompt + completion at once, right-padded (causal: padding after a position
+    # does not change its logits), as one jitted program
+    width = max(map(len, seqs))
+    full = nnx.jit(lambda m, x: jax.nn.log_softmax(m(x).astype(jnp.float32) / 0.7, -1))(
+        model, jnp.asarray([q + [0] * (width - len(q)) for q in seqs]))
     for i, p in enumerate(PROMPTS):
         n = int(res.lengths[i])
         gen = res.tokens[i, :n]
@@ -50,10 +57,8 @@ def test_logprobs_match_full_forward_and_stops_per_sequence(hf_checkpoint):
         eos_pos = [j for j, t in enumerate(gen) if t in (7, 11, 42)]
         assert eos_pos == ([] if n == 10 else [n - 1])
         assert (res.tokens[i, n:] == 0).all() and (res.logprobs[i, n:] == 0).all()
-        seq = jnp.asarray([list(p) + gen.tolist()])
-        logits = model(seq)[0, len(p) - 1: len(p) - 1 + n] / 0.7
-        ref = jax.nn.log_softmax(logits.astype(jnp.float32), -1)[jnp.arange(n), gen]
-        np.testing.assert_allclose(res.logprobs[i, :n], np.asarray(ref), atol=2e-5)
+        ref = np.asarray(full[i, len(p) - 1: len(p) - 1 + n])[np.arange(n), gen]
+        np.testing.assert_allclose(res.logprobs[i, :n], ref, atol=2e-5)
 
 
 def test_deterministic_for_a_seed_and_seed_matters(hf_checkpoint):
