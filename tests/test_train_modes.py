@@ -100,7 +100,7 @@ def run_steps(trainer, n: int, *, dense_reward: bool = True) -> list[dict]:
 
 
 def _finite_tree(tree) -> bool:
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
 
 
 QAT_CASES = [dict(qat_scheme="paper_int8"), dict(qat_scheme="int8"), dict(qat_scheme="int4", qat_group_size=32),
@@ -145,10 +145,11 @@ def check_quantized_policy(tr, tmp_path, scheme: str):
     from lrmq.quant.transforms import iter_linears
 
     tokens = (jnp.arange(24).reshape(2, 12) * 7) % 200
-    qat_logits = np.asarray(nnx.merge(tr.graphdef, tr.trainable, tr.rest)(tokens))
+    forward = lambda m: np.asarray(nnx.jit(lambda m, t: m(t))(m, tokens))  # one compiled program, not op by op
+    qat_logits = forward(nnx.merge(tr.graphdef, tr.trainable, tr.rest))
     float_model = nnx.merge(tr.graphdef, tr.trainable, tr.rest)
     remove_qat(float_model)
-    float_logits = np.asarray(float_model(tokens))
+    float_logits = forward(float_model)
     run = tmp_path / "run"
     out = tr.export_quantized_policy(str(run / "final_policy_quantized"))
     if scheme == "w8a8":  # activations quantized at run time: no weight-only export
@@ -156,7 +157,7 @@ def check_quantized_policy(tr, tmp_path, scheme: str):
     else:
         packed = load_model(os.path.join(out, "packed"))
         assert all(isinstance(lin.kernel, QuantizedKernel) for _, lin in iter_linears(packed))
-        y = np.asarray(packed(tokens))
+        y = forward(packed)
         np.testing.assert_allclose(y, qat_logits, atol=2e-5, rtol=1e-5, err_msg=scheme)
         assert np.abs(y - float_logits).max() > 1e-4, scheme
         qc = json.load(open(os.path.join(out, "compressed_tensors", "config.json")))["quantization_config"]
