@@ -4,10 +4,12 @@ only that), results.json / results.md contents, plots, and the matrix presets an
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -20,10 +22,23 @@ from lrmq.studies.matrix import expand
 QUICK = os.path.join(REPO_ROOT, "configs", "study", "quick.yaml")
 
 
-def _study(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "lrmq.study", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+def _study(*args: str) -> types.SimpleNamespace:
+    """`python -m lrmq.study ARGS` as lrmq.study.main in this process (returncode, stderr): the study command
+    only plans, starts its jobs' processes (lrmq.train, lrmq.quantize, lrmq.studies.heldout, lrmq.evaluate:
+    they run as processes either way) and writes the report, so in process it spares a Python + JAX start per
+    call and changes nothing the tests check. JAX_PLATFORMS is set (its platform choice is a no-op)."""
+    from lrmq import study
+
+    err = io.StringIO()
+    old = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = old or "cpu"
+    try:
+        with contextlib.redirect_stderr(err):
+            rc = study.main(list(args))
+    finally:
+        if old is None:
+            os.environ.pop("JAX_PLATFORMS")
+    return types.SimpleNamespace(returncode=rc, stderr=err.getvalue())
 
 
 # ----------------------------------------------------------------------------- presets and config
@@ -114,12 +129,14 @@ def test_bad_config_is_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def quick_study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study") / "quick"
-    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=32", "--no-progress")
+    # 16 problems: the quick recipe's run.eval_size, so the grpo arm's evaluation is also what
+    # test_heldout_matches_the_trainer compares with the trainer's own last evaluation
+    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     return out, p
 
 
-@pytest.mark.slow(reason="its fixture runs the quick study (base, GRPO and PTQ arms, evaluation) as one lrmq.study subprocess")
+@pytest.mark.slow(reason="its fixture runs the quick study: base, GRPO and PTQ arms and their evaluations, each job a subprocess")
 def test_quick_study_results(quick_study):
     out, _ = quick_study
     res = json.loads((out / "results.json").read_text())
@@ -128,7 +145,7 @@ def test_quick_study_results(quick_study):
     assert res["metric"] == "sampled_accuracy" and res["seeds"] == [0] and not res["failed"]
     for a in arms.values():
         assert a["n"] == 1 and 0.0 <= a["mean"] <= 1.0 and a["std"] == 0.0
-        assert a["seeds"]["0"]["problems"] == 32 and "greedy_accuracy" in a["seeds"]["0"]
+        assert a["seeds"]["0"]["problems"] == 16 and "greedy_accuracy" in a["seeds"]["0"]
         job = json.loads((out / "runs" / a["name"] / "seed0" / "result.json").read_text())
         assert job["metrics"]["sampled_accuracy"] == a["mean"]  # the table is the jobs' numbers
     # memory: the packed W4 model is far smaller than the float policy; training memory is the recipe's
@@ -158,28 +175,25 @@ def test_quick_study_results(quick_study):
 
 def test_heldout_matches_the_trainer(quick_study):
     """lrmq.studies.heldout scores a float policy exactly as its trainer's final held-out evaluation did (same
-    problems, prompts, key): the study's numbers and the training logs agree."""
+    problems, prompts, key): the study's numbers and the training logs agree. The study's own evaluation of the
+    grpo arm is that command (--checkpoint run/final_policy --train-config train_config.yaml --seed 0 --size 16)."""
     out, _ = quick_study
     run = out / "runs" / "grpo" / "seed0" / "run"
     last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-m", "lrmq.studies.heldout", "--checkpoint", str(run / "final_policy"),
-                        "--train-config", str(out / "train_config.yaml"), "--seed", "0", "--size", "16",
-                        "--out", str(out / "check16.json")], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    ev = json.loads((out / "check16.json").read_text())
+    log = (out / "runs" / "grpo" / "seed0" / "logs" / "eval.log").read_text()
+    assert "-m lrmq.studies.heldout --checkpoint " + str(run / "final_policy") in log and "--size 16" in log
+    ev = json.loads((out / "runs" / "grpo" / "seed0" / "eval.json").read_text())
     assert ev["problems"] == 16  # the quick recipe's run.eval_size
     for k in ("greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward"):
         assert ev[k] == pytest.approx(last[f"eval/{k}"], abs=1e-6), k
 
 
-@pytest.mark.slow(reason="reruns the quick study's lrmq.study subprocesses to check that finished arms are skipped")
+@pytest.mark.slow(reason="reruns the quick study to check that finished arms are skipped; one evaluation runs again")
 def test_quick_study_resumes(quick_study):
     out, _ = quick_study
     results = {n: (out / "runs" / n / "seed0" / "result.json") for n in ("base", "grpo", "grpo-ptq-rtn-w4")}
     mtimes = {n: p.stat().st_mtime_ns for n, p in results.items()}
-    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=32", "--no-progress")
+    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "3 of 3 jobs already done" in p.stderr and "0 ran" in p.stderr
     assert {n: q.stat().st_mtime_ns for n, q in results.items()} == mtimes
@@ -189,7 +203,7 @@ def test_quick_study_resumes(quick_study):
     before = json.loads(results["grpo-ptq-rtn-w4"].read_text())
     os.remove(job / "result.json")
     os.remove(job / "eval.json")
-    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=32", "--no-progress")
+    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "2 of 3 jobs already done" in p.stderr and "1 ran" in p.stderr
     assert (job / "logs" / "quantize.log").read_text().count("$ ") == 1  # not quantized again
@@ -199,7 +213,7 @@ def test_quick_study_resumes(quick_study):
     assert results["grpo"].stat().st_mtime_ns == mtimes["grpo"]
 
     # another study's settings in the same dir are refused, not mixed
-    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--no-progress")
+    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=8", "--no-progress")
     assert p.returncode == 2 and "holds a study with different eval settings" in p.stderr
 
 
@@ -211,7 +225,7 @@ def test_report_importance_histogram(quick_study):
     np.savez(q / "importance.npz", **{"layers.0.attn.q_proj": rng.lognormal(size=128).astype(np.float32),
                                       "layers.0.mlp.down_proj": rng.lognormal(size=384).astype(np.float32)})
     try:
-        p = _study("--config", QUICK, f"out_dir={out}", "eval.size=32", "--report")
+        p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--report")
         assert p.returncode == 0, p.stderr[-3000:]
         res = json.loads((out / "results.json").read_text())
         assert "importance_hist.png" in res["plots"]
