@@ -288,10 +288,10 @@ def test_model_and_data_read_from_the_bucket(gcs, tmp_path):
 
 
 # ----------------------------------------------------------------------------- a pod run, offline
-@pytest.mark.slow(reason="two JAX processes x 4 CPU devices train one step from the bucket, then lrmq.evaluate")
+@pytest.mark.slow(reason="two JAX processes x 2 CPU devices train one step from the bucket, then lrmq.evaluate")
 @pytest.mark.skipif(os.environ.get("LRMQ_SKIP_MULTIPROCESS") == "1", reason="LRMQ_SKIP_MULTIPROCESS=1")
 def test_two_process_launch_gs_run_dir(gcs, tmp_path):
-    """The pod recipe's shape: 2 processes x 4 CPU devices, run.out_dir=gs://..., HF export on, the model and the
+    """The pod recipe's shape: 2 processes x 2 CPU devices, run.out_dir=gs://..., HF export on, the model and the
     prompts read from the bucket (each process streams its own rows of the weights); then lrmq.evaluate scores
     the run's final_policy straight from the bucket, with its benchmark files there too."""
     import sys

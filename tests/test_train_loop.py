@@ -130,8 +130,13 @@ def test_cli_config_errors_exit_before_compiling(tmp_path):
 
 
 def launch_two_processes(run_dir: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """launch/local_multiprocess.sh: 2 JAX processes x 4 CPU devices, one global (fsdp=8) mesh, one step."""
-    cmd = ["bash", os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh"), "2", "4", "--config",
+    """launch/local_multiprocess.sh: 2 JAX processes x 2 CPU devices, one global (fsdp=4) mesh, one step.
+
+    2 devices per process, not 4: each process still holds several devices of a mesh that spans both (as a pod
+    host does), and the cross-process collectives (gloo over TCP, most of the launch's CPU time, half of it in
+    the kernel) run over 4 ranks instead of 8: a launch with the gs:// test's two evaluations fell from 95 to
+    51 s of CPU."""
+    cmd = ["bash", os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh"), "2", "2", "--config",
            os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run_dir}", "run.steps=1",
            "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",
            "data.synthetic_train_size=256", "data.synthetic_eval_size=8", "optim.warmup_steps=0",
@@ -191,10 +196,10 @@ def check_exported_run(run_dir: str, local_copy, steps=(0, 1, 1)) -> None:
     assert any(not np.array_equal(final[k], initial[k]) for k in final)  # the step changed the policy
 
 
-@pytest.mark.slow(reason="two JAX processes x 4 CPU devices: each compiles the update and the rollout, one step")
+@pytest.mark.slow(reason="two JAX processes x 2 CPU devices: each compiles the update and the rollout, one step")
 @pytest.mark.skipif(os.environ.get("LRMQ_SKIP_MULTIPROCESS") == "1", reason="LRMQ_SKIP_MULTIPROCESS=1")
 def test_two_process_launch(tmp_path):
-    """launch/local_multiprocess.sh: 2 JAX processes x 4 CPU devices, one global (fsdp=8) mesh, HF export on:
+    """launch/local_multiprocess.sh: 2 JAX processes x 2 CPU devices, one global (fsdp=4) mesh, HF export on:
     parameters sharded over both processes are gathered for the export (process 0 alone cannot read them).
     Also guards the start-up race of two processes creating the shared TensorBoard dir (process 1
     crashed, process 0 hung in its first collective until the 5-minute coordination timeout)."""
