@@ -119,14 +119,62 @@ def test_config_errors(tmp_path, section, override, needle):
         tiny_train_config(str(tmp_path), **section)
 
 
-def test_cli_config_errors_exit_before_compiling(tmp_path):
-    base = [sys.executable, "-m", "lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml")]
+@pytest.fixture
+def train_main_in_process(monkeypatch):
+    """lrmq.train.main run in this process, its process-wide settings put back afterwards: the root logger
+    (main configures it with force=True), the loggers it quiets, and the SIGTERM / SIGINT handlers it installs
+    for start-up. JAX_PLATFORMS is set, so its platform choice changes nothing here."""
+    import logging
+
+    from lrmq import train
+
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS") or "cpu")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    quiet = {n: logging.getLogger(n).level for n in ("absl", "jax._src.xla_bridge")}
+    sigs = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield train.main
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for n, lv in quiet.items():
+        logging.getLogger(n).setLevel(lv)
+    for s, h in sigs.items():
+        signal.signal(s, h)
+
+
+# backend compiles while a test watches (the listener stays registered: JAX has no public way to remove one)
+_compiles: list[str] = []
+_watch = {"registered": False, "on": False}
+
+
+def _on_duration(event: str, duration: float, **kw) -> None:
+    if _watch["on"] and event.endswith("backend_compile_duration"):
+        _compiles.append(event)
+
+
+def test_cli_config_errors_exit_before_compiling(tmp_path, train_main_in_process, capsys):
+    """A bad override is one error line and exit status 2 before anything compiles. In process (main()): the
+    command's own start-up and exit status as a process are checked by
+    test_first_run.py::test_commands_start_quietly_without_jax_platforms (lrmq.train, mesh.data=2 -> 2)."""
+    from jax import monitoring
+
+    if not _watch["registered"]:
+        monitoring.register_event_duration_secs_listener(_on_duration)
+        _watch["registered"] = True
+    base = ["--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml")]
     for extra, needle in ((["rollout.gruop_size=4"], "gruop_size"), (["optim.lr=fast"], "optim.lr"),
                           (["mesh.data=3"], "does not divide")):
-        r = subprocess.run(base + extra + [f"run.out_dir={tmp_path}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 2, (extra, r.stderr[-2000:])
-        assert needle in r.stderr, (needle, r.stderr[-2000:])
+        _compiles.clear()
+        _watch["on"] = True
+        try:
+            rc = train_main_in_process(base + extra + [f"run.out_dir={tmp_path}"])
+        finally:
+            _watch["on"] = False
+        err = capsys.readouterr().err
+        assert rc == 2, (extra, err[-2000:])
+        assert needle in err, (needle, err[-2000:])
+        assert [l for l in err.splitlines() if l.startswith("lrmq.train: error:")] and "Traceback" not in err, err
+        assert not _compiles, (extra, _compiles)
 
 
 def launch_two_processes(run_dir: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
