@@ -260,14 +260,16 @@ def test_two_process_launch(tmp_path):
 
 @pytest.mark.slow(reason="learning is the point: enough GRPO steps on the tiny model for the reward to rise")
 def test_short_grpo_run_improves_reward(tmp_path, optimized_xla):
-    """The shipped tiny model learns: training accuracy over the last steps beats the first steps. 40 steps of
-    rollouts: optimized XLA code (38.9 s on a quiet machine, 48.2 s without LLVM's optimizations)."""
+    """The shipped tiny model learns: training accuracy over the last 5 steps beats the first 5 by 0.08. 20 steps
+    at lr 2e-4 (was 40 at 1e-4: 44 s of CPU instead of ~60, half of it the optimized compiles); run.seed 0, 1, 2
+    gain +0.19, +0.30, +0.14. Optimized XLA code: the rollouts' run time, not the compiles, dominates."""
     from lrmq.rl.trainer import GRPOTrainer
 
     cfg = tiny_train_config(str(tmp_path), data={"synthetic_train_size": 16, "synthetic_eval_size": 8},
                             rollout={"prompts_per_step": 8, "group_size": 8, "max_new_tokens": 64},
-                            optim={"lr": 1e-4}, run={"steps": 40, "save_every": 100, "eval_size": 8})
+                            optim={"lr": 2e-4}, run={"steps": 20, "save_every": 100, "eval_size": 8})
     GRPOTrainer(cfg).train()
     acc = [r["reward/accuracy"] for r in _metrics(str(tmp_path)) if "reward/accuracy" in r]
-    first, last = np.mean(acc[:10]), np.mean(acc[-10:])
+    assert len(acc) == 20
+    first, last = np.mean(acc[:5]), np.mean(acc[-5:])
     assert last > first + 0.08, (first, last, acc)
