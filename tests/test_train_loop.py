@@ -28,31 +28,43 @@ def _metrics(run_dir: str) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """One uninterrupted in-process run of two steps (checkpoints after each): its dir, its parameters before
+    and after. test_resume_is_exact resumes against it, test_sharded_step_matches_single_device compares the
+    sharded run with it (run.save_every changes what is saved, not what is computed)."""
+    from lrmq.rl.trainer import GRPOTrainer
+
+    out = tmp_path_factory.mktemp("two_steps")
+    trainer = GRPOTrainer(tiny_train_config(str(out), run={"steps": 2, "save_every": 1}))
+    initial = {k: v.copy() for k, v in _params(trainer).items()}  # host copies: training donates the buffers
+    trainer.train()
+    return out, initial, _params(trainer)
+
+
 @pytest.mark.slow(reason="an interrupted and an uninterrupted in-process training run must end bit for bit equal")
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(tmp_path, two_steps):
     from lrmq.rl.trainer import GRPOTrainer
 
     # two steps, stopped after the first: the resumed step needs the saved optimizer state, data position and
     # RNG as much as any later one would (the same programs as the other tests here: compiled once)
     run = {"steps": 2, "save_every": 1}
-    straight = GRPOTrainer(tiny_train_config(str(tmp_path / "a"), run=run))
-    initial = {k: v.copy() for k, v in _params(straight).items()}  # host copies: training donates the buffers
-    straight.train()
+    straight_dir, initial, a = two_steps
     first = GRPOTrainer(tiny_train_config(str(tmp_path / "b"), run=run))
     first.train(stop_after=1)
     assert first.step == 1 and first.ckpt.latest_step() == 1
     resumed = GRPOTrainer(tiny_train_config(str(tmp_path / "b"), run=run))
     resumed.train()
     assert resumed.step == 2
-    a, b = _params(straight), _params(resumed)
+    b = _params(resumed)
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    ma, mb = _metrics(str(tmp_path / "a")), _metrics(str(tmp_path / "b"))
+    ma, mb = _metrics(str(straight_dir)), _metrics(str(tmp_path / "b"))
     assert ma == mb
     # the run actually trained: parameters moved away from the initial policy
     assert any(not np.array_equal(v, initial[k]) for k, v in a.items())
-    assert os.path.exists(tmp_path / "a" / "config.yaml")
+    assert os.path.exists(straight_dir / "config.yaml")
 
 
 @pytest.mark.slow(reason="two lrmq.train subprocesses: SIGTERM mid-run, then the resume")
@@ -61,7 +73,9 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     cmd = [sys.executable, "-m", "lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"),
            f"run.out_dir={out}", "run.steps=200", "run.save_every=100", "run.eval_size=0",
            "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
-           "data.synthetic_train_size=256", "data.synthetic_eval_size=8", "rollout.update_shapes=1"]
+           "data.synthetic_train_size=256", "data.synthetic_eval_size=8", "rollout.update_shapes=1",
+           # 24 new tokens: the programs of test_train_hardening.py's kill -9 runs (one compile per test session)
+           "rollout.max_new_tokens=24"]
     if os.environ.get("LRMQ_TEST_TINY"):
         cmd.append(f"model.checkpoint={os.environ['LRMQ_TEST_TINY']}")
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -88,20 +102,17 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
 
 
 @pytest.mark.slow(reason="compiles the step on one device and on a sharded mesh of CPU devices (a subprocess) to compare them")
-def test_sharded_step_matches_single_device(tmp_path):
-    from lrmq.rl.trainer import GRPOTrainer
-
-    single = GRPOTrainer(tiny_train_config(str(tmp_path / "single"), run={"steps": 2}))
-    single.train()
-    np.savez(tmp_path / "single.npz", **_params(single))
+def test_sharded_step_matches_single_device(tmp_path, two_steps):
+    single_dir, _, single = two_steps
     env_tiny = os.environ.get("LRMQ_TEST_TINY", "")
     res = run_with_devices("scripts/train_sharded.py", str(tmp_path / "multi"), str(tmp_path / "multi.npz"), env_tiny,
                            timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    a, b = np.load(tmp_path / "single.npz"), np.load(tmp_path / "multi.npz")
-    for k in a.files:
-        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=2e-5, err_msg=k)
-    ma, mb = _metrics(str(tmp_path / "single")), _metrics(str(tmp_path / "multi"))
+    b = np.load(tmp_path / "multi.npz")
+    assert sorted(single) == sorted(b.files)
+    for k in b.files:
+        np.testing.assert_allclose(single[k], b[k], rtol=0, atol=2e-5, err_msg=k)
+    ma, mb = _metrics(str(single_dir)), _metrics(str(tmp_path / "multi"))
     for ra, rb in zip(ma, mb):
         for k in ra:
             if k.startswith("reward/") or k.startswith("eval/") or k == "step":
@@ -261,8 +272,8 @@ def test_two_process_launch(tmp_path):
 @pytest.mark.slow(reason="learning is the point: enough GRPO steps on the tiny model for the reward to rise")
 def test_short_grpo_run_improves_reward(tmp_path, optimized_xla):
     """The shipped tiny model learns: training accuracy over the last 5 steps beats the first 5 by 0.08. 20 steps
-    at lr 2e-4 (was 40 at 1e-4: 44 s of CPU instead of ~60, half of it the optimized compiles); run.seed 0, 1, 2
-    gain +0.19, +0.30, +0.14. Optimized XLA code: the rollouts' run time, not the compiles, dominates."""
+    at lr 2e-4 (was 40 at 1e-4: 44 s of CPU instead of ~60); run.seed 0, 1, 2 gain +0.19, +0.30, +0.14. Optimized
+    XLA code: 44 s of CPU, 64 s without LLVM's optimizations (the 20 steps' rollouts outweigh the dearer compiles)."""
     from lrmq.rl.trainer import GRPOTrainer
 
     cfg = tiny_train_config(str(tmp_path), data={"synthetic_train_size": 16, "synthetic_eval_size": 8},
