@@ -20,6 +20,13 @@ from lrmq.quant.transforms import iter_linears
 from lrmq.rl.config import QuantSection
 from test_qat import TOK, tiny
 
+# The models' forwards of TOK as one compiled program each (graphdef-keyed), not op by op
+_forward = nnx.jit(lambda m, t: m(t))
+
+
+def fwd(m):
+    return _forward(m, TOK)
+
 
 @pytest.mark.parametrize("fmt,bits,g,path", [("int", 4, 16, "int4"), ("int", 8, -1, "int8"), ("nf4", 4, 0, "nf4"),
                                              ("int", 2, 16, "dequant"), ("int", 3, 32, "dequant"),
@@ -57,7 +64,7 @@ def test_prepare_qlora_packs_base_and_attaches_adapters(base_format):
     deq = tiny()
     for (p, lin), (_, lin_d) in zip(lins, iter_linears(deq)):
         lin_d.kernel.set_value(dequantize(lin.kernel.get_value()))
-    np.testing.assert_allclose(m(TOK), deq(TOK), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(fwd(m), fwd(deq), atol=1e-5, rtol=1e-5)
     # memory: packed targeted kernels vs float32
     fb, qb = param_bytes(float_model), param_bytes(m)
     lin_float = sum(lin.kernel.get_value().nbytes for _, lin in iter_linears(float_model))
@@ -77,7 +84,7 @@ def test_merge_equals_base_plus_adapters_and_export_is_float():
     m = prepare_for_training(tiny(), QuantSection(mode="qlora"), seed=0)
     _randomize_adapters(m)
     set_lora_dropout(m, "off")
-    y = m(TOK)
+    y = fwd(m)
     lin = m.layers[0].mlp.down_proj
     want = dequantize(lin.kernel.get_value()) + lin.lora.scale * (lin.lora.a.get_value() @ lin.lora.b.get_value())
     out = export_float_model(m)
@@ -85,7 +92,7 @@ def test_merge_equals_base_plus_adapters_and_export_is_float():
     np.testing.assert_allclose(lin.kernel.get_value(), want, atol=1e-6)
     for _, l in iter_linears(out, None):
         assert type(l.kernel) is nnx.Param and l.lora is None and l.dot_general.__name__ == "default_dot_general"
-    np.testing.assert_allclose(out(TOK), y, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(fwd(out), y, atol=2e-5, rtol=1e-5)
 
 
 def test_merge_lora_on_float_base():
@@ -97,10 +104,10 @@ def test_merge_lora_on_float_base():
     _randomize_adapters(m)
     lo = m.layers[0].attn.q_proj.lora
     delta = 2.0 * lo.a.get_value() @ lo.b.get_value()
-    y = m(TOK)
+    y = fwd(m)
     assert merge_lora(m)
     np.testing.assert_allclose(m.layers[0].attn.q_proj.kernel.get_value(), w0 + delta, atol=1e-6)
-    np.testing.assert_allclose(m(TOK), y, atol=2e-5)
+    np.testing.assert_allclose(fwd(m), y, atol=2e-5)
 
 
 def test_adapter_files_round_trip(tmp_path):
@@ -121,7 +128,7 @@ def test_adapter_files_round_trip(tmp_path):
     for (_, l1), (_, l2) in zip(iter_linears(m), iter_linears(m2)):
         np.testing.assert_array_equal(l1.lora.a.get_value(), l2.lora.a.get_value())
         np.testing.assert_array_equal(l1.lora.b.get_value(), l2.lora.b.get_value())
-    np.testing.assert_allclose(m2(TOK), m(TOK), atol=1e-6)
+    np.testing.assert_allclose(fwd(m2), fwd(m), atol=1e-6)
     with pytest.raises(FileNotFoundError):
         load_lora(m2, str(tmp_path / "nope"))
 
@@ -129,15 +136,15 @@ def test_adapter_files_round_trip(tmp_path):
 def test_dropout_only_in_differentiated_forward():
     m = prepare_for_training(tiny(), QuantSection(mode="qlora", lora_dropout=0.5), seed=0)
     _randomize_adapters(m)
-    y1, y2 = m(TOK), m(TOK)
+    y1, y2 = fwd(m), fwd(m)
     np.testing.assert_array_equal(y1, y2)  # rollouts: deterministic
     g, tr, rest = nnx.split(m, nnx.LoRAParam, ...)
     loss = lambda tr: jnp.mean(nnx.merge(g, tr, rest)(TOK) ** 2)
     set_lora_dropout(m, "off")
     g_off_def = nnx.split(m, nnx.LoRAParam, ...)[0]
-    np.testing.assert_array_equal(nnx.merge(g_off_def, tr, rest)(TOK), y1)  # "train" mode evaluates without dropout
+    np.testing.assert_array_equal(fwd(nnx.merge(g_off_def, tr, rest)), y1)  # "train" mode evaluates without dropout
     loss_off = lambda tr: jnp.mean(nnx.merge(g_off_def, tr, rest)(TOK) ** 2)
-    ga, gb, g0 = jax.jit(jax.grad(loss))(tr), jax.jit(jax.grad(loss))(tr), jax.grad(loss_off)(tr)
+    ga, gb, g0 = jax.jit(jax.grad(loss))(tr), jax.jit(jax.grad(loss))(tr), jax.jit(jax.grad(loss_off))(tr)
     la, l0 = jax.tree.leaves(ga), jax.tree.leaves(g0)
     assert all(np.array_equal(a, b) for a, b in zip(la, jax.tree.leaves(gb)))  # reproducible under jit
     assert any(float(jnp.abs(a - b).max()) > 1e-6 for a, b in zip(la, l0))  # dropout acted in the update
