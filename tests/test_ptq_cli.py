@@ -19,6 +19,36 @@ def _run(args, timeout=600):
     return r
 
 
+@pytest.fixture
+def cli_main(capsys):
+    """cli_main(module, *argv) -> stdout: `python -m lrmq.<module>` as its main() in this process (the tests are
+    about what the commands write, not about process start-up: one Python + JAX start fewer each). The
+    commands' process-wide setting, JAX's persistent compilation cache (lrmq.compile_cache.enable), is put back
+    afterwards; JAX_PLATFORMS is set, so their platform choice changes nothing."""
+    import importlib
+
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    env = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = env or "cpu"
+
+    def call(module: str, *argv: str) -> str:
+        rc = importlib.import_module(f"lrmq.{module}").main(list(argv))
+        out, err = capsys.readouterr()
+        assert rc == 0, (module, argv, out[-2000:], err[-4000:])
+        return out
+
+    yield call
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+    if env is None:
+        os.environ.pop("JAX_PLATFORMS")
+
+
 @pytest.fixture(scope="module")
 def calib_file(tmp_path_factory):
     from lrmq.data.synthetic import make_splits, write_jsonl
@@ -30,27 +60,30 @@ def calib_file(tmp_path_factory):
     return str(path)
 
 
-def test_awq_flag_form_then_generate(tmp_path, calib_file):
+def test_awq_flag_form_then_generate(tmp_path, calib_file, cli_main):
     out = tmp_path / "awq_w4"
-    _run(["lrmq.quantize", "--checkpoint", TINY_MODEL_DIR, "--method", "awq", "--bits", "4", "--group-size", "128",
-          "--calibration", calib_file, "--out", str(out)])
-    r = _run(["lrmq.generate", "--checkpoint", str(out), "--prompt", "Compute 3+4. Answer:", "--greedy",
-              "--max-new-tokens", "16", "--json"])
-    row = json.loads(r.stdout.splitlines()[0])
+    cli_main("quantize", "--checkpoint", TINY_MODEL_DIR, "--method", "awq", "--bits", "4", "--group-size", "128",
+             "--calibration", calib_file, "--out", str(out))
+    stdout = cli_main("generate", "--checkpoint", str(out), "--prompt", "Compute 3+4. Answer:", "--greedy",
+                      "--max-new-tokens", "16", "--json")
+    row = json.loads(stdout.splitlines()[0])
     assert row["token_ids"] and len(row["logprobs"]) == len(row["token_ids"])
 
 
-@pytest.mark.slow(reason="two subprocesses: lrmq.train makes the run dir, then the QuantLRM quantize CLI reads it")
-def test_quantlrm_on_a_grpo_run_dir(tmp_path, calib_file):
+@pytest.mark.slow(reason="an lrmq.train subprocess makes the run dir (18 s alone, near 30 under the suite's load), then QuantLRM")
+def test_quantlrm_on_a_grpo_run_dir(tmp_path, calib_file, cli_main):
+    """lrmq.train (a subprocess: a training run in this process would leave its signal handlers and logging
+    behind) makes the run dir, then the QuantLRM quantize command reads its initial and final policies. No
+    held-out evaluation in the run: QuantLRM reads only the two exports."""
     run = tmp_path / "run"
     _run(["lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run}",
-          "run.steps=2", "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
+          "run.steps=2", "run.eval_size=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
           "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "optim.lr=1e-3", "run.progress=false",
           "rollout.update_shapes=1"])
     assert (run / "initial_policy" / "model.safetensors").exists() and (run / "final_policy" / "config.json").exists()
     out = tmp_path / "qlrm"
-    _run(["lrmq.quantize", "--config", os.path.join(REPO_ROOT, "configs", "ptq", "quantlrm_tiny_grpo_run.yaml"),
-          f"quantlrm.run_dir={run}", f"calibration.path={calib_file}", f"outputs.dir={out}", "progress=false"])
+    cli_main("quantize", "--config", os.path.join(REPO_ROOT, "configs", "ptq", "quantlrm_tiny_grpo_run.yaml"),
+             f"quantlrm.run_dir={run}", f"calibration.path={calib_file}", f"outputs.dir={out}", "progress=false")
     produced = sorted(os.listdir(out))
     assert any(p.startswith("packed") or p == "packed" for p in produced), produced
     npz = [os.path.join(dp, f) for dp, _, fs in os.walk(out) for f in fs if f.endswith(".npz")]
