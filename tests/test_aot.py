@@ -103,9 +103,18 @@ def test_does_not_fit_names_the_largest_micro_batch(tmp_path, monkeypatch):
                                      "max_new_tokens": 192, "update_shapes": 1})
     devices = aot.topology_devices("v5e:2x2")
     run = aot.abstract_run(cfg, aot.make_mesh(aot.MeshConfig(1, 4, 1), devices=list(devices)))
-    base = aot.memory_report(aot.compile_train_step(run)[0])["total"]
+    first = aot.compile_train_step(run)  # the micro-batch-32 step: what check_fit compiles first, on the same mesh
+    base = aot.memory_report(first[0])["total"]
     monkeypatch.setitem(aot.HBM_BYTES, "TPU v5 lite", int(0.99 * base / (1 - aot.HEADROOM)))
+    compile_step, calls = aot.compile_train_step, []
+
+    def once(run, micro_batch=None, shape=None):  # that program is not compiled a second time
+        calls.append(micro_batch)
+        return first if len(calls) == 1 and micro_batch is None else compile_step(run, micro_batch, shape)
+
+    monkeypatch.setattr(aot, "compile_train_step", once)
     assert compile_only(cfg, "v5e:2x2", str(tmp_path / "r.json")) == 3
+    assert calls == [None, 16]  # the configured step (reused), then micro-batch 16, which fits
     rep = json.loads((tmp_path / "r.json").read_text())
     assert not rep["fits"] and rep["largest_fitting_micro_batch"] == 16
     assert rep["kv_pool"]["sized"] in ("fitted", "worst case") and rep["kv_pool"]["pages"] > 1
