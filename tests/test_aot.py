@@ -25,7 +25,7 @@ def _train(*args, timeout=600):
                           text=True, timeout=timeout)
 
 
-@pytest.mark.slow(reason="a train --compile-only subprocess: three update shapes and the rollout for 4 v5e chips")
+@pytest.mark.slow(reason="a train --compile-only subprocess: two update shapes and the rollout for 4 v5e chips")
 def test_compile_only_tiny_recipe_on_a_multichip_topology_and_an_oversized_pool(tmp_path):
     """The tiny GRPO step (every update shape, as the trainer compiles them before its first rollout) and the
     rollout compile for 4 v5e chips (fsdp=4), with a JSON report; a KV pool far past the chip's HBM
@@ -34,13 +34,14 @@ def test_compile_only_tiny_recipe_on_a_multichip_topology_and_an_oversized_pool(
     report = tmp_path / "r.json"
     r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), "--compile-only",
                "--topology", "v5e:2x2", "--report", str(report), "mesh.fsdp=4", "optim.micro_batch_size=16",
-               "rollout.prompts_per_step=4", "rollout.update_shapes=3", "rollout.kv_pages=20000000", *TINY_OVERRIDES)
+               "rollout.prompts_per_step=4", "rollout.update_shapes=2", "rollout.kv_pages=20000000", *TINY_OVERRIDES)
     assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
     assert "| train_step |" in r.stdout and "| rollout prefill | refused by the compiler" in r.stdout
     assert "| rollout decode | refused by the compiler" in r.stdout
-    assert all(f"| train_step {i}/3 |" in r.stdout for i in (2, 3))  # rollout.update_shapes=3: each compiled
-    assert "compiling update 3/3" in r.stderr and "KV pool: 20,000,000 pages" in r.stdout
+    # rollout.update_shapes=2: the smaller shape is compiled too (two shapes prove the loop; a third added 10 s)
+    assert "| train_step 2/2 |" in r.stdout and "| train_step 3/" not in r.stdout
+    assert "compiling update 2/2" in r.stderr and "KV pool: 20,000,000 pages" in r.stdout
     line = r.stdout.strip().splitlines()[-1]
     rep = json.loads(report.read_text())
     assert line.startswith("does not fit: the compiler refused the rollout prefill (RESOURCE_EXHAUSTED")
@@ -49,7 +50,7 @@ def test_compile_only_tiny_recipe_on_a_multichip_topology_and_an_oversized_pool(
     assert 1000 < rep["fitting_kv_pages"] < 20_000_000 and rep["kv_pool"]["pages"] == 20_000_000
     assert rep["kv_pool"]["sized"] == "kv_pages" and rep["kv_memory_fraction"] == 0.9
     steps = [p for p in rep["programs"] if p["name"].startswith("train_step")]
-    assert len(steps) == 3
+    assert len(steps) == 2
     for prog in steps:
         assert prog["memory"]["total"] > 0 and prog["flops"] > 0 and prog["seconds"] > 0
     assert [p["name"] for p in rep["programs"] if p["memory"] is None] == ["rollout prefill", "rollout decode"]
