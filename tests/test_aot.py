@@ -161,36 +161,27 @@ def test_generate_compile_only(tmp_path):
     assert "KV pool: " in r.stdout and "the worst case: no sequence is ever preempted" in r.stdout
 
 
-@pytest.mark.parametrize("quant", [{"mode": "qlora", "base_format": "nf4"}, {"mode": "qlora", "base_format": "int4",
-                                                                            "base_group_size": 32},
-                                   {"mode": "qat", "qat_scheme": "paper_int8"}])
-def test_train_modes_compile_for_a_multichip_slice(tmp_path, quant):
+@pytest.mark.parametrize("quant,layout", [({"mode": "qlora", "base_format": "nf4"}, "pack"),
+                                          ({"mode": "qlora", "base_format": "int4", "base_group_size": 32}, "pack"),
+                                          ({"mode": "qat", "qat_scheme": "paper_int8"}, "max")])
+def test_train_modes_compile_for_a_multichip_slice(tmp_path, quant, layout):
     """QLoRA (packed base through the Mosaic kernels, inside shard_map) and QAT train steps with layer remat,
-    and their rollouts, compile for 8 v5e chips."""
+    and their rollouts, compile for 8 v5e chips. The QAT step takes the padded update (rollout.update_padding=max)
+    with two micro-batches, so the same compile shows that layout compiling for the slice, as the packed one
+    (gathers and scatters per device group, segment masks) does in the QLoRA steps."""
     from lrmq import aot
 
-    cfg = tiny_train_config(str(tmp_path), mesh={"fsdp": 8}, model={"remat": "full"}, quant=quant)
-    run = aot.abstract_run(cfg, aot.make_mesh(aot.MeshConfig(1, 8, 1), devices=list(aot.topology_devices("v5e:2x4"))))
-    step, _ = aot.compile_train_step(run)
-    rollout, _ = aot.compile_rollout(run)
-    kernels = ["tpu_custom_call" in c.as_text() for c in (step, rollout)]
-    # every step runs splash attention (Mosaic); the tiny rollout's only kernels are QLoRA's packed matmuls
-    assert kernels == [True, quant["mode"] == "qlora"]
-
-
-@pytest.mark.parametrize("layout", ["max"])  # pack (the default): every other compile test here
-def test_update_layouts_compile_for_a_multichip_slice(tmp_path, layout):
-    """The padded update compiles for 8 v5e chips with two micro-batches, as the packed one (gathers and
-    scatters per device group, segment masks) does in the tests above."""
-    from lrmq import aot
-
-    cfg = tiny_train_config(str(tmp_path), mesh={"fsdp": 8}, rollout={"update_padding": layout},
-                            optim={"micro_batch_size": 8})
+    extra = {} if layout == "pack" else {"rollout": {"update_padding": layout}, "optim": {"micro_batch_size": 8}}
+    cfg = tiny_train_config(str(tmp_path), mesh={"fsdp": 8}, model={"remat": "full"}, quant=quant, **extra)
     run = aot.abstract_run(cfg, aot.make_mesh(aot.MeshConfig(1, 8, 1), devices=list(aot.topology_devices("v5e:2x4"))))
     batch = aot.abstract_batch(cfg, run.mesh)
     assert batch.layout == layout and (batch.segments is not None) == (layout == "pack")
     step, _ = aot.compile_train_step(run)
+    rollout, _ = aot.compile_rollout(run)
     assert aot.memory_report(step)["total"] > 0
+    kernels = ["tpu_custom_call" in c.as_text() for c in (step, rollout)]
+    # every step runs splash attention (Mosaic); the tiny rollout's only kernels are QLoRA's packed matmuls
+    assert kernels == [True, quant["mode"] == "qlora"]
 
 
 @pytest.mark.slow(reason="the slot search: prefill and decode compiles at two to four slot counts for 4 v5e chips")
