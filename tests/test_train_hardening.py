@@ -232,9 +232,11 @@ def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(RunCheckpointer, "save", full)
     run = str(tmp_path / "run")
+    # the kill -9 test's shapes (4 x 4 rows, 24 new tokens, no evaluation): its runs put these programs in the
+    # session's compilation cache, so here they load instead of compiling
     rc = train.main(["--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), f"run.out_dir={run}", "run.steps=1",
-                     "run.eval_size=4", "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=2",
-                     "rollout.group_size=2", "rollout.max_new_tokens=8", "data.synthetic_train_size=16",
+                     "run.eval_size=0", "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4",
+                     "rollout.group_size=4", "rollout.max_new_tokens=24", "data.synthetic_train_size=16",
                      "data.synthetic_eval_size=4", "rollout.update_shapes=1"])
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if x.startswith("lrmq.train: error:")]
