@@ -7,6 +7,7 @@ checks). No os.* call ever sees the URL.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -227,6 +228,19 @@ def test_run_logs_mirror_appends(gcs):
 
 
 # ----------------------------------------------------------------------------- models and data in the bucket
+@contextlib.contextmanager
+def _platforms_chosen():
+    """A command's main() in this process: JAX_PLATFORMS set while it runs, so its platform choice
+    (lrmq.cli.select_platforms) neither changes this process's JAX config nor leaves the variable behind."""
+    old = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = old or "cpu"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("JAX_PLATFORMS")
+
+
 TINY = os.path.join(REPO_ROOT, "lrmq", "assets", "tiny")
 
 
@@ -238,9 +252,10 @@ def _bucket_inputs(gcs: str, tmp_path) -> dict[str, str]:
             "evals": gcs + "/evals"}
     if not paths.epath_of(urls["model"] + "/config.json").exists():
         data = tmp_path / "data"
-        r = subprocess.run([os.environ.get("PYTHON", "python"), "-m", "lrmq.data.synthetic", "--out", str(data),
-                            "--n-train", "256", "--n-eval", "8"], cwd=REPO_ROOT, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[-2000:]
+        from lrmq.data import synthetic
+
+        with _platforms_chosen():
+            assert synthetic.main(["--out", str(data), "--n-train", "256", "--n-eval", "8"]) == 0
         paths.publish_dir(TINY, urls["model"])
         for name in ("train", "test"):
             paths.upload_file(str(data / f"{name}.jsonl"), urls[name])
@@ -294,8 +309,6 @@ def test_two_process_launch_gs_run_dir(gcs, tmp_path):
     """The pod recipe's shape: 2 processes x 2 CPU devices, run.out_dir=gs://..., HF export on, the model and the
     prompts read from the bucket (each process streams its own rows of the weights); then lrmq.evaluate scores
     the run's final_policy straight from the bucket, with its benchmark files there too."""
-    import sys
-
     from test_train_loop import check_exported_run, launch_two_processes
 
     urls = _bucket_inputs(gcs, tmp_path)
@@ -309,11 +322,25 @@ def test_two_process_launch_gs_run_dir(gcs, tmp_path):
     from etils import epath
 
     assert (epath.Path(run_dir) / "checkpoints" / "1" / "commit_success.txt").exists()  # orbax's GCS commit
+    # lrmq.evaluate as its main() in this process (what it reads and writes is the point, not its start-up); the
+    # persistent-cache settings it enables are put back
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from lrmq import evaluate
+
     out = tmp_path / "eval"
-    r = subprocess.run([sys.executable, "-m", "lrmq.evaluate", "--checkpoint", run_dir + "/final_policy",
-                        "--suite", "aime24,amc", "--limit", "2", "--greedy", "prompt=arith", "--data-dir", urls["evals"],
-                        "--out", str(out), "tensorboard=false", "progress=false"],
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    try:
+        with _platforms_chosen():
+            rc = evaluate.main(["--checkpoint", run_dir + "/final_policy", "--suite", "aime24,amc", "--limit", "2",
+                                "--greedy", "prompt=arith", "--data-dir", urls["evals"], "--out", str(out),
+                                "tensorboard=false", "progress=false"])
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
+    assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["checkpoint"] == run_dir + "/final_policy" and set(res["benchmarks"]) == {"aime24", "amc"}

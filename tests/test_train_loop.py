@@ -194,10 +194,11 @@ def launch_two_processes(run_dir: str, *extra: str, timeout: float = 300) -> sub
     2 devices per process, not 4: each process still holds several devices of a mesh that spans both (as a pod
     host does), and the cross-process collectives (gloo over TCP, most of the launch's CPU time, half of it in
     the kernel) run over 4 ranks instead of 8: a launch with the gs:// test's two evaluations fell from 95 to
-    51 s of CPU."""
+    51 s of CPU. Evaluations (when on) score 4 held-out problems, one per device: each is a greedy and a sampled
+    generation over both processes, 8 problems cost 12 s more."""
     cmd = ["bash", os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh"), "2", "2", "--config",
            os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run_dir}", "run.steps=1",
-           "run.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",
+           "run.eval_size=4", "rollout.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",
            "data.synthetic_train_size=256", "data.synthetic_eval_size=8", "optim.warmup_steps=0",
            "rollout.update_shapes=1", *extra]
     if os.environ.get("LRMQ_TEST_TINY"):
