@@ -61,11 +61,15 @@ def test_chunked_logprobs_and_remat_match_plain(remat, chunk):
 
 
 def test_logprobs_match_a_full_log_softmax():
-    model = _model()
     tokens, mask, comp = _batch()
-    logp, _ = completion_logprobs(model, tokens, mask, comp, 1.0, chunk=4)
-    logits = model(tokens, jnp.where(mask > 0, jnp.cumsum(mask, -1) - 1, -1))[:, -12:-1]
-    want = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), comp[..., None], -1)[..., 0]
+
+    @nnx.jit
+    def both(model):  # one compiled program, not op by op
+        logp, _ = completion_logprobs(model, tokens, mask, comp, 1.0, chunk=4)
+        logits = model(tokens, jnp.where(mask > 0, jnp.cumsum(mask, -1) - 1, -1))[:, -12:-1]
+        return logp, jnp.take_along_axis(jax.nn.log_softmax(logits, -1), comp[..., None], -1)[..., 0]
+
+    logp, want = both(_model())
     np.testing.assert_allclose(np.asarray(logp), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
