@@ -191,6 +191,14 @@ import suite_timing  # noqa: E402  (tools/, just put on the path)
 
 def pytest_configure(config):
     suite_timing.pytest_configure(config)
+    # torch (the reference models, the consumer libraries' unpackers) on one intra-op thread: the suite's tensors
+    # are tiny, and a second thread only spin-waits beside the other xdist worker (test_exports_consumers: CPU
+    # 67.7 -> 26.8 s). The test modules import torch anyway; without it there is nothing to set.
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
