@@ -14,6 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from test_train_loop import train_main_in_process  # noqa: F401 (fixture: restores what lrmq.train.main sets)
 from test_train_modes import grpo_config, make_trainer, scratch_ckpt  # noqa: F401 (fixture)
 
 from lrmq.configlib import ConfigError
@@ -221,10 +222,9 @@ def test_kill_9_during_training_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow(reason="lrmq.train.main in process: one tiny_demo step and its compiles before the save fails with ENOSPC")
-def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys):
+def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys, train_main_in_process):
     import errno
 
-    from lrmq import train
     from lrmq.rl.run_state import RunCheckpointer
 
     def full(self, *a, **k):
@@ -234,10 +234,11 @@ def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys):
     run = str(tmp_path / "run")
     # the kill -9 test's shapes (4 x 4 rows, 24 new tokens, no evaluation): its runs put these programs in the
     # session's compilation cache, so here they load instead of compiling
-    rc = train.main(["--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), f"run.out_dir={run}", "run.steps=1",
-                     "run.eval_size=0", "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4",
-                     "rollout.group_size=4", "rollout.max_new_tokens=24", "data.synthetic_train_size=16",
-                     "data.synthetic_eval_size=4", "rollout.update_shapes=1"])
+    rc = train_main_in_process([
+        "--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), f"run.out_dir={run}", "run.steps=1",
+        "run.eval_size=0", "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4",
+        "rollout.group_size=4", "rollout.max_new_tokens=24", "data.synthetic_train_size=16",
+        "data.synthetic_eval_size=4", "rollout.update_shapes=1"])
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if x.startswith("lrmq.train: error:")]
     assert rc == 2 and len(line) == 1 and f"no space left on device while writing {run}" in line[0], err
