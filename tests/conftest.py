@@ -60,6 +60,24 @@ if os.environ.get("LRMQ_TEST_FUSION_EMITTERS") != "1" and CPU_COMPILE_FLAG.split
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_COMPILE_FLAG).strip()
 
 
+# Each xdist worker on its own core(s), it and the processes it starts (they inherit the affinity); before anything
+# creates a thread pool (XLA's CPU client and libtpu's compiler size theirs by the cores a process may use). On 2
+# cores two workers' multithreaded compiles otherwise overlap, and threads waiting on their pools spin: the TPU
+# compile tests used 195 s of CPU beside the other worker against ~120 s alone. LRMQ_TEST_PIN=0 leaves it.
+def worker_cpus(worker: str | None, workers: int, cpus: list[int]) -> list[int] | None:
+    """The cores xdist worker `worker` ("gw<i>") of `workers` keeps: every workers-th one from its index; None
+    (no pinning) outside xdist, or with more workers than cores."""
+    if not worker or not worker.startswith("gw") or workers < 2 or workers > len(cpus):
+        return None
+    return sorted(cpus)[int(worker[2:]) % workers::workers]
+
+
+_pinned = worker_cpus(os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0),
+                      sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None
+if _pinned and os.environ.get("LRMQ_TEST_PIN") != "0":
+    os.sched_setaffinity(0, _pinned)
+
+
 def compile_with_xla_defaults(jitted, *args):
     """`jitted` compiled for `args` with XLA's default CPU emitters (the flag above lifted for this program): for
     tests that hold two different programs to the same bits. Those programs compute the same values in different

@@ -178,3 +178,20 @@ def test_the_heaviest_files_run_first(tmp_path):
     assert recorded and all(os.path.exists(os.path.join(os.path.dirname(TESTS_DIR), f)) for f in recorded)
     make = open(os.path.join(os.path.dirname(TESTS_DIR), "Makefile")).read()
     assert "--dist loadfile --no-loadscope-reorder" in make
+
+
+def test_each_worker_keeps_its_own_cores():
+    """conftest pins xdist worker gw<i> (and what it starts) to every n-th core from i; nothing outside xdist or
+    with more workers than cores; under `make test` (2 workers, 2 cores) each worker holds one core."""
+    from conftest import worker_cpus
+
+    assert worker_cpus("gw0", 2, [0, 1]) == [0] and worker_cpus("gw1", 2, [1, 0]) == [1]
+    assert worker_cpus("gw1", 2, [0, 1, 2, 3, 4]) == [1, 3] and worker_cpus("gw0", 2, [0, 1, 2, 3, 4]) == [0, 2, 4]
+    assert worker_cpus(None, 0, [0, 1]) is None and worker_cpus("gw0", 3, [0, 1]) is None
+    assert worker_cpus("gw0", 1, [0, 1]) is None and worker_cpus("master", 2, [0, 1]) is None
+    import conftest
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if 2 <= workers <= os.cpu_count() and os.environ.get("LRMQ_TEST_PIN") != "0":  # e.g. make test here
+        assert conftest._pinned and sorted(os.sched_getaffinity(0)) == conftest._pinned
+        assert len(conftest._pinned) <= os.cpu_count() // workers + 1
