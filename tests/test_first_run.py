@@ -112,6 +112,7 @@ def test_every_command_selects_platforms_first():
             f"{name}.main does not start with select_platforms(): {ast.unparse(first)}"
 
 
+@pytest.mark.slow(reason="six CLI processes, each starting Python and JAX: ~20 s alone, 31 s in the quiet suite")
 @pytest.mark.skipif(cli.tpu_present(), reason="this machine may have a TPU: JAX is meant to start it")
 def test_commands_start_quietly_without_jax_platforms(tmp_path):
     """Each command starts a JAX backend (real work, or a bad input found after the backend started), with no
