@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import subprocess
@@ -152,6 +153,42 @@ def optimized_xla():
     jax.config.update("jax_disable_most_optimizations", False)
     yield
     jax.config.update("jax_disable_most_optimizations", before)
+
+
+@contextlib.contextmanager
+def command_in_process():
+    """Run a command's main() in this process (`python -m lrmq.X` without a Python + JAX start) and put back what
+    the commands set process-wide: JAX_PLATFORMS (set while it runs, so lrmq.cli.select_platforms changes
+    nothing), JAX's persistent-cache settings (lrmq.compile_cache.enable), the root logger and the loggers
+    lrmq.train quiets (it configures logging with force=True), and the SIGTERM / SIGINT handlers it installs."""
+    import logging
+    import signal
+
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    platforms = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = platforms or "cpu"
+    cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                                   "jax_persistent_cache_min_compile_time_secs")}
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    quiet = {n: logging.getLogger(n).level for n in ("absl", "jax._src.xla_bridge")}
+    handlers_of = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in handlers_of.items():
+            signal.signal(s, h)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for n, lv in quiet.items():
+            logging.getLogger(n).setLevel(lv)
+        for k, v in cache.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
+        if platforms is None:
+            os.environ.pop("JAX_PLATFORMS")
 
 
 @pytest.fixture(scope="session")

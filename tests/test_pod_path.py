@@ -7,7 +7,6 @@ checks). No os.* call ever sees the URL.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -19,7 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, command_in_process
 
 # find_spec, not importorskip: gcsfs must not be imported before the fixture sets its environment
 if importlib.util.find_spec("gcsfs") is None:
@@ -228,19 +227,6 @@ def test_run_logs_mirror_appends(gcs):
 
 
 # ----------------------------------------------------------------------------- models and data in the bucket
-@contextlib.contextmanager
-def _platforms_chosen():
-    """A command's main() in this process: JAX_PLATFORMS set while it runs, so its platform choice
-    (lrmq.cli.select_platforms) neither changes this process's JAX config nor leaves the variable behind."""
-    old = os.environ.get("JAX_PLATFORMS")
-    os.environ["JAX_PLATFORMS"] = old or "cpu"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("JAX_PLATFORMS")
-
-
 TINY = os.path.join(REPO_ROOT, "lrmq", "assets", "tiny")
 
 
@@ -254,7 +240,7 @@ def _bucket_inputs(gcs: str, tmp_path) -> dict[str, str]:
         data = tmp_path / "data"
         from lrmq.data import synthetic
 
-        with _platforms_chosen():
+        with command_in_process():
             assert synthetic.main(["--out", str(data), "--n-train", "256", "--n-eval", "8"]) == 0
         paths.publish_dir(TINY, urls["model"])
         for name in ("train", "test"):
@@ -322,25 +308,14 @@ def test_two_process_launch_gs_run_dir(gcs, tmp_path):
     from etils import epath
 
     assert (epath.Path(run_dir) / "checkpoints" / "1" / "commit_success.txt").exists()  # orbax's GCS commit
-    # lrmq.evaluate as its main() in this process (what it reads and writes is the point, not its start-up); the
-    # persistent-cache settings it enables are put back
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
+    # lrmq.evaluate as its main() in this process (what it reads and writes is the point, not its start-up)
     from lrmq import evaluate
 
     out = tmp_path / "eval"
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {k: getattr(jax.config, k) for k in keys}
-    try:
-        with _platforms_chosen():
-            rc = evaluate.main(["--checkpoint", run_dir + "/final_policy", "--suite", "aime24,amc", "--limit", "2",
-                                "--greedy", "prompt=arith", "--data-dir", urls["evals"], "--out", str(out),
-                                "tensorboard=false", "progress=false"])
-    finally:
-        for k, v in saved.items():
-            jax.config.update(k, v)
-        cc.reset_cache()
+    with command_in_process():
+        rc = evaluate.main(["--checkpoint", run_dir + "/final_policy", "--suite", "aime24,amc", "--limit", "2",
+                            "--greedy", "prompt=arith", "--data-dir", urls["evals"], "--out", str(out),
+                            "tensorboard=false", "progress=false"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["checkpoint"] == run_dir + "/final_policy" and set(res["benchmarks"]) == {"aime24", "amc"}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, TINY_MODEL_DIR
+from conftest import REPO_ROOT, TINY_MODEL_DIR, command_in_process
 
 
 
@@ -22,18 +22,9 @@ def _run(args, timeout=600):
 @pytest.fixture
 def cli_main(capsys):
     """cli_main(module, *argv) -> stdout: `python -m lrmq.<module>` as its main() in this process (the tests are
-    about what the commands write, not about process start-up: one Python + JAX start fewer each). The
-    commands' process-wide setting, JAX's persistent compilation cache (lrmq.compile_cache.enable), is put back
-    afterwards; JAX_PLATFORMS is set, so their platform choice changes nothing."""
+    about what the commands write, not about process start-up: one Python + JAX start fewer each), what it sets
+    process-wide put back afterwards (conftest's command_in_process)."""
     import importlib
-
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {k: getattr(jax.config, k) for k in keys}
-    env = os.environ.get("JAX_PLATFORMS")
-    os.environ["JAX_PLATFORMS"] = env or "cpu"
 
     def call(module: str, *argv: str) -> str:
         rc = importlib.import_module(f"lrmq.{module}").main(list(argv))
@@ -41,12 +32,8 @@ def cli_main(capsys):
         assert rc == 0, (module, argv, out[-2000:], err[-4000:])
         return out
 
-    yield call
-    for k, v in saved.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-    if env is None:
-        os.environ.pop("JAX_PLATFORMS")
+    with command_in_process():
+        yield call
 
 
 @pytest.fixture(scope="module")

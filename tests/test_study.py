@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, command_in_process
 from lrmq.configlib import ConfigError
 from lrmq.studies.config import load_study_config
 from lrmq.studies.matrix import expand
@@ -26,18 +26,12 @@ def _study(*args: str) -> types.SimpleNamespace:
     """`python -m lrmq.study ARGS` as lrmq.study.main in this process (returncode, stderr): the study command
     only plans, starts its jobs' processes (lrmq.train, lrmq.quantize, lrmq.studies.heldout, lrmq.evaluate:
     they run as processes either way) and writes the report, so in process it spares a Python + JAX start per
-    call and changes nothing the tests check. JAX_PLATFORMS is set (its platform choice is a no-op)."""
+    call and changes nothing the tests check (conftest's command_in_process puts back what it sets)."""
     from lrmq import study
 
     err = io.StringIO()
-    old = os.environ.get("JAX_PLATFORMS")
-    os.environ["JAX_PLATFORMS"] = old or "cpu"
-    try:
-        with contextlib.redirect_stderr(err):
-            rc = study.main(list(args))
-    finally:
-        if old is None:
-            os.environ.pop("JAX_PLATFORMS")
+    with command_in_process(), contextlib.redirect_stderr(err):
+        rc = study.main(list(args))
     return types.SimpleNamespace(returncode=rc, stderr=err.getvalue())
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO_ROOT, run_with_devices, tiny_train_config
+from conftest import REPO_ROOT, command_in_process, run_with_devices, tiny_train_config
 from lrmq.configlib import ConfigError
 
 
@@ -131,26 +131,13 @@ def test_config_errors(tmp_path, section, override, needle):
 
 
 @pytest.fixture
-def train_main_in_process(monkeypatch):
-    """lrmq.train.main run in this process, its process-wide settings put back afterwards: the root logger
-    (main configures it with force=True), the loggers it quiets, and the SIGTERM / SIGINT handlers it installs
-    for start-up. JAX_PLATFORMS is set, so its platform choice changes nothing here."""
-    import logging
-
+def train_main_in_process():
+    """lrmq.train.main run in this process, its process-wide settings put back afterwards (conftest's
+    command_in_process)."""
     from lrmq import train
 
-    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS") or "cpu")
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    quiet = {n: logging.getLogger(n).level for n in ("absl", "jax._src.xla_bridge")}
-    sigs = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    yield train.main
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    for n, lv in quiet.items():
-        logging.getLogger(n).setLevel(lv)
-    for s, h in sigs.items():
-        signal.signal(s, h)
+    with command_in_process():
+        yield train.main
 
 
 # backend compiles while a test watches (the listener stays registered: JAX has no public way to remove one)
