@@ -36,10 +36,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-# compressed-tensors' unpacking and transformers' forwards here are on tiny tensors, where torch's other intra-op
-# threads only spin-wait: one thread does the same work (this file: 68 -> 25 s of CPU on 2 cores). It holds for the
-# rest of this process (a worker's later files), which only run torch on tiny tensors too.
-torch.set_num_threads(1)
 pytest.importorskip("compressed_tensors")
 
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402

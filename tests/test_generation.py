@@ -21,9 +21,6 @@ from lrmq.generation.paged import decode_attention_xla, interleave
 from lrmq.generation.sampling import SamplingConfig, _top_p_mask, sample
 from lrmq.model.decoder import attend, positions_from_mask
 
-# transformers' generate runs the tiny reference models token by token, where torch's other intra-op threads only
-# spin-wait (as in test_exports_consumers.py); process-wide.
-torch.set_num_threads(1)
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3]]
 

@@ -195,3 +195,10 @@ def test_each_worker_keeps_its_own_cores():
     if 2 <= workers <= os.cpu_count() and os.environ.get("LRMQ_TEST_PIN") != "0":  # e.g. make test here
         assert conftest._pinned and sorted(os.sched_getaffinity(0)) == conftest._pinned
         assert len(conftest._pinned) <= os.cpu_count() // workers + 1
+
+
+def test_torch_runs_on_one_thread_in_the_suite():
+    """conftest's pytest_configure: torch on one intra-op thread (the suite's tensors are tiny; a second thread
+    spin-waits beside the other worker), in every worker before any test module runs torch."""
+    torch = pytest.importorskip("torch")
+    assert torch.get_num_threads() == 1
