@@ -79,12 +79,12 @@ if _pinned and os.environ.get("LRMQ_TEST_PIN") != "0":
     os.sched_setaffinity(0, _pinned)
 
 
-def compile_with_xla_defaults(jitted, *args):
-    """`jitted` compiled for `args` with XLA's default CPU emitters (the flag above lifted for this program): for
-    tests that hold two different programs to the same bits. Those programs compute the same values in different
-    company (one has extra outputs), and which emitter fuses them decides the last bit of a few float32 results
+def compile_with_xla_defaults(lowered):
+    """A lowered program (`jitted.lower(*args)`) compiled with XLA's default CPU emitters (the flag above lifted for
+    this program): for tests that hold two different programs to the same bits. Those programs compute the same
+    values in different company (one has extra outputs), and which emitter fuses them decides the last bit of a few float32 results
     (2.6e-8 apart in the rollout-correction step); XLA's defaults are what they are checked on."""
-    return jitted.lower(*args).compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
+    return lowered.compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
@@ -142,17 +142,26 @@ def run_with_devices(script: str, *args: str, n_devices: int = 8, timeout: float
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
-def optimized_xla():
-    """Fully optimized XLA CPU code for one test whose run time, not its compiles, dominates (many training
-    steps), where the suite runs with JAX_DISABLE_MOST_OPTIMIZATIONS=1 (the conftest default): it is a JAX option
-    read at each compile, so it can be lifted for one test."""
+@contextlib.contextmanager
+def xla_optimized():
+    """Fully optimized XLA CPU code for the programs compiled inside, where the suite runs with
+    JAX_DISABLE_MOST_OPTIMIZATIONS=1 (the conftest default): it is a JAX option read at each compile, so it can be
+    lifted for work whose run time, not its compiles, dominates (many training steps)."""
     import jax
 
     before = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture
+def optimized_xla():
+    """xla_optimized() for one whole test."""
+    with xla_optimized():
+        yield
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ def structured_model(tmp_path_factory) -> dict:
 
 
 def _build_structured(root: str) -> None:
+    from conftest import xla_optimized
     from lrmq.checkpoint.hf import save_hf_model
     from lrmq.data.synthetic import make_splits, write_jsonl
     from lrmq.model.config import ModelConfig, RopeConfig
@@ -73,12 +74,8 @@ def _build_structured(root: str) -> None:
     n = len(ids) // seq
     toks = np.asarray(ids[: n * seq], np.int32).reshape(n, seq)
     # 150 training steps: their run time, not the one compile, dominates (XLA's optimizations on: 50 -> 35 s of CPU)
-    unoptimized = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
+    with xla_optimized():
         sft(model, toks, np.ones_like(toks, np.float32), PseudoFTOptions(steps=150, lr=3e-3, batch_size=8, seq_len=seq))
-    finally:
-        jax.config.update("jax_disable_most_optimizations", unoptimized)
     probe = jnp.asarray(toks[:2])
     before = np.asarray(model(probe))
     plant_outlier_channels(model)

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -326,10 +325,10 @@ def test_none_is_bit_identical_to_the_step_without_the_feature(tmp_path, monkeyp
             for old_from in sources:  # mu = 2, as the trainer runs it
                 args = (jax.tree.map(jnp.copy, tr), rest, jax.tree.map(jnp.copy, opt), batch, None)
                 lowered = make_train_step(graphdef, cfg, tx, old_from=old_from).lower(*args)
-                if lowered.as_text() not in compiled:
-                    compiled[lowered.as_text()] = compile_with_xla_defaults(SimpleNamespace(lower=lambda *a: lowered),
-                                                                            *args)
-                step = compiled[lowered.as_text()]
+                text = lowered.as_text()
+                if text not in compiled:
+                    compiled[text] = compile_with_xla_defaults(lowered)
+                step = compiled[text]
                 tr, opt, out = step(*args)
                 if old_from == "own":
                     batch = batch.replace(old_logp=out.pop("logp") * batch.completion_mask)
