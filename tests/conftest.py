@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import shutil
 import subprocess
@@ -263,6 +264,20 @@ def pytest_configure(config):
     except ImportError:
         return
     torch.set_num_threads(1)
+
+
+# Python's cyclic garbage collector, tuned for a test process: after collection every module, model class and
+# fixture function imported so far is moved out of the collector's view (gc.freeze: they live for the whole
+# session), and a young-generation collection runs every GC_GEN0 allocations instead of Python's 700 (tracing and
+# lowering JAX programs allocate millions of short-lived objects; each collection walked them all). Cycles are
+# still collected, less often. Measured on three in-process files, one core: CPU 42.6 -> 40.5 s, the same tests.
+GC_GEN0 = 50_000
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -202,3 +202,14 @@ def test_torch_runs_on_one_thread_in_the_suite():
     spin-waits beside the other worker), in every worker before any test module runs torch."""
     torch = pytest.importorskip("torch")
     assert torch.get_num_threads() == 1
+
+
+def test_the_collector_runs_less_often_and_skips_what_collection_imported():
+    """conftest's pytest_collection_finish: a young-generation collection every GC_GEN0 allocations, and the objects
+    alive after collection (modules, classes, fixtures) frozen out of the collector's walks."""
+    import gc
+
+    from conftest import GC_GEN0
+
+    assert gc.get_threshold()[0] == GC_GEN0 > 700
+    assert gc.get_freeze_count() > 10_000
