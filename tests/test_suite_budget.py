@@ -143,8 +143,8 @@ def test_built_once_per_run_builds_once_and_retries_a_failed_build(tmp_path_fact
 
 
 def test_the_suite_compiles_with_xla_s_older_cpu_emitters():
-    """conftest adds CPU_COMPILE_FLAG to XLA_FLAGS for the suite and its CLIs when jaxlib knows it (XLA aborts on
-    an unknown flag), and compile_with_xla_defaults lifts it for one program."""
+    """conftest adds CPU_COMPILE_FLAG and CPU_CODEGEN_FLAG to XLA_FLAGS for the suite and its CLIs when jaxlib knows
+    them (XLA aborts on an unknown flag), once each, and compile_with_xla_defaults lifts the first for one program."""
     import jax
     import jax.numpy as jnp
 
@@ -154,6 +154,8 @@ def test_the_suite_compiles_with_xla_s_older_cpu_emitters():
     assert not conftest._jaxlib_knows("--xla_cpu_no_such_flag_in_any_jaxlib=true")
     if os.environ.get("LRMQ_TEST_FUSION_EMITTERS") != "1":
         assert conftest.CPU_COMPILE_FLAG in os.environ["XLA_FLAGS"].split()
+    assert conftest._jaxlib_knows(conftest.CPU_CODEGEN_FLAG)  # one LLVM module per program, not split for threads
+    assert os.environ["XLA_FLAGS"].count("--xla_cpu_parallel_codegen_split_count") == 1
     f = jax.jit(lambda x: jnp.tanh(x) * 2 + 1)
     x = jnp.linspace(-2, 2, 8)
     np.testing.assert_allclose(conftest.compile_with_xla_defaults(f.lower(x))(x), f(x), rtol=1e-6)
