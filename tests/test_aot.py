@@ -197,9 +197,9 @@ def test_evaluate_compile_only_for_a_tpu_topology(capsys, monkeypatch):
     assert "target: v5e:2x2 (4 devices); suite quantlrm: 8 decode slots, prompt 64 + 192 new tokens" in out
     assert "| prefill |" in out and "| decode |" in out and "fits:" in out
     # the compiler refuses 65,536 slots on the chip's real HBM (~18 GB of prefill temporaries); the slot search
-    # then runs against a 1 GiB budget, so it settles among a few hundred slots (a few seconds a compile)
-    # instead of compiling 2,048 and 4,096 (about 20 s each)
-    monkeypatch.setitem(aot.HBM_BYTES, "TPU v5 lite", 2 ** 30)
+    # then runs against a 128 MiB budget, so it settles at 32 / 64 slots (2-3 s a compile) instead of compiling
+    # 2,048 and 4,096 (about 20 s each; 128 and 256 at 1 GiB: 6-10 s each)
+    monkeypatch.setitem(aot.HBM_BYTES, "TPU v5 lite", 128 * 2 ** 20)
     assert main(["--checkpoint", "tiny", "--suite", "quantlrm", "--compile-only", "--topology", "v5e:2x2",
                  "--prompt-len", "64", "generation.batch_size=65536"]) == 3
     out = capsys.readouterr().out
