@@ -643,7 +643,7 @@ def _sharded_engine() -> None:
                 model = shard_model(model, mesh)
         eng = Engine(model, eos_ids=[271], pad_id=0, mesh=mesh, impl=impl,
                      config=EngineConfig(slots=8, page_size=4, sync_steps=8, kv_cache=fmt))
-        return eng.generate(model, prompts, max_new_tokens=[12, 30, 7, 30, 20] * 2, sampling=sampling, seed=3,
+        return eng.generate(model, prompts, max_new_tokens=[6, 15, 4, 15, 10] * 2, sampling=sampling, seed=3,
                             kv_scales=kv_scales)
 
     for fmt in ("fp8_e4m3", "int8"):
