@@ -68,7 +68,9 @@ def test_resume_is_exact(tmp_path, two_steps):
 
 
 @pytest.mark.slow(reason="two lrmq.train subprocesses: SIGTERM mid-run, then the resume")
-def test_sigterm_saves_and_resume_continues(tmp_path):
+def test_sigterm_saves_and_resume_continues(tmp_path, train_main_in_process, capsys):
+    """SIGTERM to an lrmq.train process mid-run: it saves and exits 0; the resume (lrmq.train.main in this
+    process: its start-up as a process is not the point) continues from the saved step."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"),
            f"run.out_dir={out}", "run.steps=200", "run.save_every=100", "run.eval_size=0",
@@ -95,8 +97,9 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert ckpts, "no checkpoint written on SIGTERM"
     saved = max(int(d) for d in ckpts)
     assert 1 <= saved < 200
-    res = subprocess.run(cmd + ["--stop-after", "1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    capsys.readouterr()
+    rc = train_main_in_process(cmd[3:] + ["--stop-after", "1"])
+    assert rc == 0, capsys.readouterr().err[-3000:]
     steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
     assert steps[-1] == saved + 1  # resumed from the saved step, not from scratch
 
