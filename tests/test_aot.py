@@ -3,30 +3,46 @@ memory check. Compiles target TPU topologies through libtpu on this CPU-only hos
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
-import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO_ROOT, tiny_train_config
+from conftest import REPO_ROOT, command_in_process, tiny_train_config
 
 pytest.importorskip("libtpu", reason="libtpu is in the test extra on Python 3.11") if sys.version_info >= (3, 12) \
     else __import__("libtpu")
 
-ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 TINY_OVERRIDES = ["run.progress=false", "data.synthetic_train_size=64", "data.synthetic_eval_size=8"]
 
 
-def _train(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "lrmq.train", *args], cwd=REPO_ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+@pytest.fixture
+def cli(capsys):
+    """cli(module, *argv) -> (returncode, stdout, stderr) of `python -m lrmq.<module>` run as its main() in this
+    process (conftest's command_in_process puts back what it sets process-wide): the tests are about what the
+    commands do and write, not about a Python + JAX + libtpu start (3.5-4 s of CPU each)."""
+
+    def call(module: str, *argv: str):
+        capsys.readouterr()
+        rc = importlib.import_module(f"lrmq.{module}").main(list(argv))
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
+    with command_in_process():
+        yield call
 
 
-@pytest.mark.slow(reason="a train --compile-only subprocess: two update shapes and the rollout for 4 v5e chips")
-def test_compile_only_tiny_recipe_on_a_multichip_topology_and_an_oversized_pool(tmp_path):
+@pytest.fixture
+def _train(cli):
+    return lambda *args: cli("train", *args)
+
+
+@pytest.mark.slow(reason="train --compile-only: two update shapes, the rollout and its pool search for 4 v5e chips")
+def test_compile_only_tiny_recipe_on_a_multichip_topology_and_an_oversized_pool(tmp_path, _train):
     """The tiny GRPO step (every update shape, as the trainer compiles them before its first rollout) and the
     rollout compile for 4 v5e chips (fsdp=4), with a JSON report; a KV pool far past the chip's HBM
     (rollout.kv_pages set) is refused by the compiler for both rollout programs, and the command ends in its
@@ -57,21 +73,21 @@ def test_compile_only_tiny_recipe_on_a_multichip_topology_and_an_oversized_pool(
     assert all("RESOURCE_EXHAUSTED" in p["refused"] for p in rep["programs"] if p["memory"] is None)
 
 
-def test_compile_only_missing_weights_needs_shapes(tmp_path):
+def test_compile_only_missing_weights_needs_shapes(tmp_path, _train):
     r = _train("--config", os.path.join(REPO_ROOT, "configs", "paper1", "qwen3_0.6b_grpo.yaml"), "--compile-only",
                "model.shapes=", "--topology", "v5e:2x4")
     assert r.returncode == 2
     assert "model.shapes" in r.stderr and "/path/to/Qwen3-0.6B-Base" in r.stderr
 
 
-def test_compile_only_bad_topology_names_it():
+def test_compile_only_bad_topology_names_it(_train):
     r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), "--compile-only",
                "--topology", "v9z:banana")
     assert r.returncode == 2 and "v9z:banana" in r.stderr
 
 
 @pytest.mark.slow(reason="the one paper-recipe fit check: Qwen3-0.6B's update and rollout compiled for v5e-8")
-def test_paper_recipe_0_6b_fits_v5e_8(tmp_path):
+def test_paper_recipe_0_6b_fits_v5e_8(tmp_path, _train):
     """configs/paper1/qwen3_0.6b_grpo.yaml as written: Qwen3-0.6B, 256 sequences of 512 + 512 tokens, compiled
     for its stated hardware (8 v5e chips, 16 GiB each). Exits 0 only when every program fits with headroom; the
     KV pool sized to the chip is the worst case here (it fits in 0.9 of HBM less the update)."""
@@ -79,7 +95,7 @@ def test_paper_recipe_0_6b_fits_v5e_8(tmp_path):
     # rollout.update_shapes=1: the largest update shape decides the memory; the smaller ones cost compile time only
     # (the tiny recipe's test above compiles every shape)
     r = _train("--config", os.path.join(REPO_ROOT, "configs", "paper1", "qwen3_0.6b_grpo.yaml"), "--compile-only",
-               "--report", str(report), "rollout.update_shapes=1", timeout=900)
+               "--report", str(report), "rollout.update_shapes=1")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rep = json.loads(report.read_text())
     assert rep["target"] == "v5e:2x4" and rep["fits"]
@@ -121,7 +137,7 @@ def test_does_not_fit_names_the_largest_micro_batch(tmp_path, monkeypatch):
     assert rep["kv_pool"]["sized"] in ("fitted", "worst case") and rep["kv_pool"]["pages"] > 1
 
 
-def test_trainer_preflight_refuses_before_the_first_step(tmp_path):
+def test_trainer_preflight_refuses_before_the_first_step(tmp_path, _train):
     out = tmp_path / "run"
     r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={out}",
                "run.preflight=on", "run.hbm_limit_gib=0.000001", "run.steps=1", "run.export_hf=false",
@@ -134,7 +150,7 @@ def test_trainer_preflight_refuses_before_the_first_step(tmp_path):
 
 
 @pytest.mark.slow(reason="a one-step training run with its preflight and the smallest KV pool (preemption)")
-def test_trainer_preflight_then_trains_with_the_compiled_step(tmp_path):
+def test_trainer_preflight_then_trains_with_the_compiled_step(tmp_path, _train):
     out = tmp_path / "run"
     r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={out}",
                "run.preflight=on", "run.steps=1", "run.export_hf=false", "run.eval_size=0",
@@ -150,11 +166,9 @@ def test_trainer_preflight_then_trains_with_the_compiled_step(tmp_path):
     assert m["completion/length_mean"] > 0  # both generate calls of 8 sequences produced completions
 
 
-def test_generate_compile_only(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "lrmq.generate", "--compile-only", "--checkpoint",
-                        os.path.join(REPO_ROOT, "lrmq", "assets", "tiny"), "--topology", "v5e:2x4", "--batch", "16",
-                        "--prompt-len", "64", "--max-new-tokens", "32"], cwd=REPO_ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=600)
+def test_generate_compile_only(cli):
+    r = cli("generate", "--compile-only", "--checkpoint", os.path.join(REPO_ROOT, "lrmq", "assets", "tiny"),
+            "--topology", "v5e:2x4", "--batch", "16", "--prompt-len", "64", "--max-new-tokens", "32")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| decode |" in r.stdout and "| prefill |" in r.stdout and "fits:" in r.stdout
     assert "v5e:2x4 (8 devices)" in r.stdout
