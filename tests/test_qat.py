@@ -24,6 +24,11 @@ def tiny(seed=0):
     return Decoder(ModelConfig.from_hf_dict(dict(CFG)), nnx.Rngs(seed))
 
 
+# Forwards and gradients as one compiled program each (per model structure), not op by op: each eager op is its
+# own XLA compile, and the QAT dot_generals add many.
+forward = nnx.jit(lambda model, tokens: model(tokens))
+
+
 def paper_int8_scale(w0) -> np.float32:
     """Paper 1's frozen scale, written independently of lrmq (numpy, float32): S = max(max|W0| / 127, 1e-6),
     per tensor (rlquant `QuantizedLinear`; shared/reference/papers.md, "QAFT / STE, 8-bit")."""
@@ -64,7 +69,7 @@ def test_forward_equals_fake_quant(scheme, g):
     touched = apply_qat(m, scheme, group_size=g)
     assert len(touched) == 7 and m.lm_head.dot_general.__name__ == "default_dot_general"  # lm_head untouched
     ref = float_with_fake_quant(m, scheme, g)
-    y, y_ref, y_float = m(TOK), ref(TOK), tiny()(TOK)
+    y, y_ref, y_float = forward(m, TOK), forward(ref, TOK), forward(tiny(), TOK)
     np.testing.assert_allclose(y, y_ref, atol=2e-5, rtol=1e-5)
     assert float(jnp.abs(y - y_float).max()) > 1e-4  # quantization really happens
 
@@ -84,13 +89,16 @@ def _loss(model):
     return jnp.mean(model(TOK) ** 2)
 
 
+grad_loss = nnx.jit(nnx.grad(_loss))
+
+
 @pytest.mark.parametrize("scheme,g", [("paper_int8", 0), ("int8", 0), ("int4", 16)])
 def test_gradient_is_float_gradient_at_quantized_point(scheme, g):
     m = tiny()
     apply_qat(m, scheme, group_size=g)
     ref = float_with_fake_quant(m, scheme, g)
-    grad = nnx.grad(_loss)(m)
-    grad_ref = nnx.grad(_loss)(ref)
+    grad = grad_loss(m)
+    grad_ref = grad_loss(ref)
     flat, flat_ref = dict(nnx.to_flat_state(grad)), dict(nnx.to_flat_state(grad_ref))
     assert flat.keys() == flat_ref.keys()
     for k in flat:
@@ -116,7 +124,8 @@ def test_paper_int8_scale_is_frozen_from_the_base_weights():
     # ... and the whole model: every kernel moved, each forward still uses its frozen scale
     for _, l in iter_linears(m):
         l.kernel.set_value(l.kernel.get_value() * 1.7 + 0.01)
-    np.testing.assert_allclose(m(TOK), float_with_fake_quant(m, "paper_int8", base=base)(TOK), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(forward(m, TOK), forward(float_with_fake_quant(m, "paper_int8", base=base), TOK),
+                               atol=2e-5, rtol=1e-5)
 
 
 def test_paper_int8_hand_computed():
@@ -138,11 +147,11 @@ def test_stochastic_rounding_changes_backward_only():
     m, plain = tiny(), tiny()
     apply_qat(m, "int8", stochastic_rounding=True, seed=1)
     apply_qat(plain, "int8")
-    np.testing.assert_allclose(m(TOK), plain(TOK), atol=1e-6)  # forward (rollouts) unchanged, deterministic
-    gfn = nnx.jit(nnx.grad(_loss))
-    g1 = gfn(m)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
-    g1b = gfn(m)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
-    g0 = nnx.grad(_loss)(plain)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
+    # the forward (rollouts) unchanged, deterministic
+    np.testing.assert_allclose(forward(m, TOK), forward(plain, TOK), atol=1e-6)
+    g1 = grad_loss(m)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
+    g1b = grad_loss(m)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
+    g0 = grad_loss(plain)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
     np.testing.assert_array_equal(g1, g1b)  # same inputs -> same key -> same gradient (reproducible)
     assert float(jnp.abs(g1 - g0).max()) > 0  # the incoming gradient was stochastically rounded
     assert float(jnp.linalg.norm(g1 - g0) / jnp.linalg.norm(g0)) < 0.2  # ... and is close to the STE gradient
