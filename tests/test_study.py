@@ -22,6 +22,17 @@ from lrmq.studies.matrix import expand
 QUICK = os.path.join(REPO_ROOT, "configs", "study", "quick.yaml")
 
 
+def _quick_train(max_new_tokens: int = 24) -> str:
+    """The quick recipe's train.overrides with rollout.max_new_tokens=24 (the recipe's 48 halves every decode of
+    the study's training rollouts and its four held-out evaluations: the tests check the machinery, not the
+    accuracy), as one study override."""
+    import yaml
+
+    with open(QUICK) as f:
+        items = [o for o in yaml.safe_load(f)["train"]["overrides"] if not o.startswith("rollout.max_new_tokens=")]
+    return "train.overrides=[" + ", ".join([*items, f"rollout.max_new_tokens={max_new_tokens}"]) + "]"
+
+
 def _study(*args: str) -> types.SimpleNamespace:
     """`python -m lrmq.study ARGS` as lrmq.study.main in this process (returncode, stderr): the study command
     only plans, starts its jobs' processes (lrmq.train, lrmq.quantize, lrmq.studies.heldout, lrmq.evaluate:
@@ -125,7 +136,7 @@ def quick_study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study") / "quick"
     # 16 problems: the quick recipe's run.eval_size, so the grpo arm's evaluation is also what
     # test_heldout_matches_the_trainer compares with the trainer's own last evaluation
-    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--no-progress")
+    p = _study("--config", QUICK, f"out_dir={out}", _quick_train(), "eval.size=16", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     return out, p
 
@@ -187,7 +198,7 @@ def test_quick_study_resumes(quick_study):
     out, _ = quick_study
     results = {n: (out / "runs" / n / "seed0" / "result.json") for n in ("base", "grpo", "grpo-ptq-rtn-w4")}
     mtimes = {n: p.stat().st_mtime_ns for n, p in results.items()}
-    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--no-progress")
+    p = _study("--config", QUICK, f"out_dir={out}", _quick_train(), "eval.size=16", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "3 of 3 jobs already done" in p.stderr and "0 ran" in p.stderr
     assert {n: q.stat().st_mtime_ns for n, q in results.items()} == mtimes
@@ -197,7 +208,7 @@ def test_quick_study_resumes(quick_study):
     before = json.loads(results["grpo-ptq-rtn-w4"].read_text())
     os.remove(job / "result.json")
     os.remove(job / "eval.json")
-    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--no-progress")
+    p = _study("--config", QUICK, f"out_dir={out}", _quick_train(), "eval.size=16", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "2 of 3 jobs already done" in p.stderr and "1 ran" in p.stderr
     assert (job / "logs" / "quantize.log").read_text().count("$ ") == 1  # not quantized again
@@ -207,7 +218,7 @@ def test_quick_study_resumes(quick_study):
     assert results["grpo"].stat().st_mtime_ns == mtimes["grpo"]
 
     # another study's settings in the same dir are refused, not mixed
-    p = _study("--config", QUICK, f"out_dir={out}", "eval.size=8", "--no-progress")
+    p = _study("--config", QUICK, f"out_dir={out}", _quick_train(), "eval.size=8", "--no-progress")
     assert p.returncode == 2 and "holds a study with different eval settings" in p.stderr
 
 
@@ -219,7 +230,7 @@ def test_report_importance_histogram(quick_study):
     np.savez(q / "importance.npz", **{"layers.0.attn.q_proj": rng.lognormal(size=128).astype(np.float32),
                                       "layers.0.mlp.down_proj": rng.lognormal(size=384).astype(np.float32)})
     try:
-        p = _study("--config", QUICK, f"out_dir={out}", "eval.size=16", "--report")
+        p = _study("--config", QUICK, f"out_dir={out}", _quick_train(), "eval.size=16", "--report")
         assert p.returncode == 0, p.stderr[-3000:]
         res = json.loads((out / "results.json").read_text())
         assert "importance_hist.png" in res["plots"]
