@@ -11,7 +11,7 @@
   per-KV-head scales folded into q and the output, and the GPU kernel (Pallas interpret mode) with scale pages
   agree on a quantized pool.
 * libtpu compiles the engine with fp8 pages in the TPU kernel for v5e / v5p / v6e, the pool argument half the
-  bf16 pool's bytes; int8 compiles on the XLA path.
+  bf16 pool's bytes; int8 compiles on the XLA path (tests/test_paged_tpu.py, which compiles the bf16 engine).
 * On 8 CPU devices the quantized pool split over KV heads gives the one-device tokens and clip count.
 * Kept fp8 scales (rollout.kv_scale_refresh): a call given scales writes under them and returns them
   bit-identical, a call given its own is reproduced bit for bit, `KVCalibration` recalibrates after k updates;
@@ -525,44 +525,7 @@ def test_quantized_kv_cache_trains_a_step(tmp_path, kv_cache, quant, refresh):
 
 
 # ------------------------------------------------------------------------------------------ TPU compiles (libtpu)
-_TPU_COMPILED: dict = {}  # (topology, kv_cache) -> {program: (compiled, s)}: v5e's fp8 decode serves both tests below
-
-
-def _compile_tpu(topology, kv_cache, programs=("decode",)):
-    """The engine's `programs` compiled by libtpu for one chip of `topology` (cached for the module: one worker)."""
-    import os
-
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from test_paged_tpu import TINY, _require_libtpu
-
-    from lrmq import aot
-    from lrmq.model.config import ModelConfig
-    from lrmq.sharding import MeshConfig, make_mesh
-
-    _require_libtpu()
-    have = _TPU_COMPILED.setdefault((topology, kv_cache), {})
-    missing = tuple(p for p in programs if p not in have)
-    if missing:
-        cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")  # head_dim 128, 8 KV heads
-        mesh = make_mesh(MeshConfig(1, 1, 1), devices=list(aot.topology_devices(topology))[:1])
-        graphdef, state = aot.abstract_model(cfg, mesh)
-        have.update(aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=8, prompt_len=64, max_new=64,
-                                         engine=EngineConfig(slots=8, sync_steps=4, kv_cache=kv_cache),
-                                         sampling=SamplingConfig(), programs=missing))
-    return have
-
-
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])  # v5p / v6e: the decode program, ~5 s
-def test_the_tpu_kernel_compiles_on_fp8_pages(topology):
-    """libtpu (ahead of time, from this CPU host) takes fp8 pages in the ragged paged attention kernel, at the
-    static scales 1.0. On v5e the whole engine (prefill writes fp8 pages too, through XLA); on v5p and v6e the
-    decode program, the one with the kernel (their prefill's splash kernel compiles in test_paged_tpu.py)."""
-    programs = ("prefill", "decode") if topology == "v5e:2x2" else ("decode",)
-    compiled = _compile_tpu(topology, "fp8_e4m3", programs)
-    text = compiled["decode"][0].as_text()
-    assert "ragged_paged_attention" in text and "f8e4m3fn" in text
-
-
+# (the kernel on fp8 pages and the fp8 pool's size on TPU compile in tests/test_paged_tpu.py, beside the bf16 engine)
 @pytest.mark.slow(reason="a libtpu compile of the tiny engine's decode program on 8 v5e chips (about 10 s here)")
 def test_the_xla_path_does_not_copy_an_fp8_pool_in_the_decode_loop_on_tpu():
     """The XLA decode path on fp8 pages at 1 KV head per chip (impl="xla" on data=1 x fsdp=8, the path the refusal
@@ -599,24 +562,6 @@ def test_the_xla_path_does_not_copy_an_fp8_pool_in_the_decode_loop_on_tpu():
             copies.setdefault(comp, []).append(line.strip()[:120])
     assert "ENTRY" in copies  # the parser sees the copies (before / after the loop)
     assert not {c: v for c, v in copies.items() if c != "ENTRY"}, copies  # none inside a loop
-
-
-@pytest.mark.slow(reason="libtpu compiles of the engine's decode program (bf16, fp8 and int8 pools; fp8's is shared "
-                         "with test_the_tpu_kernel_compiles_on_fp8_pages[v5e:2x2] in one process)")
-def test_the_fp8_pool_is_half_the_bf16_pool_on_tpu():
-    """The v5e decode program's arguments shrink by half the bf16 pool (less the scales); int8 compiles on the
-    XLA path (the kernel does not take it)."""
-    from test_paged_tpu import TINY
-
-    from lrmq.generation.engine import call_sizes
-    from lrmq.model.config import ModelConfig
-
-    cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")
-    size = lambda kv: _compile_tpu("v5e:2x2", kv)["decode"][0].memory_analysis().argument_size_in_bytes  # noqa: E731
-    pages = call_sizes(EngineConfig(slots=8, sync_steps=4), cfg, None, 8, 64, 64)[1]
-    saved = pages * paged.page_bytes(cfg, 16, kv_cache="fp8_e4m3")  # half the bf16 pool (fp8: 1 byte an entry)
-    assert abs((size("auto") - size("fp8_e4m3")) - saved) < 0.01 * saved
-    assert "ragged_paged_attention" not in _compile_tpu("v5e:2x2", "int8")["decode"][0].as_text()
 
 
 # ------------------------------------------------------------------------------------------ on a mesh

@@ -6,7 +6,9 @@
   CPU in jax 0.10.2, so the kernel is swapped for its own reference (`ref_ragged_paged_attention`), which
   also checks the arguments with the kernel's static and dynamic validators.
 * "auto" follows the compile target; the block sizes follow the generation.
-* The engine's prefill and decode programs compile for v5e, v5p and v6e with the kernel in them.
+* The engine's prefill and decode programs compile for v5e, v5p and v6e with the kernel in them; with fp8 pages
+  (kv_cache=fp8_e4m3) the kernel takes them on each generation, and on v5e the decode program's arguments shrink
+  by half the bf16 pool (int8 pages compile on the XLA path).
 * On an 8-chip v5e slice with FSDP-sharded weights the decode loop moves no weight per token (the stacked
   weights, embedding and lm head are relaid into the tensor-parallel decode layout once per call, before the
   loop), each chip holds 1/8 of the KV pool (KV heads split like the KV projections) and reads 1/8 of the
@@ -137,13 +139,65 @@ def _compile(topology, mesh_shape, *, slots=16, pack=None, programs=("prefill", 
                                 programs=programs), state
 
 
+_ONE_CHIP: dict = {}  # (topology, kv_cache) -> {program: (compiled, s)}: v5e's bf16 and fp8 decode serve two tests
+
+
+def _compile_one_chip(topology, kv_cache="auto", programs=("decode",)):
+    """The engine's `programs` (8 slots, pages of 16, 64 + 64 tokens) compiled by libtpu for one chip of
+    `topology` with `kv_cache` pages, cached for the module (one xdist worker runs the file)."""
+    from lrmq import aot
+    from lrmq.generation.engine import EngineConfig
+    from lrmq.generation.sampling import SamplingConfig
+    from lrmq.model.config import ModelConfig
+    from lrmq.sharding import MeshConfig, make_mesh
+
+    _require_libtpu()
+    have = _ONE_CHIP.setdefault((topology, kv_cache), {})
+    missing = tuple(p for p in programs if p not in have)
+    if missing:
+        cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")
+        mesh = make_mesh(MeshConfig(1, 1, 1), devices=list(aot.topology_devices(topology))[:1])
+        graphdef, state = aot.abstract_model(cfg, mesh)
+        have.update(aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=8, prompt_len=64, max_new=64,
+                                         engine=EngineConfig(slots=8, sync_steps=4, kv_cache=kv_cache),
+                                         sampling=SamplingConfig(), programs=missing))
+    return have
+
+
 @pytest.mark.parametrize("gen", ["v5e", "v5p", "v6e"])
 def test_engine_programs_compile_with_the_kernel(gen):
-    _require_libtpu()
     topology = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}[gen]
-    programs, _ = _compile(topology, (1, 1, 1), slots=8)
+    programs = _compile_one_chip(topology, "auto", ("prefill", "decode"))
     assert "ragged_paged_attention" in programs["decode"][0].as_text()
     assert all("tpu_custom_call" in c.as_text() for c, _ in programs.values())  # prefill: splash attention
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])  # v5p / v6e: the decode program, ~5 s
+def test_the_tpu_kernel_compiles_on_fp8_pages(topology):
+    """libtpu (ahead of time, from this CPU host) takes fp8 pages in the ragged paged attention kernel, at the
+    static scales 1.0. On v5e the whole engine (prefill writes fp8 pages too, through XLA); on v5p and v6e the
+    decode program, the one with the kernel (their prefill's splash kernel compiles in the test above)."""
+    programs = ("prefill", "decode") if topology == "v5e:2x2" else ("decode",)
+    compiled = _compile_one_chip(topology, "fp8_e4m3", programs)
+    text = compiled["decode"][0].as_text()
+    assert "ragged_paged_attention" in text and "f8e4m3fn" in text
+
+
+def test_the_fp8_pool_is_half_the_bf16_pool_on_tpu():
+    """The v5e decode program's arguments shrink by half the bf16 pool (less the scales); int8 compiles on the
+    XLA path (the kernel does not take it). The bf16 and fp8 programs are the two tests' above (one process:
+    the file's module cache), so this compiles the int8 one only."""
+    from lrmq.generation.engine import EngineConfig, call_sizes
+    from lrmq.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")
+    def size(kv):
+        return _compile_one_chip("v5e:2x2", kv)["decode"][0].memory_analysis().argument_size_in_bytes
+
+    pages = call_sizes(EngineConfig(slots=8, sync_steps=4), cfg, None, 8, 64, 64)[1]
+    saved = pages * paged.page_bytes(cfg, 16, kv_cache="fp8_e4m3")  # half the bf16 pool (fp8: 1 byte an entry)
+    assert abs((size("auto") - size("fp8_e4m3")) - saved) < 0.01 * saved
+    assert "ragged_paged_attention" not in _compile_one_chip("v5e:2x2", "int8")["decode"][0].as_text()
 
 
 def _weight_collectives_in_loop(compiled, state):
