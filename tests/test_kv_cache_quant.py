@@ -505,7 +505,8 @@ def test_quantized_kv_cache_trains_a_step(tmp_path, kv_cache, quant, refresh):
     with the packed int4 rollout copy (both in one decode program)."""
     from lrmq.rl.trainer import GRPOTrainer
 
-    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": kv_cache, "quant": quant, "kv_scale_refresh": refresh},
+    cfg = tiny_train_config(str(tmp_path), rollout={"kv_cache": kv_cache, "quant": quant, "kv_scale_refresh": refresh,
+                                                    "max_new_tokens": 16},
                             run={"steps": 1, "eval_size": 0, "save_every": 1})
     assert cfg.loss_config().rollout_correction == "sequence_mask"
     trainer = GRPOTrainer(cfg)
