@@ -157,41 +157,50 @@ def calib_blocks(d, n_samples=64, block=128):
 # ----------------------------------------------------------------------------- tests
 
 
+def _layer_checks(layer, x, pos, spec):
+    """What test_functional_layer_matches_module compares for one layer: the module's output and the functional
+    layer's (with its captured Linear inputs), and the layer rebuilt from those captures with the module's own
+    Linears and norms (attention = o_proj(o_in), MLP = down_proj(down_in))."""
+    ref, _ = layer(x, pos)
+    out, caps = layer_fn.layer_forward(layer_fn.get_layer_params(layer), spec, x, pos, capture=True)
+    attn = layer.attn.o_proj(caps["o_in"])
+    pairs = {"out": (out, ref), "attn": (layer.attn(caps["attn_in"], pos)[0], attn)}
+    if layer.post_norm:  # Olmo: x + norm(f(x))
+        h = x + layer.attn_out_norm(attn)
+        mlp = layer.mlp_out_norm(layer.mlp.down_proj(caps["down_in"]))
+        pairs.update(attn_in=(caps["attn_in"], x), mlp_in=(caps["mlp_in"], h),
+                     mlp=(layer.mlp_out_norm(layer.mlp(caps["mlp_in"])), mlp))
+    else:  # x + f(norm(x))
+        h = x + attn
+        mlp = layer.mlp.down_proj(caps["down_in"])
+        pairs.update(attn_in=(caps["attn_in"], layer.attn_norm(x)), mlp_in=(caps["mlp_in"], layer.mlp_norm(h)),
+                     mlp=(layer.mlp(caps["mlp_in"]), mlp))
+    pairs["sum"] = (h + mlp, ref)
+    return pairs, jnp.abs(attn).max(), jnp.abs(mlp).max()
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "olmo3", "llama_linear"])
 def test_functional_layer_matches_module(hf_checkpoint, variant):
+    import functools
+
+    from flax import nnx
+
     from lrmq.checkpoint.hf import load_hf_model
 
     d, _ = hf_checkpoint(variant)
     m = load_hf_model(d)
     toks = np.random.default_rng(0).integers(0, 128, (2, 16))
     x = lw.embed_tokens(m, toks)
-    pos = lw.positions_for(2, 16)
+    pos = jnp.asarray(lw.positions_for(2, 16))
     for i in range(m.cfg.num_layers):
-        ref, _ = m.layers[i](jnp.asarray(x), jnp.asarray(pos))
-        out, caps = layer_fn.layer_forward(layer_fn.get_layer_params(m.layers[i]), layer_fn.layer_spec(m.cfg, i), x, pos, capture=True)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
-        # The captured Linear inputs are the module's: rebuilding the layer from them with the module's own
-        # Linears and norms gives its output (attention = o_proj(o_in), MLP = down_proj(down_in)).
-        layer, close = m.layers[i], lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
-                                                                             atol=1e-5)
-        xj = jnp.asarray(x)
-        attn = layer.attn.o_proj(jnp.asarray(caps["o_in"]))
-        close(layer.attn(jnp.asarray(caps["attn_in"]), jnp.asarray(pos))[0], attn)
-        if layer.post_norm:  # Olmo: x + norm(f(x))
-            close(caps["attn_in"], xj)
-            h = xj + layer.attn_out_norm(attn)
-            close(caps["mlp_in"], h)
-            mlp = layer.mlp_out_norm(layer.mlp.down_proj(jnp.asarray(caps["down_in"])))
-            close(layer.mlp_out_norm(layer.mlp(jnp.asarray(caps["mlp_in"]))), mlp)
-        else:  # x + f(norm(x))
-            close(caps["attn_in"], layer.attn_norm(xj))
-            h = xj + attn
-            close(caps["mlp_in"], layer.mlp_norm(h))
-            mlp = layer.mlp.down_proj(jnp.asarray(caps["down_in"]))
-            close(layer.mlp(jnp.asarray(caps["mlp_in"])), mlp)
-        close(h + mlp, ref)
-        assert float(jnp.abs(attn).max()) > 1e-3 and float(jnp.abs(mlp).max()) > 1e-3  # both branches matter
-        x = np.asarray(ref)
+        # one compiled program per layer, not op by op
+        checks = nnx.jit(functools.partial(_layer_checks, spec=layer_fn.layer_spec(m.cfg, i)))
+        pairs, attn_max, mlp_max = checks(m.layers[i], jnp.asarray(x, jnp.float32), pos)
+        for name, (a, b) in pairs.items():
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{variant} layer {i} {name}")
+        assert float(attn_max) > 1e-3 and float(mlp_max) > 1e-3  # both branches matter
+        x = np.asarray(pairs["out"][1])
 
 
 def test_scale_groups_and_gqa(hf_checkpoint):
