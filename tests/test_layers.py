@@ -19,7 +19,7 @@ from conftest import REPO_ROOT
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("lrmq", "lrmq.registry", "lrmq.paths", "lrmq.atomic", "lrmq.compile_cache", "lrmq.cli", "lrmq.configlib",
               "lrmq.config_help", "lrmq.sharding", "lrmq.tokenizer", "lrmq.grading", "lrmq.grading.",
-              "lrmq.hlo")),
+              "lrmq.hlo", "lrmq.tensorboard")),
     ("formats", ("lrmq.quant", "lrmq.quant.packing", "lrmq.quant.quantizers", "lrmq.quant.qweight",
                  "lrmq.quant.nf4", "lrmq.quant.formats", "lrmq.quant.qmatmul",
                  "lrmq.quant.qkernel")),

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from lrmq.atomic import atomic_write_text
+from lrmq.tensorboard import summary_writer
 from lrmq.evals.benchmarks import BENCHMARKS, Item, Suite
 from lrmq.evals.config import GenerationSection
 from lrmq.evals.metrics import average_of, summarize
@@ -208,9 +209,7 @@ def _tb_scalars(writer, results: dict, step: int, prefix: str = "eval") -> None:
 
 
 def open_writer(out_dir: str):
-    from tensorboardX import SummaryWriter
-
-    return SummaryWriter(os.path.join(out_dir, "tb"))
+    return summary_writer(os.path.join(out_dir, "tb"))
 
 
 # ----------------------------------------------------------------------------- the run

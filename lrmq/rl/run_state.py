@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 
 from lrmq import paths
 from lrmq.atomic import atomic_write_text
+from lrmq.tensorboard import summary_writer
 
 log = logging.getLogger("lrmq.train")
 
@@ -152,9 +153,7 @@ class NullWriter:
 
 
 def tb_writer(path: str):
-    from tensorboardX import SummaryWriter
-
-    return SummaryWriter(path)
+    return summary_writer(path)
 
 
 def progress_bar(total: int, initial: int, enabled: bool, desc: str = "grpo", unit: str = "step"):
