@@ -337,11 +337,13 @@ def test_tpu_kernel_with_folded_scales_equals_xla(monkeypatch, fmt):
     lengths = jnp.asarray([1, 37, 64, 0], jnp.int32)
     pool = pools["quant", "interleaved"]
     assert paged.tpu_unsupported(h, paged.interleaved_shape(pool), paged.pool_dtype(pool), scaled=True) is None
+    # the XLA path as one compiled program (per pool type and layer), not op by op; the kernel's reference reads
+    # its lengths on the host, so it runs eagerly
+    xla = jax.jit(paged.decode_attention_xla, static_argnums=(2,), static_argnames=("block_pages",))
     for layer in (0, 1):
-        want = np.asarray(paged.decode_attention_xla(q, pool, layer, table, lengths, None, block_pages=2))
+        want = np.asarray(xla(q, pool, layer, table, lengths, None, block_pages=2))
         got = np.asarray(paged.decode_attention_tpu(q, pool, layer, table, lengths, None))
-        flt = np.asarray(paged.decode_attention_xla(q, pools["float", "interleaved"], layer, table, lengths, None,
-                                                    block_pages=2))
+        flt = np.asarray(xla(q, pools["float", "interleaved"], layer, table, lengths, None, block_pages=2))
         assert np.isfinite(got).all() and np.all(got[3] == 0)
         np.testing.assert_allclose(got, want, atol=2e-5)  # the scales fold exactly
         rel = np.linalg.norm(got - flt) / np.linalg.norm(flt)  # against the float pool: the format's error
