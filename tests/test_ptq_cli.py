@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from conftest import REPO_ROOT, TINY_MODEL_DIR, command_in_process
-
-
-
-def _run(args, timeout=600):
-    r = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, (args, r.stdout[-2000:], r.stderr[-4000:])
-    return r
 
 
 @pytest.fixture
@@ -57,16 +48,16 @@ def test_awq_flag_form_then_generate(tmp_path, calib_file, cli_main):
     assert row["token_ids"] and len(row["logprobs"]) == len(row["token_ids"])
 
 
-@pytest.mark.slow(reason="an lrmq.train subprocess makes the run dir (18 s alone, near 30 under the suite's load), then QuantLRM")
+@pytest.mark.slow(reason="lrmq.train makes a run dir (two GRPO steps, both HF exports), then QuantLRM reads it")
 def test_quantlrm_on_a_grpo_run_dir(tmp_path, calib_file, cli_main):
-    """lrmq.train (a subprocess: a training run in this process would leave its signal handlers and logging
-    behind) makes the run dir, then the QuantLRM quantize command reads its initial and final policies. No
-    held-out evaluation in the run: QuantLRM reads only the two exports."""
+    """lrmq.train makes the run dir, then the QuantLRM quantize command reads its initial and final policies. No
+    held-out evaluation in the run: QuantLRM reads only the two exports. Both commands run as their main() in
+    this process (cli_main puts back the signal handlers and logging lrmq.train sets)."""
     run = tmp_path / "run"
-    _run(["lrmq.train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run}",
-          "run.steps=2", "run.eval_size=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
-          "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "optim.lr=1e-3", "run.progress=false",
-          "rollout.update_shapes=1"])
+    cli_main("train", "--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run}",
+             "run.steps=2", "run.eval_size=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
+             "data.synthetic_train_size=64", "data.synthetic_eval_size=8", "optim.lr=1e-3", "run.progress=false",
+             "rollout.update_shapes=1")
     assert (run / "initial_policy" / "model.safetensors").exists() and (run / "final_policy" / "config.json").exists()
     out = tmp_path / "qlrm"
     cli_main("quantize", "--config", os.path.join(REPO_ROOT, "configs", "ptq", "quantlrm_tiny_grpo_run.yaml"),
