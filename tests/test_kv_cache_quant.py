@@ -428,11 +428,13 @@ def test_gpu_kernel_with_scale_pages_equals_xla(fmt):
     split = pools["quant", "split"]
     assert split.k_token is not None and paged.gpu_unsupported(h, paged.interleaved_shape(split), paged.pool_dtype(
         split), scaled=True) is None
+    # each path one compiled program (per pool layout and layer), not op by op
+    gpu, xla = (jax.jit(f, static_argnums=(2,), static_argnames=("block_pages",))
+                for f in (paged.decode_attention_gpu, paged.decode_attention_xla))
     for layer in (0, 1):
-        got = np.asarray(paged.decode_attention_gpu(q, split, layer, table, lengths, None, block_pages=2))
-        want = np.asarray(paged.decode_attention_xla(q, split, layer, table, lengths, None, block_pages=2))
-        inter = np.asarray(paged.decode_attention_xla(q, pools["quant", "interleaved"], layer, table, lengths, None,
-                                                      block_pages=2))
+        got = np.asarray(gpu(q, split, layer, table, lengths, None, block_pages=2))
+        want = np.asarray(xla(q, split, layer, table, lengths, None, block_pages=2))
+        inter = np.asarray(xla(q, pools["quant", "interleaved"], layer, table, lengths, None, block_pages=2))
         assert np.isfinite(got).all() and np.all(got[3] == 0)
         np.testing.assert_allclose(got, want, atol=2e-5)
         if fmt == "int8":  # per-token scales in both layouts: the same stored values
