@@ -175,13 +175,13 @@ def test_sigterm_during_start_up_exits_with_a_message(tmp_path):
     assert "lrmq.train: error: interrupted by SIGTERM during start-up" in rest and "Traceback" not in rest
 
 
-@pytest.mark.slow(reason="two lrmq.train subprocesses (the killed run, its resume) and the uninterrupted reference")
+@pytest.mark.slow(reason="an lrmq.train subprocess killed mid-run, its resume and the uninterrupted reference")
 def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process, capsys):
     """SIGKILL at a random moment after the first checkpoint (a save may be in flight; the lock is left
     behind by the dead process), then the same command again: it takes over the stale lock, resumes, and ends
-    with the parameters and metrics of an uninterrupted run, each step logged once. The killed run and its
-    resume are lrmq.train processes; the uninterrupted reference is lrmq.train.main in this process (its
-    start-up as a process is not the point: one Python + JAX start less)."""
+    with the parameters and metrics of an uninterrupted run, each step logged once. The killed run is an
+    lrmq.train process; the uninterrupted reference and the resume are lrmq.train.main in this process (their
+    start-up as a process is not the point: two Python + JAX starts less)."""
     import random
 
     from test_train_loop import checkpoint_params
@@ -209,8 +209,9 @@ def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process,
     assert p.wait(timeout=60) == -signal.SIGKILL  # killed mid-run, not finished
     assert os.path.exists(os.path.join(run, ".lock"))  # left by the killed process
 
-    r = subprocess.run(cmd + [f"run.out_dir={run}"], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    capsys.readouterr()
+    rc = train_main_in_process(args + [f"run.out_dir={run}"])  # the same command again, as main() here
+    assert rc == 0, capsys.readouterr().err[-3000:]
     want, got = checkpoint_params(ref, steps), checkpoint_params(run, steps)
     assert want.keys() == got.keys()
     for k in want:

@@ -67,7 +67,7 @@ def test_resume_is_exact(tmp_path, two_steps):
     assert os.path.exists(straight_dir / "config.yaml")
 
 
-@pytest.mark.slow(reason="two lrmq.train subprocesses: SIGTERM mid-run, then the resume")
+@pytest.mark.slow(reason="an lrmq.train subprocess SIGTERM'd mid-run, then the resume")
 def test_sigterm_saves_and_resume_continues(tmp_path, train_main_in_process, capsys):
     """SIGTERM to an lrmq.train process mid-run: it saves and exits 0; the resume (lrmq.train.main in this
     process: its start-up as a process is not the point) continues from the saved step."""
