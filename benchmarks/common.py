@@ -143,6 +143,22 @@ def time_call(fn: Callable[[], Any], *, repeats: int = 3, warmup: int = 1) -> di
     return {"first_s": first, "times_s": times, "median_s": statistics.median(times), "min_s": min(times)}
 
 
+def time_dispatched(fn: Callable[..., Any], *args: Any, warmup: int = 2, iters: int = 10, reps: int = 1) -> float:
+    """Median seconds of one `fn(*args)` over `iters` samples, each `reps` calls dispatched back to back and
+    synchronised once (device kernels: the dispatch overhead is amortised, not timed per call)."""
+    for _ in range(warmup):
+        block(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(*args)
+        block(out)
+        ts.append((time.perf_counter() - t0) / reps)
+    return statistics.median(ts)
+
+
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeats: int = 3, warmup: int = 1) -> dict[str, dict]:
     """Like `time_call` for several contenders, alternating them call by call (warmups first), so that
     load from other processes on a shared machine hits every contender alike. Returns name -> timing dict."""

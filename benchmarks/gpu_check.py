@@ -37,7 +37,6 @@ import math
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, "tests")
 # --smoke (CPU, this script's own check): tiny shapes, Pallas interpret mode, the cuDNN call's XLA implementation
 SMOKE = os.environ.get("GPU_CHECK_SMOKE") == "1"
+sys.path.insert(0, HERE)
+from common import time_dispatched  # noqa: E402
 
 
 def _now():
@@ -96,23 +97,6 @@ class Checks:
         return rec
 
 
-def time_fn(fn, *args, warmup=2, iters=10, reps=5):
-    """Median seconds of one call: reps calls dispatched back to back, one sync, over iters samples."""
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / reps)
-    return statistics.median(ts)
-
-
 # --------------------------------------------------------------------------------------------- env
 def part_env(out):
     import jax
@@ -156,7 +140,7 @@ def part_env(out):
         n = 1 << (20 if SMOKE else 30)  # 1 Gi bf16 elements: 2 GiB read + 2 GiB written per call
         a = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
         f = jax.jit(lambda x: x * 2)
-        t = time_fn(f, a, warmup=2, iters=10, reps=3)
+        t = time_dispatched(f, a, warmup=2, iters=10, reps=3)
         return dict(bytes_per_call=4 * n, seconds=t, GBps=4 * n / t / 1e9)
 
     rec = checks.run("copy bandwidth (2 GiB bf16 read + written)", copy_bandwidth)
@@ -466,8 +450,8 @@ def part_bench(out):
         gpu = jax.jit(lambda q, pool, t, n: paged.decode_attention_gpu(q, pool, 1, t, n, None))
         xla = jax.jit(lambda q, pool, t, n: paged.decode_attention_xla(q, pool, 1, t, n, None,
                                                                         block_pages=min(8, width)))
-        t_gpu = time_fn(gpu, q, (k, v), table, n, iters=15, reps=10)
-        t_xla = time_fn(xla, q, (k, v), table, n, iters=15, reps=10)
+        t_gpu = time_dispatched(gpu, q, (k, v), table, n, iters=15, reps=10)
+        t_xla = time_dispatched(xla, q, (k, v), table, n, iters=15, reps=10)
         live = int(jnp.sum(n)) * kvh * d * 2 * dtype.itemsize  # K and V bytes of the live tokens
         return dict(slots=s, heads=h, kv_heads=kvh, head_dim=d, page_size=ps, max_tokens=width * ps,
                     live_tokens=int(jnp.sum(n)), dtype=dtype.name, gpu_us=t_gpu * 1e6, xla_us=t_xla * 1e6,
@@ -489,8 +473,8 @@ def part_bench(out):
             f = lambda q, k, v, impl=impl: attention(q, k, v, pos, pos, window, None, impl=impl)  # noqa: E731
             fwd = jax.jit(f)
             fb = jax.jit(lambda *a, f=f: ta._value_and_grads(f, *a))
-            res[f"{impl}_fwd_ms"] = time_fn(fwd, q, k, v, iters=7, reps=3) * 1e3
-            res[f"{impl}_fwd_bwd_ms"] = time_fn(fb, q, k, v, ct, iters=7, reps=3) * 1e3
+            res[f"{impl}_fwd_ms"] = time_dispatched(fwd, q, k, v, iters=7, reps=3) * 1e3
+            res[f"{impl}_fwd_bwd_ms"] = time_dispatched(fb, q, k, v, ct, iters=7, reps=3) * 1e3
         res["cudnn_speedup_fwd"] = res["xla_fwd_ms"] / res["cudnn_fwd_ms"]
         res["cudnn_speedup_fwd_bwd"] = res["xla_fwd_bwd_ms"] / res["cudnn_fwd_bwd_ms"]
         return res
@@ -531,7 +515,7 @@ def part_bench(out):
             f = jax.jit(lambda x, c, s, z, kw=kw: pk.int4_matmul(x, c, s, z, g, impl="gpu", interpret=SMOKE or None,
                                                                  **kw))
             try:
-                times[name] = time_fn(f, x, codes, scales, zeros, iters=10, reps=20) * 1e6
+                times[name] = time_dispatched(f, x, codes, scales, zeros, iters=10, reps=20) * 1e6
             except Exception as e:  # noqa: BLE001
                 times[name] = _first_line(_err(e))
         res["us"] = times

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -38,6 +37,9 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import dispatch as pkd  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import time_dispatched  # noqa: E402
 
 FULL_M = (1, 8, 16, 32, 64, 128, 256)
 FULL_KN = ((4096, 4096), (4096, 12288), (12288, 4096), (4096, 14336))
@@ -54,21 +56,6 @@ def peak_bandwidth(kind: str, flag_gbps: float | None) -> float | None:
         return flag_gbps * 1e9
     kind = kind.lower()
     return next((bw for key, bw in PEAK_BW if key in kind), None)
-
-
-def time_fn(fn, *args, warmup: int, iters: int, reps: int = 1) -> float:
-    """Median wall time (s) of `reps` calls dispatched back to back and synchronised once, over reps."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / reps)
-    return statistics.median(ts)
 
 
 def make_weights(k, n, g, seed=0):
@@ -241,7 +228,7 @@ def main(argv=None):
             row[f"{col}_us"] = None
             if err is None:
                 try:
-                    row[f"{col}_us"] = time_fn(fn, x, ws, warmup=warmup, iters=iters, reps=reps) / copies * 1e6
+                    row[f"{col}_us"] = time_dispatched(fn, x, ws, warmup=warmup, iters=iters, reps=reps) / copies * 1e6
                     if col != "bf16":
                         row[f"{col}_rel_err"] = rel_err(fn(x, ws)[0], y_ref)
                 except Exception as e:  # noqa: BLE001 - recorded in the row
