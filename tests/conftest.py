@@ -95,8 +95,8 @@ if _pinned and os.environ.get("LRMQ_TEST_PIN") != "0":
 def compile_with_xla_defaults(lowered):
     """A lowered program (`jitted.lower(*args)`) compiled with XLA's default CPU emitters (the flag above lifted for
     this program): for tests that hold two different programs to the same bits. Those programs compute the same
-    values in different company (one has extra outputs), and which emitter fuses them decides the last bit of a few float32 results
-    (2.6e-8 apart in the rollout-correction step); XLA's defaults are what they are checked on."""
+    values in different company (one has extra outputs), and which emitter fuses them decides the last bit of a
+    few float32 results (2.6e-8 apart in the rollout-correction step); XLA's defaults are what they are checked on."""
     return lowered.compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

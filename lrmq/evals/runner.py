@@ -29,13 +29,13 @@ import numpy as np
 from flax import nnx
 
 from lrmq.atomic import atomic_write_text
-from lrmq.tensorboard import summary_writer
 from lrmq.evals.benchmarks import BENCHMARKS, Item, Suite
 from lrmq.evals.config import GenerationSection
 from lrmq.evals.metrics import average_of, summarize
 from lrmq.evals.scorers import score
 from lrmq.generation.engine import Engine, sequence_keys
 from lrmq.generation.sampling import SamplingConfig
+from lrmq.tensorboard import summary_writer
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ import orbax.checkpoint as ocp
 
 from lrmq import paths
 from lrmq.atomic import atomic_write_text
-from lrmq.tensorboard import summary_writer
 
 log = logging.getLogger("lrmq.train")
 
@@ -150,10 +149,6 @@ class NullWriter:
 
     def flush(self) -> None:
         pass
-
-
-def tb_writer(path: str):
-    return summary_writer(path)
 
 
 def progress_bar(total: int, initial: int, enabled: bool, desc: str = "grpo", unit: str = "step"):

@@ -40,10 +40,11 @@ from lrmq.rl.rewards import score_completions, weighted_rewards
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant, awq_rollout_scales, calibration_blocks
 from lrmq.rl.run_lock import RunDirLock
 from lrmq.rl.run_checks import config_diff, first_non_finite
-from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar, tb_writer
+from lrmq.rl.run_state import NullWriter, RunCheckpointer, RunLogs, completion_markdown, progress_bar
 from lrmq.rl.setup import build_model, load_datasets
 from lrmq.rl.step import init_opt_state, make_optimizer, micro_batch_count, rollout_quant_warning
 from lrmq.sharding import MeshConfig, batch_divisor, batch_sharding, make_mesh
+from lrmq.tensorboard import summary_writer
 from lrmq.tokenizer import Tokenizer
 
 log = logging.getLogger("lrmq.train")
@@ -161,7 +162,7 @@ class GRPOTrainer:
         # TensorBoard dir raced in tensorboardX's exists-then-makedirs and crashed one process at start-up.
         # For a URL run dir they are written locally and mirrored up (RunLogs).
         self.logs = RunLogs(self.run_dir, enabled=jax.process_index() == 0)
-        self.writer = (writer_factory or tb_writer)(self.logs.tb_dir) if self.logs.enabled else NullWriter()
+        self.writer = (writer_factory or summary_writer)(self.logs.tb_dir) if self.logs.enabled else NullWriter()
         self.metrics_path = self.logs.metrics_path  # local; the run dir's own copy for a local run dir
 
     def _check_mesh(self):
