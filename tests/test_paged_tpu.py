@@ -123,7 +123,7 @@ def test_pool_heads_split_like_the_kv_projections():
 
 
 # ----------------------------------------------------------------------------- TPU compiles (libtpu)
-def _compile(topology, mesh_shape, *, slots=16, pack=None, programs=("prefill", "decode")):
+def _compile(topology, mesh_shape, *, slots=16, pack=None, kv_cache="auto", programs=("prefill", "decode")):
     from lrmq import aot
     from lrmq.generation.engine import EngineConfig
     from lrmq.generation.sampling import SamplingConfig
@@ -135,32 +135,21 @@ def _compile(topology, mesh_shape, *, slots=16, pack=None, programs=("prefill", 
     mesh = make_mesh(MeshConfig(*mesh_shape), devices=devices)
     graphdef, state = aot.abstract_model(cfg, mesh, pack=pack)
     return aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=slots, prompt_len=64, max_new=64,
-                                engine=EngineConfig(slots=slots, sync_steps=4), sampling=SamplingConfig(),
-                                programs=programs), state
+                                engine=EngineConfig(slots=slots, sync_steps=4, kv_cache=kv_cache),
+                                sampling=SamplingConfig(), programs=programs), state
 
 
 _ONE_CHIP: dict = {}  # (topology, kv_cache) -> {program: (compiled, s)}: v5e's bf16 and fp8 decode serve two tests
 
 
 def _compile_one_chip(topology, kv_cache="auto", programs=("decode",)):
-    """The engine's `programs` (8 slots, pages of 16, 64 + 64 tokens) compiled by libtpu for one chip of
-    `topology` with `kv_cache` pages, cached for the module (one xdist worker runs the file)."""
-    from lrmq import aot
-    from lrmq.generation.engine import EngineConfig
-    from lrmq.generation.sampling import SamplingConfig
-    from lrmq.model.config import ModelConfig
-    from lrmq.sharding import MeshConfig, make_mesh
-
+    """`_compile`'s programs on one chip of `topology` with 8 slots and `kv_cache` pages, cached for the module (one
+    xdist worker runs the file)."""
     _require_libtpu()
     have = _ONE_CHIP.setdefault((topology, kv_cache), {})
     missing = tuple(p for p in programs if p not in have)
     if missing:
-        cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")
-        mesh = make_mesh(MeshConfig(1, 1, 1), devices=list(aot.topology_devices(topology))[:1])
-        graphdef, state = aot.abstract_model(cfg, mesh)
-        have.update(aot.compile_generate(graphdef, state, mesh, model_cfg=cfg, requests=8, prompt_len=64, max_new=64,
-                                         engine=EngineConfig(slots=8, sync_steps=4, kv_cache=kv_cache),
-                                         sampling=SamplingConfig(), programs=missing))
+        have.update(_compile(topology, (1, 1, 1), slots=8, kv_cache=kv_cache, programs=missing)[0])
     return have
 
 
