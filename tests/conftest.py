@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import os
 import shutil
@@ -153,6 +154,19 @@ def run_with_devices(script: str, *args: str, n_devices: int = 8, timeout: float
     env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, TESTS_DIR, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return subprocess.run([sys.executable, os.path.join(TESTS_DIR, script), *args], env=env, cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@functools.cache
+def _jitted_forward():
+    from flax import nnx
+
+    return nnx.jit(lambda model, tokens: model(tokens))
+
+
+def jit_forward(model, tokens):
+    """model(tokens) as one compiled program per model structure, not op by op (each eager op is its own XLA
+    compile: a forward of the tiny decoder is dozens of them)."""
+    return _jitted_forward()(model, tokens)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jit_forward
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.quant.qat import apply_qat, fake_quant_activations, fake_quant_weight, is_qat, make_dot_general
@@ -22,11 +23,6 @@ TOK = (jnp.arange(12).reshape(2, 6) * 5) % 64
 
 def tiny(seed=0):
     return Decoder(ModelConfig.from_hf_dict(dict(CFG)), nnx.Rngs(seed))
-
-
-# Forwards and gradients as one compiled program each (per model structure), not op by op: each eager op is its
-# own XLA compile, and the QAT dot_generals add many.
-forward = nnx.jit(lambda model, tokens: model(tokens))
 
 
 def paper_int8_scale(w0) -> np.float32:
@@ -69,7 +65,7 @@ def test_forward_equals_fake_quant(scheme, g):
     touched = apply_qat(m, scheme, group_size=g)
     assert len(touched) == 7 and m.lm_head.dot_general.__name__ == "default_dot_general"  # lm_head untouched
     ref = float_with_fake_quant(m, scheme, g)
-    y, y_ref, y_float = forward(m, TOK), forward(ref, TOK), forward(tiny(), TOK)
+    y, y_ref, y_float = jit_forward(m, TOK), jit_forward(ref, TOK), jit_forward(tiny(), TOK)
     np.testing.assert_allclose(y, y_ref, atol=2e-5, rtol=1e-5)
     assert float(jnp.abs(y - y_float).max()) > 1e-4  # quantization really happens
 
@@ -89,7 +85,7 @@ def _loss(model):
     return jnp.mean(model(TOK) ** 2)
 
 
-grad_loss = nnx.jit(nnx.grad(_loss))
+grad_loss = nnx.jit(nnx.grad(_loss))  # one compiled program per model structure, not op by op
 
 
 @pytest.mark.parametrize("scheme,g", [("paper_int8", 0), ("int8", 0), ("int4", 16)])
@@ -124,8 +120,8 @@ def test_paper_int8_scale_is_frozen_from_the_base_weights():
     # ... and the whole model: every kernel moved, each forward still uses its frozen scale
     for _, l in iter_linears(m):
         l.kernel.set_value(l.kernel.get_value() * 1.7 + 0.01)
-    np.testing.assert_allclose(forward(m, TOK), forward(float_with_fake_quant(m, "paper_int8", base=base), TOK),
-                               atol=2e-5, rtol=1e-5)
+    want = jit_forward(float_with_fake_quant(m, "paper_int8", base=base), TOK)
+    np.testing.assert_allclose(jit_forward(m, TOK), want, atol=2e-5, rtol=1e-5)
 
 
 def test_paper_int8_hand_computed():
@@ -148,7 +144,7 @@ def test_stochastic_rounding_changes_backward_only():
     apply_qat(m, "int8", stochastic_rounding=True, seed=1)
     apply_qat(plain, "int8")
     # the forward (rollouts) unchanged, deterministic
-    np.testing.assert_allclose(forward(m, TOK), forward(plain, TOK), atol=1e-6)
+    np.testing.assert_allclose(jit_forward(m, TOK), jit_forward(plain, TOK), atol=1e-6)
     g1 = grad_loss(m)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
     g1b = grad_loss(m)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
     g0 = grad_loss(plain)["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()

@@ -7,16 +7,12 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from conftest import jit_forward
 from lrmq import quantize as qcli
 from test_train_modes import scratch_ckpt  # noqa: F401  (session fixture)
 
 TOK = (jnp.arange(16).reshape(2, 8) * 7) % 200
-
-
-# a model's logits as one compiled program per model structure (the float ones shared), not op by op
-_forward = nnx.jit(lambda model, tokens: model(tokens))
 
 
 @pytest.mark.parametrize("method,extra,fmt,bits", [("rtn", ["--bits", "4", "--group-size", "32"], "int", 4),
@@ -37,9 +33,9 @@ def test_quantize_round_trip(scratch_ckpt, tmp_path, method, extra, fmt, bits): 
     for _, lin in lins:
         qw = lin.kernel.get_value()
         assert isinstance(lin.kernel, QuantizedKernel) and qw.fmt == fmt and (fmt == "nf4" or qw.bits == bits)
-    y = _forward(packed, TOK)
-    np.testing.assert_allclose(y, _forward(fq, TOK), atol=2e-5, rtol=1e-5)
-    assert float(jnp.abs(y - _forward(base, TOK)).max()) > 1e-5
+    y = jit_forward(packed, TOK)
+    np.testing.assert_allclose(y, jit_forward(fq, TOK), atol=2e-5, rtol=1e-5)
+    assert float(jnp.abs(y - jit_forward(base, TOK)).max()) > 1e-5
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
 
 

@@ -8,6 +8,8 @@ import os
 import numpy as np
 import pytest
 
+from conftest import jit_forward
+
 
 def make_pair(base_dir: str, out: str, frac: float = 0.3, seed: int = 0) -> str:
     """A 'fine-tuned' copy: ~frac of every projection's entries perturbed, the rest exactly equal."""
@@ -56,8 +58,6 @@ def qcfg(s, out, **kw):
 
 @pytest.mark.slow(reason="the full QuantLRM pipeline (importance, quantize, export, reload) on the tiny model")
 def test_end_to_end(setup):
-    from flax import nnx
-
     from lrmq.checkpoint.load import load_model
     from lrmq.ptq.pipeline import run_quantize
     from lrmq.ptq.importance import importance_for_model
@@ -85,8 +85,8 @@ def test_end_to_end(setup):
     assert hasattr(module_at(q, "layers.1.mlp.down_proj").kernel.get_value(), "codes")
     fake = load_model(os.path.join(out, "fake_quant"))
     toks = np.arange(32)[None] % 96
-    forward = nnx.jit(lambda m, t: m(t))  # one compiled program per model, not op by op
-    np.testing.assert_allclose(np.asarray(forward(q, toks)), np.asarray(forward(fake, toks)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jit_forward(q, toks)), np.asarray(jit_forward(fake, toks)), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_grpo_run_dir_and_mapping(setup, tmp_path):
