@@ -227,6 +227,24 @@ def command_in_process():
             os.environ.pop("JAX_PLATFORMS")
 
 
+@pytest.fixture
+def cli(capsys):
+    """cli(module, *argv) -> (returncode, stdout, stderr) of `python -m lrmq.<module>` run as its main() in this
+    process, with command_in_process putting back what it sets: for tests about what a command does and writes,
+    not about its Python + JAX (+ libtpu) start (3-4 s of CPU each)."""
+    import importlib
+    from types import SimpleNamespace
+
+    def call(module: str, *argv: str):
+        capsys.readouterr()
+        rc = importlib.import_module(f"lrmq.{module}").main(list(argv))
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
+    with command_in_process():
+        yield call
+
+
 @pytest.fixture(scope="session")
 def multi_device_run():
     """The `run_with_devices` helper as a fixture (tests need not import conftest)."""

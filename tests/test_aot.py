@@ -3,16 +3,14 @@ memory check. Compiles target TPU topologies through libtpu on this CPU-only hos
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
 import sys
-from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO_ROOT, command_in_process, tiny_train_config
+from conftest import REPO_ROOT, tiny_train_config
 
 pytest.importorskip("libtpu", reason="libtpu is in the test extra on Python 3.11") if sys.version_info >= (3, 12) \
     else __import__("libtpu")
@@ -21,23 +19,8 @@ TINY_OVERRIDES = ["run.progress=false", "data.synthetic_train_size=64", "data.sy
 
 
 @pytest.fixture
-def cli(capsys):
-    """cli(module, *argv) -> (returncode, stdout, stderr) of `python -m lrmq.<module>` run as its main() in this
-    process (conftest's command_in_process puts back what it sets process-wide): the tests are about what the
-    commands do and write, not about a Python + JAX + libtpu start (3.5-4 s of CPU each)."""
-
-    def call(module: str, *argv: str):
-        capsys.readouterr()
-        rc = importlib.import_module(f"lrmq.{module}").main(list(argv))
-        out, err = capsys.readouterr()
-        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
-
-    with command_in_process():
-        yield call
-
-
-@pytest.fixture
 def _train(cli):
+    """lrmq.train as its main() in this process (conftest's cli fixture)."""
     return lambda *args: cli("train", *args)
 
 

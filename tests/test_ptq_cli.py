@@ -7,24 +7,20 @@ import os
 
 import pytest
 
-from conftest import REPO_ROOT, TINY_MODEL_DIR, command_in_process
+from conftest import REPO_ROOT, TINY_MODEL_DIR
 
 
 @pytest.fixture
-def cli_main(capsys):
-    """cli_main(module, *argv) -> stdout: `python -m lrmq.<module>` as its main() in this process (the tests are
-    about what the commands write, not about process start-up: one Python + JAX start fewer each), what it sets
-    process-wide put back afterwards (conftest's command_in_process)."""
-    import importlib
+def cli_main(cli):
+    """cli_main(module, *argv) -> stdout of a command that must succeed, run as its main() in this process
+    (conftest's cli: the tests are about what the commands write, not about process start-up)."""
 
     def call(module: str, *argv: str) -> str:
-        rc = importlib.import_module(f"lrmq.{module}").main(list(argv))
-        out, err = capsys.readouterr()
-        assert rc == 0, (module, argv, out[-2000:], err[-4000:])
-        return out
+        r = cli(module, *argv)
+        assert r.returncode == 0, (module, argv, r.stdout[-2000:], r.stderr[-4000:])
+        return r.stdout
 
-    with command_in_process():
-        yield call
+    return call
 
 
 @pytest.fixture(scope="module")
