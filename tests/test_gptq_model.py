@@ -37,7 +37,8 @@ def test_gptq_beats_rtn_w3(structured):
     # FP < GPTQ < RTN, paired over the 62 eval windows (z = mean per-window NLL difference / its standard
     # error). Measured (the model built on XLA-optimized CPU code, 464f0d4): ppl FP 3.7465, GPTQ 3.782, RTN
     # 3.9699; GPTQ above FP by 7.1 SE, RTN above GPTQ by 14.8 SE, GPTQ's loss under half of RTN's: 11.6 SE.
-    # Thresholds at about half the measured z leave 3+ SE for drift; GPTQ with a swamping damping (percdamp=100, ~RTN) fails the last at -15.7 SE.
+    # Thresholds at about half the measured z leave 3+ SE for drift; GPTQ with a swamping damping
+    # (percdamp=100, ~RTN) fails the last at -15.7 SE.
     assert z["gptq>fp"] > 4 and z["rtn>gptq"] > 6 and z["gptq recovers 1/2"] > 4, z
     assert len(r.packed) == 14 and not r.g_idx
     for path, qw in r.packed.items():  # the packed codes reproduce GPTQ's weights bit for bit
