@@ -215,3 +215,40 @@ def test_the_collector_runs_less_often_and_skips_what_collection_imported():
 
     assert gc.get_threshold()[0] == GC_GEN0 > 700
     assert gc.get_freeze_count() > 10_000
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads' times from Linux's /proc")
+def test_a_launch_s_polling_threads_go_to_sched_idle_and_its_workers_do_not():
+    """run_polling_launch's watcher (conftest.idle_pollers): in a launched process, a thread that spends its time in
+    system calls (as gloo's TCP event loop, polling, does) is moved to SCHED_IDLE; a thread computing in user space and the
+    main thread keep their policy; the launch's output and exit status come back."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import idle_pollers, run_polling_launch
+
+    child = ("import os, threading, time\n"
+             "def spin():\n    fd = os.open('/dev/zero', os.O_RDONLY)\n    while True: os.read(fd, 1 << 20)\n"
+             "def compute():\n    while True: sum(range(1000))\n"
+             "for f in (spin, compute): threading.Thread(target=f, daemon=True).start()\n"
+             "print(os.getpid(), flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pid = int(proc.stdout.readline())
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        seen, moved = set(), []
+        for _ in range(100):  # the spinner passes SPIN_TICKS of kernel time within a few seconds
+            moved += idle_pollers(proc.pid, seen)
+            if moved:
+                break
+            time.sleep(0.05)
+        assert len(moved) == 1 and moved[0] in tids and moved[0] != pid
+        policies = {t: os.sched_getscheduler(t) for t in tids}
+        assert [t for t, p in policies.items() if p == os.SCHED_IDLE] == moved
+        assert idle_pollers(proc.pid, seen) == []  # each thread once
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    r = run_polling_launch([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], timeout=60)
+    assert (r.returncode, r.stdout) == (3, "out\n")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO_ROOT, command_in_process, run_with_devices, tiny_train_config
+from conftest import REPO_ROOT, command_in_process, run_polling_launch, run_with_devices, tiny_train_config
 from lrmq.configlib import ConfigError
 
 
@@ -182,9 +182,10 @@ def launch_two_processes(run_dir: str, *extra: str, timeout: float = 300) -> sub
     """launch/local_multiprocess.sh: 2 JAX processes x 2 CPU devices, one global (fsdp=4) mesh, one step.
 
     2 devices per process, not 4: each process still holds several devices of a mesh that spans both (as a pod
-    host does), and the cross-process collectives (gloo over TCP, most of the launch's CPU time, half of it in
-    the kernel) run over 4 ranks instead of 8: a launch with the gs:// test's two evaluations fell from 95 to
-    51 s of CPU. Evaluations (when on) score 4 held-out problems, one per device: each is a greedy and a sampled
+    host does), and the cross-process collectives (gloo over TCP) run over 4 ranks instead of 8: a launch with
+    the gs:// test's two evaluations fell from 95 to 51 s of CPU. gloo's polling threads run at SCHED_IDLE
+    (conftest.run_polling_launch): the gs:// test alone on one core took 84 s of CPU
+    without that, 44 s with it. Evaluations (when on) score 4 held-out problems, one per device: each is a greedy and a sampled
     generation over both processes, 8 problems cost 12 s more."""
     cmd = ["bash", os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh"), "2", "2", "--config",
            os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run_dir}", "run.steps=1",
@@ -194,7 +195,7 @@ def launch_two_processes(run_dir: str, *extra: str, timeout: float = 300) -> sub
     if os.environ.get("LRMQ_TEST_TINY"):
         cmd.append(f"model.checkpoint={os.environ['LRMQ_TEST_TINY']}")
     env = dict(os.environ, PYTHON=sys.executable)
-    r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    r = run_polling_launch(cmd, cwd=REPO_ROOT, timeout=timeout, env=env)  # gloo's pollers at SCHED_IDLE
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("done: step 1") == 2, r.stdout[-3000:]
     return r
