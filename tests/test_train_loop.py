@@ -184,9 +184,9 @@ def launch_two_processes(run_dir: str, *extra: str, timeout: float = 300) -> sub
     2 devices per process, not 4: each process still holds several devices of a mesh that spans both (as a pod
     host does), and the cross-process collectives (gloo over TCP) run over 4 ranks instead of 8: a launch with
     the gs:// test's two evaluations fell from 95 to 51 s of CPU. gloo's polling threads run at SCHED_IDLE
-    (conftest.run_polling_launch): the gs:// test alone on one core took 84 s of CPU
-    without that, 44 s with it. Evaluations (when on) score 4 held-out problems, one per device: each is a greedy and a sampled
-    generation over both processes, 8 problems cost 12 s more."""
+    (conftest.run_polling_launch): the gs:// test alone on one core took 84 s of CPU without that, 44 s with it.
+    Evaluations (when on) score 4 held-out problems, one per device: each is a greedy and a sampled generation
+    over both processes, 8 problems cost 12 s more."""
     cmd = ["bash", os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh"), "2", "2", "--config",
            os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), f"run.out_dir={run_dir}", "run.steps=1",
            "run.eval_size=4", "rollout.prompts_per_step=4", "rollout.group_size=4", "run.progress=false",
