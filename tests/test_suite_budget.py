@@ -219,9 +219,9 @@ def test_the_collector_runs_less_often_and_skips_what_collection_imported():
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads' times from Linux's /proc")
 def test_a_launch_s_polling_threads_go_to_sched_idle_and_its_workers_do_not():
-    """run_polling_launch's watcher (conftest.idle_pollers): in a launched process, a thread that spends its time in
-    system calls (as gloo's TCP event loop, polling, does) is moved to SCHED_IDLE; a thread computing in user space and the
-    main thread keep their policy; the launch's output and exit status come back."""
+    """run_polling_launch's watcher (conftest.idle_pollers): in a launched process, a thread that spends its time
+    in system calls (as gloo's polling TCP event loop does) is moved to SCHED_IDLE; a thread computing in user
+    space and the main thread keep their policy; the launch's output and exit status come back."""
     import subprocess
     import sys
     import time
