@@ -10,12 +10,14 @@
 * JAX's platforms are chosen before its backends start (`select_platforms`, first thing in every command's
   `main`): on a machine without a TPU, the TPU runtime (libtpu, installed for ahead-of-time TPU compiles) is
   never started, so it prints nothing; a TPU VM, a GPU machine and an explicit JAX_PLATFORMS are left to JAX.
+* Python's garbage collector is set for tracing (`tune_gc`, in every command's `__main__` block).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import glob
 import importlib.metadata
 import importlib.util
@@ -103,6 +105,22 @@ def select_platforms() -> str | None:
     if jax is not None:  # imported already: it read the environment then
         jax.config.update("jax_platforms", chosen)
     return chosen
+
+
+# A young-generation collection every GC_GEN0 allocations instead of Python's 700: tracing and lowering a JAX program
+# allocate millions of short-lived objects, and each collection walked the young ones, each full one everything.
+GC_GEN0 = 50_000
+
+
+def tune_gc() -> None:
+    """Python's cyclic garbage collector set for a process that traces and compiles JAX programs: the objects that
+    exist now (at a command's start: the imported modules, jax, flax and lrmq among them, which live as long as
+    the process) leave the collector's view (`gc.freeze`), and young collections run every GC_GEN0 allocations.
+    Cycles are still collected, less often. A 2-step `lrmq.train` run of configs/tiny_demo.yaml on one core:
+    39.6 / 40.0 s of CPU without it, 35.6 / 36.4 s with it. The test suite sets its processes the same way."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(max(GC_GEN0, gc.get_threshold()[0]), *gc.get_threshold()[1:])
 
 
 class UsageError(ValueError):

@@ -17,7 +17,7 @@ from lrmq.checkpoint.hf import CheckpointError, load_hf_model, save_hf_model
 from lrmq import paths
 from lrmq.checkpoint.load import check_checkpoint, checkpoint_kind
 from lrmq.checkpoint.orbax_io import load_lrmq, save_lrmq
-from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms
+from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms, tune_gc
 from lrmq.model.config import DTYPES
 
 KINDS = ("hf", "lrmq")
@@ -70,4 +70,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    tune_gc()
     sys.exit(main())

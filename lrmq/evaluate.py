@@ -271,4 +271,5 @@ def _main(args) -> int:
 
 
 if __name__ == "__main__":
+    cli.tune_gc()
     sys.exit(main())

@@ -19,7 +19,7 @@ import numpy as np
 
 from lrmq import aot, compile_cache
 from lrmq.checkpoint.load import check_checkpoint, load_model, load_tokenizer, read_model_config
-from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms
+from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms, tune_gc
 from lrmq.data.text import read_documents
 from lrmq.generation.engine import Engine, EngineConfig
 from lrmq.generation.paged import DECODE_ATTENTION, KV_CACHE_FORMATS
@@ -161,4 +161,5 @@ def generate(args) -> int:
 
 
 if __name__ == "__main__":
+    tune_gc()
     sys.exit(main())

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lrmq.checkpoint.load import check_checkpoint, load_model, load_tokenizer
-from lrmq.cli import ArgumentParser, number, run_main, select_platforms
+from lrmq.cli import ArgumentParser, number, run_main, select_platforms, tune_gc
 from lrmq.model.config import check_position_limit
 from lrmq.data.text import label, read_documents
 from lrmq.quant.quantizers import QUANTIZERS
@@ -142,4 +142,5 @@ def _run(a) -> int:
 
 
 if __name__ == "__main__":
+    tune_gc()
     sys.exit(main())

@@ -36,7 +36,8 @@ import sys
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import check_checkpoint
 from lrmq.checkpoint.orbax_io import save_lrmq
-from lrmq.cli import USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main, select_platforms
+from lrmq.cli import (USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main, select_platforms,
+                      tune_gc)
 from lrmq.configlib import add_config_args, dump_config
 from lrmq.paths import check_dir_path
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
@@ -282,4 +283,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    tune_gc()
     sys.exit(main())

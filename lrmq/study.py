@@ -64,4 +64,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    cli.tune_gc()
     sys.exit(main())

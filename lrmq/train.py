@@ -133,4 +133,5 @@ def compile_only(cfg, topology: str, report_path: str | None) -> int:
 
 
 if __name__ == "__main__":
+    cli.tune_gc()
     sys.exit(main())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import gc
 import os
 import shutil
 import subprocess
@@ -378,18 +377,14 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-# Python's cyclic garbage collector, tuned for a test process: after collection every module, model class and
-# fixture function imported so far is moved out of the collector's view (gc.freeze: they live for the whole
-# session), and a young-generation collection runs every GC_GEN0 allocations instead of Python's 700 (tracing and
-# lowering JAX programs allocate millions of short-lived objects; each collection walked them all). Cycles are
-# still collected, less often. Measured on three in-process files, one core: CPU 42.6 -> 40.5 s, the same tests.
-GC_GEN0 = 50_000
-
-
+# Python's cyclic garbage collector set as the commands set theirs (lrmq.cli.tune_gc), once collection is done:
+# every module, model class and fixture function imported so far (they live for the whole session) leaves the
+# collector's view, and young collections run every GC_GEN0 allocations instead of 700. Measured on three
+# in-process files, one core: CPU 42.6 -> 40.5 s, the same tests.
 def pytest_collection_finish(session):
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
+    from lrmq import cli
+
+    cli.tune_gc()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -112,6 +112,46 @@ def test_every_command_selects_platforms_first():
             f"{name}.main does not start with select_platforms(): {ast.unparse(first)}"
 
 
+def test_every_command_process_tunes_the_garbage_collector_before_main():
+    """Every command's `__main__` block calls cli.tune_gc() and then main(): the imports are frozen out of the
+    collector's view before the command traces anything."""
+    for name, src in _mains().items():
+        block = next(n for n in ast.parse(src).body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+        calls = [ast.unparse(s.value.func) for s in block.body if isinstance(s, ast.Expr) and
+                 isinstance(s.value, ast.Call)]
+        assert calls and calls[0].endswith("tune_gc"), f"{name}: {ast.unparse(block)}"
+        assert "main()" in ast.unparse(block.body[-1]), name
+
+
+def test_tune_gc_freezes_what_exists_and_collects_the_young_less_often():
+    import gc
+
+    from lrmq import cli
+
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *saved[1:])
+        cli.tune_gc()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000 and gc.get_threshold() == (cli.GC_GEN0, *saved[1:])
+        import weakref
+
+        class Node:
+            pass
+
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle made after the freeze is still collected
+        gone = weakref.ref(a)
+        del a, b
+        gc.collect()
+        assert gone() is None and gc.get_freeze_count() >= frozen
+        gc.set_threshold(10 ** 6, *saved[1:])
+        cli.tune_gc()  # a larger threshold set by the user is kept
+        assert gc.get_threshold()[0] == 10 ** 6
+    finally:
+        gc.set_threshold(*saved)
+
+
 @pytest.mark.slow(reason="six CLI processes, each starting Python and JAX: ~20 s alone, 31 s in the quiet suite")
 @pytest.mark.skipif(cli.tpu_present(), reason="this machine may have a TPU: JAX is meant to start it")
 def test_commands_start_quietly_without_jax_platforms(tmp_path):

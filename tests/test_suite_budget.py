@@ -207,11 +207,12 @@ def test_torch_runs_on_one_thread_in_the_suite():
 
 
 def test_the_collector_runs_less_often_and_skips_what_collection_imported():
-    """conftest's pytest_collection_finish: a young-generation collection every GC_GEN0 allocations, and the objects
-    alive after collection (modules, classes, fixtures) frozen out of the collector's walks."""
+    """conftest's pytest_collection_finish (lrmq.cli.tune_gc): a young-generation collection every GC_GEN0
+    allocations, and the objects alive after collection (modules, classes, fixtures) frozen out of the collector's
+    walks."""
     import gc
 
-    from conftest import GC_GEN0
+    from lrmq.cli import GC_GEN0
 
     assert gc.get_threshold()[0] == GC_GEN0 > 700
     assert gc.get_freeze_count() > 10_000

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from lrmq.atomic import atomic_write_text
-from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms
+from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms, tune_gc
 
 OPS = ("+", "-", "*")
 
@@ -163,4 +163,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    tune_gc()
     raise SystemExit(main())

@@ -36,7 +36,7 @@ from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import (check_checkpoint, checkpoint_kind, load_model, load_tokenizer, read_model_config,
                                   resolve_checkpoint)
-from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms
+from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms, tune_gc
 from lrmq.data.text import label, read_records
 from lrmq.paths import kind_of
 
@@ -189,4 +189,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    tune_gc()
     sys.exit(main())

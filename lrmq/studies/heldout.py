@@ -33,7 +33,7 @@ from flax import nnx
 from lrmq import compile_cache
 from lrmq.atomic import atomic_write_text
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
-from lrmq.cli import ArgumentParser, number, run_main, select_platforms
+from lrmq.cli import ArgumentParser, number, run_main, select_platforms, tune_gc
 from lrmq.configlib import load_config
 from lrmq.data.prompts import format_prompt
 from lrmq.generation.engine import Engine
@@ -161,4 +161,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    tune_gc()
     sys.exit(main())
