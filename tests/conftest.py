@@ -151,8 +151,11 @@ def run_with_devices(script: str, *args: str, n_devices: int = 8, timeout: float
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, TESTS_DIR, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, os.path.join(TESTS_DIR, script), *args], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    # the script runs as __main__ under the commands' garbage-collector settings (lrmq.cli.tune_gc)
+    start = ("import runpy, sys; from lrmq import cli; cli.tune_gc(); sys.argv[:1] = []; "
+             "runpy.run_path(sys.argv[0], run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", start, os.path.join(TESTS_DIR, script), *args], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 # A multi-process JAX run on CPU exchanges its collectives through gloo, whose TCP event loop busy-polls epoll in a
