@@ -229,17 +229,21 @@ def test_a_launch_s_polling_threads_go_to_sched_idle_and_its_workers_do_not():
 
     from conftest import idle_pollers, run_polling_launch
 
-    child = ("import os, threading, time\n"
+    # both threads spend their time outside the GIL (a read of /dev/zero, numpy's matrix product), so each runs as
+    # much as the cores let it, pinned or not
+    child = ("import os, threading, time\nimport numpy as np\n"
              "def spin():\n    fd = os.open('/dev/zero', os.O_RDONLY)\n    while True: os.read(fd, 1 << 20)\n"
-             "def compute():\n    while True: sum(range(1000))\n"
+             "def compute():\n    a = np.ones((256, 256))\n    while True: a @ a\n"
              "for f in (spin, compute): threading.Thread(target=f, daemon=True).start()\n"
              "print(os.getpid(), flush=True); time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # no BLAS pool
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
     try:
         pid = int(proc.stdout.readline())
         tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
         seen, moved = set(), []
-        for _ in range(100):  # the spinner passes SPIN_TICKS of kernel time within a few seconds
+        for _ in range(200):  # the spinner passes SPIN_TICKS of kernel time within a few seconds
             moved += idle_pollers(proc.pid, seen)
             if moved:
                 break
