@@ -176,7 +176,7 @@ def test_sigterm_during_start_up_exits_with_a_message(tmp_path):
 
 
 @pytest.mark.slow(reason="an lrmq.train subprocess killed mid-run, its resume and the uninterrupted reference")
-def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process, capsys):
+def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process):
     """SIGKILL at a random moment after the first checkpoint (a save may be in flight; the lock is left
     behind by the dead process), then the same command again: it takes over the stale lock, resumes, and ends
     with the parameters and metrics of an uninterrupted run, each step logged once. The killed run is an
@@ -195,8 +195,8 @@ def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process,
     cmd = [sys.executable, "-m", "lrmq.train", *args]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     ref, run = str(tmp_path / "ref"), str(tmp_path / "run")
-    rc = train_main_in_process(args + [f"run.out_dir={ref}"])
-    assert rc == 0, capsys.readouterr().err[-3000:]
+    r = train_main_in_process(args + [f"run.out_dir={ref}"])
+    assert r.returncode == 0, r.stderr[-3000:]
 
     p = subprocess.Popen(cmd + [f"run.out_dir={run}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpts = os.path.join(run, "checkpoints")
@@ -209,9 +209,8 @@ def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process,
     assert p.wait(timeout=60) == -signal.SIGKILL  # killed mid-run, not finished
     assert os.path.exists(os.path.join(run, ".lock"))  # left by the killed process
 
-    capsys.readouterr()
-    rc = train_main_in_process(args + [f"run.out_dir={run}"])  # the same command again, as main() here
-    assert rc == 0, capsys.readouterr().err[-3000:]
+    r = train_main_in_process(args + [f"run.out_dir={run}"])  # the same command again, as main() here
+    assert r.returncode == 0, r.stderr[-3000:]
     want, got = checkpoint_params(ref, steps), checkpoint_params(run, steps)
     assert want.keys() == got.keys()
     for k in want:
@@ -226,7 +225,7 @@ def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process,
 
 
 @pytest.mark.slow(reason="lrmq.train.main in process: one tiny_demo step and its compiles before the save fails with ENOSPC")
-def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys, train_main_in_process):
+def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, train_main_in_process):
     import errno
 
     from lrmq.rl.run_state import RunCheckpointer
@@ -238,12 +237,12 @@ def test_disk_full_while_saving_is_one_line(tmp_path, monkeypatch, capsys, train
     run = str(tmp_path / "run")
     # the kill -9 test's shapes (4 x 4 rows, 24 new tokens, no evaluation): its runs put these programs in the
     # session's compilation cache, so here they load instead of compiling
-    rc = train_main_in_process([
+    r = train_main_in_process([
         "--config", os.path.join(REPO, "configs", "tiny_demo.yaml"), f"run.out_dir={run}", "run.steps=1",
         "run.eval_size=0", "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "rollout.max_new_tokens=24", "data.synthetic_train_size=16",
         "data.synthetic_eval_size=4", "rollout.update_shapes=1"])
-    err = capsys.readouterr().err
+    err = r.stderr
     line = [x for x in err.splitlines() if x.startswith("lrmq.train: error:")]
-    assert rc == 2 and len(line) == 1 and f"no space left on device while writing {run}" in line[0], err
+    assert r.returncode == 2 and len(line) == 1 and f"no space left on device while writing {run}" in line[0], err
     assert "Traceback" not in err

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO_ROOT, command_in_process, run_polling_launch, run_with_devices, tiny_train_config
+from conftest import REPO_ROOT, run_polling_launch, run_with_devices, tiny_train_config
 from lrmq.configlib import ConfigError
 
 
@@ -68,7 +68,7 @@ def test_resume_is_exact(tmp_path, two_steps):
 
 
 @pytest.mark.slow(reason="an lrmq.train subprocess SIGTERM'd mid-run, then the resume")
-def test_sigterm_saves_and_resume_continues(tmp_path, train_main_in_process, capsys):
+def test_sigterm_saves_and_resume_continues(tmp_path, train_main_in_process):
     """SIGTERM to an lrmq.train process mid-run: it saves and exits 0; the resume (lrmq.train.main in this
     process: its start-up as a process is not the point) continues from the saved step."""
     out = tmp_path / "run"
@@ -97,9 +97,8 @@ def test_sigterm_saves_and_resume_continues(tmp_path, train_main_in_process, cap
     assert ckpts, "no checkpoint written on SIGTERM"
     saved = max(int(d) for d in ckpts)
     assert 1 <= saved < 200
-    capsys.readouterr()
-    rc = train_main_in_process(cmd[3:] + ["--stop-after", "1"])
-    assert rc == 0, capsys.readouterr().err[-3000:]
+    r = train_main_in_process(cmd[3:] + ["--stop-after", "1"])
+    assert r.returncode == 0, r.stderr[-3000:]
     steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
     assert steps[-1] == saved + 1  # resumed from the saved step, not from scratch
 
@@ -134,13 +133,10 @@ def test_config_errors(tmp_path, section, override, needle):
 
 
 @pytest.fixture
-def train_main_in_process():
-    """lrmq.train.main run in this process, its process-wide settings put back afterwards (conftest's
-    command_in_process)."""
-    from lrmq import train
-
-    with command_in_process():
-        yield train.main
+def train_main_in_process(cli):
+    """train_main_in_process(argv) -> (returncode, stdout, stderr) of lrmq.train as its main() in this process
+    (conftest's cli: its process-wide settings put back afterwards)."""
+    return lambda argv: cli("train", *argv)
 
 
 # backend compiles while a test watches (the listener stays registered: JAX has no public way to remove one)
@@ -153,7 +149,7 @@ def _on_duration(event: str, duration: float, **kw) -> None:
         _compiles.append(event)
 
 
-def test_cli_config_errors_exit_before_compiling(tmp_path, train_main_in_process, capsys):
+def test_cli_config_errors_exit_before_compiling(tmp_path, train_main_in_process):
     """A bad override is one error line and exit status 2 before anything compiles. In process (main()): the
     command's own start-up and exit status as a process are checked by
     test_first_run.py::test_commands_start_quietly_without_jax_platforms (lrmq.train, mesh.data=2 -> 2)."""
@@ -168,11 +164,11 @@ def test_cli_config_errors_exit_before_compiling(tmp_path, train_main_in_process
         _compiles.clear()
         _watch["on"] = True
         try:
-            rc = train_main_in_process(base + extra + [f"run.out_dir={tmp_path}"])
+            r = train_main_in_process(base + extra + [f"run.out_dir={tmp_path}"])
         finally:
             _watch["on"] = False
-        err = capsys.readouterr().err
-        assert rc == 2, (extra, err[-2000:])
+        err = r.stderr
+        assert r.returncode == 2, (extra, err[-2000:])
         assert needle in err, (needle, err[-2000:])
         assert [l for l in err.splitlines() if l.startswith("lrmq.train: error:")] and "Traceback" not in err, err
         assert not _compiles, (extra, _compiles)
