@@ -56,7 +56,7 @@ def float_with_fake_quant(model, scheme, group_size=0, base=None):
     return ref
 
 
-CASES = [("paper_int8", 0), ("int8", 0), ("int8", 16), ("int4", 0), ("int4", 16)]
+CASES = [("paper_int8", 0), ("int8", 0), ("int8", 16), ("int4", 0), ("int4", 16), ("int4_asym", 16)]
 
 
 @pytest.mark.parametrize("scheme,g", CASES)
@@ -88,7 +88,7 @@ def _loss(model):
 grad_loss = nnx.jit(nnx.grad(_loss))  # one compiled program per model structure, not op by op
 
 
-@pytest.mark.parametrize("scheme,g", [("paper_int8", 0), ("int8", 0), ("int4", 16)])
+@pytest.mark.parametrize("scheme,g", [("paper_int8", 0), ("int8", 0), ("int4", 16), ("int4_asym", 16)])
 def test_gradient_is_float_gradient_at_quantized_point(scheme, g):
     m = tiny()
     apply_qat(m, scheme, group_size=g)
@@ -195,3 +195,29 @@ def test_a_qat_model_exports_its_float_weights(tmp_path, scheme):
     apply_qat(m, scheme)  # and removing QAT leaves no state behind either
     remove_qat(m)
     assert {type(v) for _, v in nnx.to_flat_state(nnx.state(m, nnx.Not(nnx.RngState)))} == {nnx.Param}
+
+
+def test_asym_qat_export_is_rtn_bit_for_bit():
+    """int4_asym's exported codes, zero points and scales are lrmq.quantize's RTN of the same weights (asymmetric,
+    the same groups), its forward multiplies by exactly their dequantization, and its recorded format is the one
+    `lrmq.quantize` writes with the flags it names."""
+    from lrmq.ptq.qat_export import qat_weight
+    from lrmq.quant.formats import WeightFormat, dequantize, quantize_weight, unpacked_codes
+    from lrmq.quant.qat import qat_weight_format
+
+    m = tiny()
+    apply_qat(m, "int4_asym", group_size=16)
+    fmt = qat_weight_format("int4_asym", 16)
+    assert fmt.describe() == "int4 asym g16 f32-scale (qat:int4_asym)"
+    assert fmt.quantize_args() == ["--method", "rtn", "--bits", "4", "--group-size", "16"]
+    for path, lin in iter_linears(m, r".*\.(q|down)_proj$"):  # K = 32 and 64: groups of 16, two and four
+        w = lin.kernel.get_value()
+        fq, qw = qat_weight(lin, path)
+        rtn = quantize_weight(w, bits=4, group_size=16, symmetric=False)  # lrmq.quantize --method rtn's quantizer
+        np.testing.assert_array_equal(unpacked_codes(qw), unpacked_codes(rtn), err_msg=path)
+        np.testing.assert_array_equal(qw.zeros, rtn.zeros, err_msg=path)
+        np.testing.assert_array_equal(qw.scales, rtn.scales, err_msg=path)
+        assert int(jnp.min(qw.zeros)) != int(jnp.max(qw.zeros))  # real zero points, not a symmetric midpoint
+        np.testing.assert_array_equal(fq, dequantize(rtn))
+        np.testing.assert_array_equal(lin.dot_general.quantize(w), fq)  # the forward's weight
+        assert WeightFormat.of_weight(qw, "rtn").same_format(fmt)

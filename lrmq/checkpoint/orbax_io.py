@@ -119,8 +119,11 @@ def _hf_config_for(cfg: ModelConfig) -> dict[str, Any]:
     return hf
 
 
-def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, overwrite: bool = False) -> str:
-    """Write an lrmq checkpoint atomically (nothing at `path` unless every file was written)."""
+def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, overwrite: bool = False,
+              weight_formats=None) -> str:
+    """Write an lrmq checkpoint atomically (nothing at `path` unless every file was written). `weight_formats`
+    (`lrmq.quant.formats.WeightFormat`s of its packed weights) are recorded in lrmq_state.json
+    (`read_weight_formats`)."""
     manifest = _manifest(model)
     flat = {p: v.get_value() for p, v in _savable_vars(model).items()}
     hf = _hf_config_for(model.cfg)
@@ -134,7 +137,10 @@ def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, o
         finally:
             ckptr.close()
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump({"format_version": FORMAT_VERSION, "variables": manifest}, f, indent=1)
+            state = {"format_version": FORMAT_VERSION, "variables": manifest}
+            if weight_formats:
+                state["weight_formats"] = [wf.to_dict() for wf in weight_formats]
+            json.dump(state, f, indent=1)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(hf, f, indent=2)
         if tokenizer_from:
@@ -178,6 +184,21 @@ def read_lrmq_config(path: str, *, dtype: str | None = None, param_dtype: str | 
                               f"(this lrmq reads {FORMAT_VERSION})")
     return ModelConfig.from_hf_dict(hf, source=cfg_path, dtype=dtype or meta.get("dtype"),
                                     param_dtype=param_dtype or meta.get("param_dtype"))
+
+
+def read_weight_formats(path: str) -> list:
+    """The `WeightFormat`s an lrmq checkpoint records for its packed weights (lrmq_state.json `weight_formats`);
+    [] for a float checkpoint or one written before formats were recorded. A malformed entry: CheckpointError."""
+    from lrmq.quant.formats import WeightFormat
+
+    p = os.path.join(path, STATE_FILE)
+    if not os.path.exists(p):
+        return []
+    try:
+        entries = paths.read_json(p, what="lrmq state manifest").get("weight_formats") or []
+        return [WeightFormat.from_dict(e, where=f"{p}: weight_formats[{i}]") for i, e in enumerate(entries)]
+    except (paths.FileFormatError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _read_manifest(path: str) -> dict[str, dict[str, Any]]:

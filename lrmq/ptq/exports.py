@@ -86,7 +86,8 @@ def packed_kernels(model, result):
 
 def save_packed(model, result, out_dir: str, *, tokenizer_from: str | None = None, overwrite: bool = False) -> str:
     with packed_kernels(model, result):
-        return save_lrmq(model, out_dir, tokenizer_from=tokenizer_from, overwrite=overwrite)
+        return save_lrmq(model, out_dir, tokenizer_from=tokenizer_from, overwrite=overwrite,
+                         weight_formats=result.formats())
 
 
 def save_fake_quant(model, out_dir: str, *, dtype: str = "float16", tokenizer_from: str | None = None,

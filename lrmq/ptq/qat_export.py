@@ -7,11 +7,15 @@ scheme's quantizer, exactly as the forward rounds them:
 * ``paper_int8``: per-tensor symmetric int8 with the scale frozen from the base weights at load (the
   `FrozenScale` the run trained with, not one recomputed from the final weights), q in [-128, 127];
 * ``int8`` / ``int4``: AQT's symmetric absmax per output channel (`qat_group_size` 0) or per group, q in
-  [-qmax, qmax], scale = absmax / qmax, rounded as AQT rounds (multiply by the reciprocal).
+  [-qmax, qmax], scale = absmax / qmax, rounded as AQT rounds (multiply by the reciprocal);
+* ``int4_asym`` / ``int8_asym``: lrmq's asymmetric round-to-nearest (min-max, a zero point per group): the codes,
+  scales and zero points `lrmq.quantize --method rtn` writes for the same weights.
 
-Each is stored as lrmq's symmetric int `QuantizedWeight` (code = q + 2^(b-1), zero 2^(b-1), the scale per
-group; a per-tensor scale is the same scale in every column), so ``(code - zero) * scale`` is bit for bit the
-weight the QAT forward multiplies by. The result is a `PTQResult`, written by the PTQ exporters: ``packed``
+Each is stored as lrmq's int `QuantizedWeight` (symmetric: code = q + 2^(b-1), zero 2^(b-1), the scale per
+group; a per-tensor scale is the same scale in every column; asymmetric: RTN's own codes and zeros), so
+``(code - zero) * scale`` is bit for bit the weight the QAT forward multiplies by. The format (bits, grouping,
+symmetric, scale dtype, scheme) is recorded as `qat_policy.json`'s ``weight_format`` (`WeightFormat.to_dict`)
+and in the packed checkpoint's metadata. The result is a `PTQResult`, written by the PTQ exporters: ``packed``
 (lrmq's kernels: `lrmq.evaluate`, `generate`, `perplexity`) and ``compressed_tensors`` (W8A16 / W4A16
 symmetric: transformers, and the formats vLLM's kernels take).
 
@@ -30,7 +34,9 @@ from lrmq import paths
 from lrmq.ptq.exports import write_outputs
 from lrmq.ptq.result import PTQResult
 from lrmq.quant import packing
-from lrmq.quant.qat import AqtDotGeneral, PerTensorSTEDotGeneral, is_qat, remove_qat, sym_weight_codes
+from lrmq.quant.formats import WeightFormat
+from lrmq.quant.qat import (AqtDotGeneral, AsymSTEDotGeneral, PerTensorSTEDotGeneral, is_qat, qat_weight_format,
+                            remove_qat, sym_weight_codes)
 from lrmq.quant.quantizers import per_tensor_codes
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.quant.transforms import iter_linears
@@ -62,6 +68,12 @@ def qat_codes(lin, path: str = "") -> tuple[np.ndarray, np.ndarray, int]:
 
 def qat_weight(lin, path: str = "") -> tuple[np.ndarray, QuantizedWeight]:
     """(the fake-quantized float32 weight, its packed `QuantizedWeight`) of one QAT Linear."""
+    dg = lin.dot_general
+    if isinstance(dg, AsymSTEDotGeneral):  # lrmq's RTN: the same function computes the forward's weight
+        from lrmq.ptq.rtn import quantize_linear
+
+        fq, qw = quantize_linear(lin.float_weight(), dg.bits, dg.group_size or -1, symmetric=False)
+        return np.asarray(fq, np.float32), qw
     q, s, bits = qat_codes(lin, path)
     k, n = q.shape
     g = k // s.shape[0]
@@ -87,16 +99,22 @@ def qat_result(model) -> PTQResult:
         widths.add(packed[path].bits)
         groups.add(packed[path].group_size if packed[path].scales.shape[0] > 1 else -1)
     remove_qat(model)
+    sym = {bool(qw.symmetric) for qw in packed.values()}
     return PTQResult(method="qat", packed=packed, bits=widths.pop(), group_size=groups.pop() if len(groups) == 1 else 0,
-                     symmetric=True)
+                     symmetric=sym.pop() if len(sym) == 1 else True)
 
 
 def export_qat_policy(model, out_dir: str, *, scheme: str, group_size: int, tokenizer_from: str | None = None,
                       formats=FORMATS, overwrite: bool = True) -> str:
     """`out_dir`/{packed, compressed_tensors}/ and `out_dir`/qat_policy.json, written atomically (`write_outputs`).
-    `model` is changed in place (`qat_result`)."""
+    `model` is changed in place (`qat_result`). qat_policy.json's ``weight_format`` is the scheme's format and
+    ``same_format_ptq`` the `lrmq.quantize` command that writes that format from the float policy."""
+    fmt = qat_weight_format(scheme, group_size)
     result = qat_result(model)
+    result.weight_format = fmt
     info = {"quant_mode": "qat", "qat_scheme": scheme, "qat_group_size": group_size, "bits": result.bits,
+            "symmetric": fmt.symmetric, "weight_format": fmt.to_dict(),
+            "same_format_ptq": fmt.quantize_command(),
             "formats": list(formats), "linears": len(result.packed),
             "note": "weights quantized by the scheme's own quantizer: what the QAT forward multiplied by"}
     return write_outputs(model, result, out_dir, formats=formats, dtype="float32", tokenizer_from=tokenizer_from,
@@ -122,3 +140,20 @@ def quantized_policy_of(checkpoint: str) -> tuple[str, str] | None:
     if quant.get("mode") != "qat":
         return None
     return paths.join(run or ".", QUANTIZED_POLICY, "packed"), str(quant.get("qat_scheme", "paper_int8"))
+
+
+def run_weight_format(run_dir: str) -> WeightFormat | None:
+    """The weight format a run trained in (its RUN/config.yaml `quant` section: `qat_weight_format` of its
+    qat_scheme / qat_group_size), or None when the run is not a QAT run or has no readable config."""
+    import yaml
+
+    cfg_file = paths.epath_of(paths.join(str(run_dir).rstrip("/") or ".", "config.yaml"))
+    try:
+        if not cfg_file.exists():
+            return None
+        quant = (yaml.safe_load(cfg_file.read_text()) or {}).get("quant") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if quant.get("mode") != "qat":
+        return None
+    return qat_weight_format(str(quant.get("qat_scheme", "paper_int8")), int(quant.get("qat_group_size") or 0))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
+from lrmq.quant.formats import WeightFormat, formats_of
 from lrmq.quant.qweight import QuantizedWeight
 
 
@@ -23,3 +25,15 @@ class PTQResult:
     bits: int = 4
     group_size: int = 128
     symmetric: bool = False
+    # the format of `packed` when the quantizer knows more than the arrays show (a QAT scheme, a per-tensor scale);
+    # None: `WeightFormat.of_weight` of the packed weights with `method` as the scheme (`weight_format()`)
+    weight_format: Optional[WeightFormat] = None
+
+    def formats(self) -> list[WeightFormat]:
+        """The result's weight format(s): one for every model lrmq writes."""
+        if self.weight_format is not None:
+            return [self.weight_format]
+        return formats_of(self.packed, self.method)
+
+    def describe_format(self) -> str:
+        return ", ".join(f.describe() for f in self.formats()) or "no quantized weights"

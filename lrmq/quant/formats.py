@@ -188,3 +188,113 @@ PACKINGS.register("nf4")(Packing(
 def packing_of(qw: QuantizedWeight) -> Packing | None:
     """The kernel layout serving `qw`, or None (dequantize in XLA, then dot)."""
     return next((p for p in map(PACKINGS.get, PACKINGS.names()) if p.serves(qw)), None)
+
+
+# ------------------------------------------------------------------------------ the format's name
+PER_CHANNEL = -1  # WeightFormat.group_size: one scale per output channel
+PER_TENSOR = 0  # one scale for the whole tensor (paper 1's int8 STE)
+_SCALE_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """The weight format of a quantized artifact: what its codes and scales mean, and which quantizer chose them.
+
+    `bits`; `group_size` (input rows per scale: > 0 a group, `PER_CHANNEL` (-1) one scale per output channel,
+    `PER_TENSOR` (0) one for the tensor; nf4: the block size); `symmetric` (no zero point) or asymmetric (a zero
+    point per group); `scale_dtype`; `scheme`, the quantizer that chose the codes (a PTQ method, "rtn", "awq", ...,
+    or "qat:<quant.qat_scheme>"); `kind` "int" or "nf4" (`double_quant`: nf4's absmax quantized again).
+    `describe()` is its short name (``int4 asym g128 f32-scale (rtn)``), written by every command that writes
+    or scores a quantized model; `quantize_args()` the `python -m lrmq.quantize` flags that write a float
+    checkpoint in the same format (RTN: the same codes for the same weights); `to_dict` / `from_dict` its JSON.
+
+    A QAT run's format: `lrmq.quant.qat.qat_weight_format(quant.qat_scheme, quant.qat_group_size)` of the run's
+    RUN/config.yaml `quant` section (`lrmq.ptq.qat_export.run_weight_format(RUN)` reads it), or
+    ``WeightFormat.from_dict(json.load(open("RUN/final_policy_quantized/qat_policy.json"))["weight_format"])``;
+    a packed checkpoint's: the ``weight_formats`` entry of its ``lrmq_state.json``
+    (`lrmq.checkpoint.orbax_io.read_weight_formats`).
+    """
+
+    bits: int
+    group_size: int
+    symmetric: bool
+    scheme: str
+    scale_dtype: str = "float32"
+    kind: str = "int"
+    double_quant: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ("int", "nf4"):
+            raise ValueError(f"WeightFormat.kind must be 'int' or 'nf4', got {self.kind!r}")
+        check_bits(self.bits)
+        if self.group_size < -1:
+            raise ValueError(f"WeightFormat.group_size must be > 0, -1 (per channel) or 0 (per tensor), "
+                             f"got {self.group_size}")
+        if self.scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"WeightFormat.scale_dtype must be one of {list(_SCALE_DTYPES)}, got {self.scale_dtype!r}")
+
+    @property
+    def grouping(self) -> str:
+        if self.kind == "nf4":
+            return f"block{self.group_size}"
+        return {PER_CHANNEL: "per-channel", PER_TENSOR: "per-tensor"}.get(self.group_size, f"g{self.group_size}")
+
+    def describe(self) -> str:
+        """E.g. ``int4 asym g128 f32-scale (rtn)``, ``int8 sym per-tensor f32-scale (qat:paper_int8)``,
+        ``nf4 block64 double-quant (nf4)``."""
+        if self.kind == "nf4":
+            return f"nf4 {self.grouping}{' double-quant' if self.double_quant else ''} ({self.scheme})"
+        return (f"int{self.bits} {'sym' if self.symmetric else 'asym'} {self.grouping} "
+                f"{_SCALE_DTYPES[self.scale_dtype]}-scale ({self.scheme})")
+
+    def quantize_args(self) -> list[str]:
+        """The `python -m lrmq.quantize` flags (besides --checkpoint / --out) that write this format with
+        round-to-nearest: ``--method rtn --bits B --group-size G [--symmetric]`` (nf4: ``--method nf4``)."""
+        if self.kind == "nf4":
+            return ["--method", "nf4", "--group-size", str(self.group_size)]
+        return ["--method", "rtn", "--bits", str(self.bits), "--group-size", str(self.group_size),
+                *(["--symmetric"] if self.symmetric else [])]
+
+    def quantize_command(self, checkpoint: str = "RUN/final_policy", out: str = "OUT") -> str:
+        return " ".join(["python -m lrmq.quantize --checkpoint", checkpoint, *self.quantize_args(), "--out", out])
+
+    def same_format(self, other: "WeightFormat") -> bool:
+        """Equal in everything but the scheme (the quantizer that chose the codes)."""
+        return dataclasses.replace(self, scheme="") == dataclasses.replace(other, scheme="")
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "name": self.describe()}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "weight_format") -> "WeightFormat":
+        """Inverse of `to_dict` (its `name` is ignored); a missing or unknown key is a one-line ValueError."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields - {"name"})
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(fields)}")
+        missing = [k for k in ("bits", "group_size", "symmetric", "scheme") if k not in d]
+        if missing:
+            raise ValueError(f"{where}: missing keys {missing}")
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    @classmethod
+    def of_weight(cls, qw: QuantizedWeight, scheme: str, *, per_tensor: bool = False) -> "WeightFormat":
+        """The format of one packed weight (`per_tensor`: its per-channel scales are one scale repeated)."""
+        if qw.fmt == "nf4":
+            return cls(bits=4, group_size=qw.block_size, symmetric=True, scheme=scheme, kind="nf4",
+                       double_quant=bool(qw.double_quant))
+        g = PER_TENSOR if per_tensor else PER_CHANNEL if qw.group_size == qw.K else qw.group_size
+        return cls(bits=qw.bits, group_size=g, symmetric=bool(qw.symmetric), scheme=scheme,
+                   scale_dtype=jnp.dtype(qw.scales.dtype).name)
+
+
+def formats_of(packed: dict, scheme: str, *, per_tensor: bool = False) -> list[WeightFormat]:
+    """The distinct formats of a {path: QuantizedWeight} (one for every model lrmq writes), in first-seen order."""
+    out: list[WeightFormat] = []
+    for qw in packed.values():
+        f = WeightFormat.of_weight(qw, scheme, per_tensor=per_tensor)
+        if f not in out:
+            out.append(f)
+    return out

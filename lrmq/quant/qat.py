@@ -8,6 +8,11 @@ Schemes (`QuantSection.qat_scheme`):
   Own code, not AQT: AQT recalibrates its scale from the current weight on every call.
 * ``int8`` / ``int4`` - AQT weight-only, symmetric, scale `absmax / (2^(b-1) - 1)` per output channel
   (`qat_group_size=0`) or per group of `qat_group_size` input rows (AQT `tiled_dot_general`).
+* ``int4_asym`` / ``int8_asym`` - min-max asymmetric, a zero point per group of `qat_group_size` input rows (0 = per
+  output channel), STE (`W + stop_gradient(W_q - W)`): `W_q` is exactly `lrmq.quantize --method rtn`'s
+  round-to-nearest of the current weight (`lrmq.quant.quantizers.fake_quant`, llm-awq's `pseudo_quantize_tensor`),
+  recomputed on every call, so ``int4_asym`` with `qat_group_size=128` is `lrmq.quantize`'s default format (int4 asym
+  g128 f32-scale) code for code.
 * ``w8a8`` - AQT int8 weights (per output channel / group) and int8 activations (per token, i.e. per
   row over the contraction axis).
 
@@ -40,10 +45,30 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lrmq.model.linear import Linear, default_dot_general
-from lrmq.quant.quantizers import fake_quant_per_tensor, per_tensor_scale
+from lrmq.quant.formats import PER_CHANNEL, PER_TENSOR, WeightFormat
+from lrmq.quant.quantizers import fake_quant, fake_quant_per_tensor, per_tensor_scale
 from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears, require_linears
 
-SCHEMES = ("paper_int8", "int8", "int4", "w8a8")
+SCHEMES = ("paper_int8", "int8", "int4", "int4_asym", "int8_asym", "w8a8")
+ASYM_SCHEMES = {"int4_asym": 4, "int8_asym": 8}  # min-max with a zero point (own STE, lrmq's RTN quantizer)
+
+
+def scheme_bits(scheme: str) -> int:
+    """Weight bits of a QAT scheme."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
+    return 4 if scheme in ("int4", "int4_asym") else 8
+
+
+def qat_weight_format(scheme: str, group_size: int = 0) -> WeightFormat:
+    """The weight format a QAT scheme trains in (and its quantized export stores): `scheme` and `group_size` are a
+    run's `quant.qat_scheme` / `quant.qat_group_size` (0 = per output channel). `.quantize_args()` of the result
+    are the `lrmq.quantize` flags that write the same format from a float policy."""
+    bits = scheme_bits(scheme)
+    if scheme == "paper_int8":
+        return WeightFormat(bits=8, group_size=PER_TENSOR, symmetric=True, scheme=f"qat:{scheme}")
+    return WeightFormat(bits=bits, group_size=int(group_size) if group_size else PER_CHANNEL,
+                        symmetric=scheme not in ASYM_SCHEMES, scheme=f"qat:{scheme}")
 
 
 def data_hash(x) -> jax.Array:
@@ -86,6 +111,25 @@ class PerTensorSTEDotGeneral(nnx.Module):
     def quantize(self, w):
         wq = fake_quant_per_tensor(w, self.bits, scale=self.scale[...])
         return w + jax.lax.stop_gradient(wq - w)  # forward W_q, backward identity (STE)
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
+        return jax.lax.dot_general(lhs, self.quantize(rhs), dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type)
+
+
+# ----------------------------------------------------------------------------- asymmetric (own STE)
+@dataclasses.dataclass(frozen=True)
+class AsymSTEDotGeneral:
+    """dot_general whose weight is lrmq's asymmetric round-to-nearest of the current weight (min-max, a zero point
+    per group of `group_size` input rows; 0 = per output channel), identity backward (STE). Frozen and hashable:
+    static in the graphdef, like `AqtDotGeneral`."""
+
+    bits: int
+    group_size: int = 0
+
+    def quantize(self, w):
+        wq = fake_quant(w, self.bits, self.group_size or -1, symmetric=False)
+        return w + jax.lax.stop_gradient(wq - w)
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
         return jax.lax.dot_general(lhs, self.quantize(rhs), dimension_numbers, precision=precision,
@@ -150,6 +194,8 @@ def fake_quant_weight(w, scheme: str, group_size: int = 0, scale=None):
     """The weight the QAT forward multiplies by (for tests / exports of the fake-quantized model)."""
     if scheme == "paper_int8":
         return fake_quant_per_tensor(w, 8, scale=scale)
+    if scheme in ASYM_SCHEMES:
+        return fake_quant(w, ASYM_SCHEMES[scheme], group_size or -1, symmetric=False)
     bits = {"int8": 8, "w8a8": 8, "int4": 4}[scheme]
     return _sym_fake_quant(w, bits, group_size, axis=0)
 
@@ -202,6 +248,11 @@ def make_dot_general(scheme: str, w=None, *, group_size: int = 0, stochastic_rou
         return PerTensorSTEDotGeneral(jax.lax.stop_gradient(per_tensor_scale(w, 8)))
     if scheme not in SCHEMES:
         raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
+    if scheme in ASYM_SCHEMES:
+        if stochastic_rounding:
+            raise ValueError(f"qat_stochastic_rounding is for the AQT schemes (int8/int4/w8a8), not "
+                             f"qat_scheme={scheme!r}")
+        return AsymSTEDotGeneral(bits=ASYM_SCHEMES[scheme], group_size=int(group_size))
     bits = 4 if scheme == "int4" else 8
     return AqtDotGeneral(weight_bits=bits, act_bits=8 if scheme == "w8a8" else None, group_size=int(group_size),
                          stochastic_rounding=bool(stochastic_rounding), seed=int(seed), salt=salt)
@@ -242,4 +293,4 @@ def remove_qat(model) -> None:
 
 
 def is_qat(lin: Linear) -> bool:
-    return isinstance(lin.dot_general, (PerTensorSTEDotGeneral, AqtDotGeneral))
+    return isinstance(lin.dot_general, (PerTensorSTEDotGeneral, AqtDotGeneral, AsymSTEDotGeneral))

@@ -254,10 +254,12 @@ class QuantSection:
     mode: Literal["none", "qat", "qlora"] = opt("none", "quantization while training: none, qat (fake-quantized "
                                                         "forward, straight-through gradients to float weights), "
                                                         "qlora (frozen packed base + LoRA adapters)")
-    qat_scheme: Literal["paper_int8", "int8", "int4", "w8a8"] = opt(
+    qat_scheme: Literal["paper_int8", "int8", "int4", "int4_asym", "int8_asym", "w8a8"] = opt(
         "paper_int8", "QAT scheme: paper_int8 (per-tensor int8, scale frozen at load), int8 / int4 (AQT "
-                      "weight-only), w8a8 (AQT int8 weights and activations)")
-    qat_group_size: int = opt(0, "QAT (AQT schemes): input rows per weight scale group (0 = per output channel)", ge=0)
+                      "weight-only, symmetric), int4_asym / int8_asym (min-max with a zero point per group: "
+                      "lrmq.quantize --method rtn's format), w8a8 (AQT int8 weights and activations)")
+    qat_group_size: int = opt(0, "QAT (all but paper_int8): input rows per weight scale group (0 = per output "
+                                 "channel)", ge=0)
     qat_stochastic_rounding: bool = opt(False, "QAT (AQT schemes): quantize the backward pass's incoming "
                                                "gradients to int8 with stochastic rounding")
     targets: str = opt(r".*\.(q|k|v|o|gate|up|down)_proj$", "regex over module paths of the Linears that QAT "

@@ -47,7 +47,8 @@ from lrmq.rl.step import make_optimizer
 from lrmq.rl.setup import build_model, load_datasets
 from lrmq.tokenizer import Tokenizer
 
-QAT_PACKING = {"paper_int8": "int8", "int8": "int8", "w8a8": "int8", "int4": "int4"}
+QAT_PACKING = {"paper_int8": "int8", "int8": "int8", "w8a8": "int8", "int4": "int4", "int4_asym": "int4",
+               "int8_asym": "int8"}
 
 
 def evaluate_heldout(model, tok: Tokenizer, cfg: TrainConfig, *, size: int, samples: int = 1, greedy: bool = True,
