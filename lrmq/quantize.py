@@ -70,8 +70,9 @@ def parse_args(argv=None):
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
     ap.add_argument("--bits", type=int, default=None,
                     help="weight bits, 2..8 (default: 4; int8: 8; nf4 and --format autoawq take 4 only)")
-    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=None,
-                    help="input rows per scale group (default: 128; nf4: 64; int8: -1); -1 = per output channel")
+    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1, 0)), default=None,
+                    help="input rows per scale group (default: 128; nf4: 64; int8: -1); -1 = per output channel; "
+                         "0 = one scale per tensor (rtn, int8)")
     ap.add_argument("--symmetric", action="store_true",
                     help="symmetric quantization: no zero point (default: asymmetric, a zero point per group)")
     ap.add_argument("--targets", default=DEFAULT_TARGETS, help="regex over module paths (lm_head excluded)")
@@ -203,7 +204,7 @@ def check_targets(model, cfg) -> None:
     g = cfg.group_size
     if cfg.method != "nf4":
         for path, lin in found:
-            if g != -1 and (g <= 0 or lin.in_features % g):
+            if g not in (-1, 0) and (g <= 0 or lin.in_features % g):
                 raise UsageError(f"--group-size {g} does not divide {path}'s input size K={lin.in_features} "
                                  "(use a divisor or -1)")
 
@@ -215,7 +216,8 @@ def write_flag_outputs(model, result, args, tokenizer_from: str) -> tuple[int, i
     if args.format == "packed":
         with packed_kernels(model, result):
             after = param_bytes(model)["total"]
-            save_lrmq(model, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
+            save_lrmq(model, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite,
+                      weight_formats=result.formats())
     else:
         save_format(args.format, model, result, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
         after = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out)
@@ -242,7 +244,8 @@ def run(args) -> dict:
     check_targets(model, cfg)
     result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
     before, after = write_flag_outputs(model, result, args, prep.model_path)
-    return {"method": args.method, "quantized": len(result.packed), "bytes_before": before, "bytes_after": after,
+    return {"method": args.method, "quantized": len(result.packed), "weight_format": result.describe_format(),
+            "bytes_before": before, "bytes_after": after,
             "out": args.out, "format": args.format, "hf_fake": args.export_hf_fake}
 
 
@@ -259,7 +262,8 @@ def config_main(argv) -> int:
             print(dump_config(cfg, comments=True))
             return 0
         report = run_quantize(cfg)
-        print(json.dumps({k: report[k] for k in ("method", "bits", "group_size", "out_dir", "calibration_blocks")}))
+        print(json.dumps({k: report[k] for k in ("method", "bits", "group_size", "weight_format", "out_dir",
+                                                 "calibration_blocks")}))
         return 0
 
     return run_main("quantize", body, INPUT_ERRORS)
@@ -274,7 +278,7 @@ def main(argv=None) -> int:
 
     def body() -> int:
         s = run(args)
-        print(f"quantized {s['quantized']} linears with {s['method']}: {s['bytes_before'] / 2**20:.2f} MiB -> "
+        print(f"quantized {s['quantized']} linears to {s['weight_format']}: {s['bytes_before'] / 2**20:.2f} MiB -> "
               f"{s['bytes_after'] / 2**20:.2f} MiB; wrote {s['out']} ({s['format']})"
               + (f" and {s['hf_fake']}" if s["hf_fake"] else ""), file=sys.stderr)
         return 0

@@ -15,17 +15,26 @@ from test_train_modes import scratch_ckpt  # noqa: F401  (session fixture)
 TOK = (jnp.arange(16).reshape(2, 8) * 7) % 200
 
 
-@pytest.mark.parametrize("method,extra,fmt,bits", [("rtn", ["--bits", "4", "--group-size", "32"], "int", 4),
-                                                   ("rtn", ["--bits", "3", "--group-size", "64", "--symmetric"], "int", 3),
-                                                   ("int8", [], "int", 8), ("nf4", [], "nf4", 4)])
-def test_quantize_round_trip(scratch_ckpt, tmp_path, method, extra, fmt, bits):  # noqa: F811
+@pytest.mark.parametrize("method,extra,fmt,bits,name", [
+    ("rtn", ["--bits", "4", "--group-size", "32"], "int", 4, "int4 asym g32 f32-scale (rtn)"),
+    ("rtn", ["--bits", "3", "--group-size", "64", "--symmetric"], "int", 3, "int3 sym g64 f32-scale (rtn)"),
+    ("int8", ["--group-size", "0"], "int", 8, "int8 sym per-tensor f32-scale (int8)"),
+    ("nf4", [], "nf4", 4, "nf4 block64 double-quant (nf4)")])
+def test_quantize_round_trip(scratch_ckpt, tmp_path, capsys, method, extra, fmt, bits, name):  # noqa: F811
     from lrmq.checkpoint.load import checkpoint_kind, load_model
+    from lrmq.checkpoint.orbax_io import read_weight_formats
     from lrmq.quant.qkernel import QuantizedKernel
     from lrmq.quant.transforms import iter_linears
 
     out, fake = str(tmp_path / "packed"), str(tmp_path / "fake")
     rc = qcli.main(["--checkpoint", scratch_ckpt, "--method", method, *extra, "--out", out, "--export-hf-fake", fake])
     assert rc == 0
+    # the format is named in the output line and recorded in the packed checkpoint, with flags that write it again
+    assert f"quantized 14 linears to {name}:" in capsys.readouterr().err
+    (wf,) = read_weight_formats(out)
+    assert wf.describe() == name
+    if method == "rtn":
+        assert wf.quantize_args() == ["--method", "rtn", *extra]
     assert checkpoint_kind(out) == "lrmq" and checkpoint_kind(fake) == "hf"
     packed, fq, base = load_model(out), load_model(fake), load_model(scratch_ckpt)
     lins = iter_linears(packed)
@@ -33,6 +42,8 @@ def test_quantize_round_trip(scratch_ckpt, tmp_path, method, extra, fmt, bits): 
     for _, lin in lins:
         qw = lin.kernel.get_value()
         assert isinstance(lin.kernel, QuantizedKernel) and qw.fmt == fmt and (fmt == "nf4" or qw.bits == bits)
+        if wf.group_size == 0:  # per tensor: one scale and zero in every column
+            assert np.unique(np.asarray(qw.scales)).size == 1 and np.unique(np.asarray(qw.zeros)).size == 1
     y = jit_forward(packed, TOK)
     np.testing.assert_allclose(y, jit_forward(fq, TOK), atol=2e-5, rtol=1e-5)
     assert float(jnp.abs(y - jit_forward(base, TOK)).max()) > 1e-5

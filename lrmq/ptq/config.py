@@ -128,8 +128,8 @@ class QuantizeConfig:
     method: str = opt("awq", "PTQ method", names=PTQ_METHODS)
     bits: int = opt(4, "weight bits, 2..8 (method int8: 8; nf4: 4; outputs autoawq: 4; the others take any width)",
                     ge=2, le=8)
-    group_size: int = opt(128, "input rows per quantization group (-1 = per output channel; nf4: the block size)",
-                          ge=1, also=(-1,))
+    group_size: int = opt(128, "input rows per quantization group (-1 = per output channel; 0 = per tensor, rtn and "
+                               "int8 only; nf4: the block size)", ge=1, also=(-1, 0))
     symmetric: bool = opt(False, "symmetric quantization (no zero point)")
     targets: str = opt(DEFAULT_TARGETS, "regex over Linear paths (rtn, int8, nf4; the others quantize all seven "
                                         "projections)")
@@ -148,8 +148,8 @@ class QuantizeConfig:
             raise ValueError(f"targets {self.targets!r} is not a regular expression ({e})") from None
         if self.bits not in range(2, 9):  # what the quantizers, lrmq's packing and compressed_tensors support
             raise ValueError(f"bits must be in 2..8, got {self.bits}")
-        if self.group_size != -1 and self.group_size < 1:
-            raise ValueError(f"group_size must be -1 or positive, got {self.group_size}")
+        if self.group_size < -1:
+            raise ValueError(f"group_size must be -1, 0 or positive, got {self.group_size}")
         if self.method == "quantlrm" and not (self.quantlrm.run_dir or (self.model and self.quantlrm.base)):
             raise ValueError("method quantlrm needs quantlrm.run_dir, or model (fine-tuned) + quantlrm.base")
         if self.method != "quantlrm" and not self.model:

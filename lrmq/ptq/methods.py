@@ -64,6 +64,9 @@ def check_method_config(cfg) -> None:
         raise ValueError(e.args[0]) from None
     if needs_calibration(cfg.method) and not cfg.calibration.path:
         raise ValueError(f"method {cfg.method} needs calibration.path (flag --calibration): a local text/prompt file")
+    if cfg.group_size == 0 and cfg.method not in ("rtn", "int8"):
+        raise ValueError(f"group_size 0 (one scale per tensor) is for methods rtn and int8; method {cfg.method} "
+                         "takes -1 (per output channel) or a group size")
     if cfg.method == "int8" and cfg.bits != 8:
         raise ValueError(f"method int8 is 8-bit, got bits={cfg.bits} (use method rtn for other widths)")
     if cfg.method == "nf4":

@@ -147,7 +147,9 @@ def run_quantize(cfg: QuantizeConfig) -> dict:
     result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
     tokens = prep.inputs.tokens
     report = {"method": cfg.method, "model": prep.model_path, "bits": cfg.bits, "group_size": cfg.group_size,
-              "symmetric": cfg.symmetric, "calibration_blocks": None if tokens is None else list(tokens.shape),
+              "symmetric": cfg.symmetric, "weight_format": result.describe_format(),
+              "weight_formats": [f.to_dict() for f in result.formats()],
+              "calibration_blocks": None if tokens is None else list(tokens.shape),
               "formats": list(cfg.outputs.formats), "info": _jsonable(result.info), **prep.report}
     extra = dict(prep.files)
     extra["report.json"] = json.dumps(report, indent=2)

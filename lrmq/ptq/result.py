@@ -33,7 +33,7 @@ class PTQResult:
         """The result's weight format(s): one for every model lrmq writes."""
         if self.weight_format is not None:
             return [self.weight_format]
-        return formats_of(self.packed, self.method)
+        return formats_of(self.packed, self.method, group_size=self.group_size)
 
     def describe_format(self) -> str:
         return ", ".join(f.describe() for f in self.formats()) or "no quantized weights"

@@ -22,25 +22,27 @@ import numpy as np
 from lrmq.ptq.result import PTQResult
 from lrmq.quant import packing
 from lrmq.quant.quantizers import compute_qparams, dequantize_codes, quantize_codes, resolve_group_size
-from lrmq.quant.formats import dequantize, quantize_weight
+from lrmq.quant.formats import PER_TENSOR, WeightFormat, dequantize, quantize_weight
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
 
 
-@partial(jax.jit, static_argnames=("bits", "group_size", "symmetric"))
-def _quantize_jit(w, bits, group_size, symmetric):
-    scales, zeros = compute_qparams(w, bits, group_size, symmetric)
+@partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "per_tensor"))
+def _quantize_jit(w, bits, group_size, symmetric, per_tensor=False):
+    scales, zeros = compute_qparams(w, bits, 0 if per_tensor else group_size, symmetric)
     codes = quantize_codes(w, scales, zeros, bits, group_size)
     return dequantize_codes(codes, scales, zeros, group_size, jnp.float32), codes, scales, zeros
 
 
 def quantize_linear(w, bits: int, group_size: int, symmetric: bool):
     """(fake-quant float32 weight, packed QuantizedWeight) of a [K, N] weight, from one set of codes
-    (the functions of ``quantize_weight``); ``group_size`` -1 = per output channel."""
+    (the functions of ``quantize_weight``); ``group_size`` -1 = per output channel, 0 = per tensor (one scale and
+    zero, stored per channel: the same value in every column)."""
     w = jnp.asarray(w, jnp.float32)
-    g = resolve_group_size(w.shape, group_size)
+    per_tensor = group_size == 0
+    g = resolve_group_size(w.shape, -1 if per_tensor else group_size)
     packing.packed_rows(w.shape[0], bits)  # fail early with a shape message
-    fq, codes, scales, zeros = _quantize_jit(w, bits, g, symmetric)
+    fq, codes, scales, zeros = _quantize_jit(w, bits, g, symmetric, per_tensor)
     qw = QuantizedWeight(codes=jnp.asarray(packing.pack(np.asarray(codes), bits)), scales=scales, zeros=zeros,
                          fmt="int", bits=bits, group_size=g, shape=tuple(int(d) for d in w.shape), dtype="float32",
                          symmetric=bool(symmetric), double_quant=False)
@@ -59,6 +61,8 @@ def rtn_quantize_model(model, *, bits: int = 4, group_size: int = 128, symmetric
     for path, lin in iter_linears(model, targets):
         fq, result.packed[path] = quantize_linear(lin.float_weight(), bits, group_size, symmetric)
         _set_kernel(lin, fq)
+    if group_size == PER_TENSOR:  # the arrays say per channel; the format is one scale per tensor
+        result.weight_format = WeightFormat(bits=bits, group_size=PER_TENSOR, symmetric=bool(symmetric), scheme=method)
     return result
 
 

@@ -280,21 +280,25 @@ class WeightFormat:
         return cls(**{k: v for k, v in d.items() if k in fields})
 
     @classmethod
-    def of_weight(cls, qw: QuantizedWeight, scheme: str, *, per_tensor: bool = False) -> "WeightFormat":
-        """The format of one packed weight (`per_tensor`: its per-channel scales are one scale repeated)."""
+    def of_weight(cls, qw: QuantizedWeight, scheme: str, *, per_tensor: bool = False,
+                  group_size: int | None = None) -> "WeightFormat":
+        """The format of one packed weight (`per_tensor`: its per-channel scales are one scale repeated;
+        `group_size`: the group size asked for, which names a group that spans the whole K, e.g. g64 of K=64)."""
         if qw.fmt == "nf4":
             return cls(bits=4, group_size=qw.block_size, symmetric=True, scheme=scheme, kind="nf4",
                        double_quant=bool(qw.double_quant))
-        g = PER_TENSOR if per_tensor else PER_CHANNEL if qw.group_size == qw.K else qw.group_size
+        g = PER_TENSOR if per_tensor else group_size if group_size == qw.group_size else \
+            PER_CHANNEL if qw.group_size == qw.K else qw.group_size
         return cls(bits=qw.bits, group_size=g, symmetric=bool(qw.symmetric), scheme=scheme,
                    scale_dtype=jnp.dtype(qw.scales.dtype).name)
 
 
-def formats_of(packed: dict, scheme: str, *, per_tensor: bool = False) -> list[WeightFormat]:
+def formats_of(packed: dict, scheme: str, *, per_tensor: bool = False,
+               group_size: int | None = None) -> list[WeightFormat]:
     """The distinct formats of a {path: QuantizedWeight} (one for every model lrmq writes), in first-seen order."""
     out: list[WeightFormat] = []
     for qw in packed.values():
-        f = WeightFormat.of_weight(qw, scheme, per_tensor=per_tensor)
+        f = WeightFormat.of_weight(qw, scheme, per_tensor=per_tensor, group_size=group_size)
         if f not in out:
             out.append(f)
     return out

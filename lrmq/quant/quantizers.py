@@ -72,7 +72,8 @@ def _grouped(w, g):
 
 
 def compute_qparams(w, bits: int, group_size: int, symmetric: bool):
-    """Per-group scales (f32 [K/g, N]) and unsigned zero points (uint8 [K/g, N]).
+    """Per-group scales (f32 [K/g, N]) and unsigned zero points (uint8 [K/g, N]). `group_size` 0: one scale (and
+    zero) for the whole tensor, repeated in every column ([1, N]; codes then take group_size -1).
 
     asymmetric (llm-awq `pseudo_quantize_tensor`, zero_point=True):
         scale = clamp(max - min, 1e-5) / (2^b - 1);  zero = clamp(-round(min / scale), 0, 2^b - 1)
@@ -81,6 +82,10 @@ def compute_qparams(w, bits: int, group_size: int, symmetric: bool):
     """
     bits = check_bits(bits)
     _check_float("w", w)
+    if isinstance(group_size, (int, np.integer)) and not isinstance(group_size, bool) and group_size == 0:
+        resolve_group_size(w.shape, -1)  # the shape check
+        s, z = _qparams_impl(w.reshape(-1, 1), bits, int(np.prod(w.shape)), bool(symmetric))
+        return jnp.broadcast_to(s, (1, w.shape[1])), jnp.broadcast_to(z, (1, w.shape[1]))
     g = resolve_group_size(w.shape, group_size)
     return _qparams_impl(w, bits, g, bool(symmetric))
 
@@ -148,8 +153,9 @@ def _dequant_impl(codes, scales, zeros, g, dtype):
 
 
 def fake_quant(w, bits: int, group_size: int, symmetric: bool):
-    """dequantize(quantize(w)) with the same dtype as w."""
+    """dequantize(quantize(w)) with the same dtype as w (group_size 0: per tensor)."""
     scales, zeros = compute_qparams(w, bits, group_size, symmetric)
+    group_size = -1 if group_size == 0 else group_size
     codes = quantize_codes(w, scales, zeros, bits, group_size)
     return dequantize_codes(codes, scales, zeros, group_size, w.dtype)
 
