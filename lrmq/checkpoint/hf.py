@@ -173,15 +173,18 @@ def _check_complete(path: str, size: int) -> None:
 
 
 def match_names(model: nnx.Module, cfg: ModelConfig, index: dict[str, str], shapes: dict[str, tuple[int, ...]],
-                source: str) -> dict[str, tuple[str, str]]:
-    """Check every tensor against the model; one error lists all problems."""
+                source: str, consumed: frozenset[str] = frozenset(), preset: frozenset[str] = frozenset()
+                ) -> dict[str, tuple[str, str]]:
+    """Check every tensor against the model; one error lists all problems. `consumed`: tensors already read
+    by another reader (a quantized Linear's packed tensors, `lrmq.checkpoint.quantized`), `preset`: the params
+    it set (not read here)."""
     params = flat_params(model)
-    mapping = expand(set(params), cfg)
+    mapping = expand(set(params) - preset, cfg)
     problems = []
     missing = sorted(h for h in mapping if h not in index)
     if missing:
         problems.append("missing tensors: " + ", ".join(missing))
-    unexpected = sorted(n for n in index if n not in mapping and not n.endswith(IGNORED_SUFFIXES)
+    unexpected = sorted(n for n in index if n not in mapping and n not in consumed and not n.endswith(IGNORED_SUFFIXES)
                         and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
     if unexpected:
         problems.append("unexpected tensors: " + ", ".join(unexpected))
@@ -202,9 +205,17 @@ def load_hf_model(ckpt_dir: str, *, mesh=None, dtype: str | None = None, param_d
                   config: ModelConfig | None = None) -> Decoder:
     cfg = config or ModelConfig.from_hf_file(ckpt_dir, dtype=dtype, param_dtype=param_dtype)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
-    index = tensor_index(ckpt_dir)
-    shapes = _shapes(index)
-    mapping = match_names(abstract, cfg, index, shapes, ckpt_dir)
+    return fill_hf_params(abstract, ckpt_dir, tensor_index(ckpt_dir), mesh=mesh)
+
+
+def fill_hf_params(abstract: Decoder, ckpt_dir: str, index: dict[str, str], *, mesh=None,
+                   consumed: frozenset[str] = frozenset()) -> Decoder:
+    """Read every `nnx.Param` of `abstract` (built by `nnx.eval_shape`) from the checkpoint's tensors `index`
+    (`tensor_index`), checked first by `match_names`; `consumed` tensors were read by another reader."""
+    cfg = abstract.cfg
+    shapes = _shapes({k: v for k, v in index.items() if k not in consumed})
+    preset = frozenset(p for p, v in flat_params(abstract).items() if not isinstance(v.get_value(), jax.ShapeDtypeStruct))
+    mapping = match_names(abstract, cfg, index, shapes, ckpt_dir, consumed, preset)
     params = flat_params(abstract)
     handles: dict[str, Any] = {}
     try:

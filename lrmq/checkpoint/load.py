@@ -13,6 +13,7 @@ import os
 from lrmq import paths
 from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf import CheckpointError, load_hf_model
+from lrmq.checkpoint.quantized import hf_quantization, load_quantized_hf
 from lrmq.checkpoint.orbax_io import (CONFIG_FILE, PARAMS_DIR, STATE_FILE, is_lrmq_checkpoint, load_lrmq,
                                       read_lrmq_config)
 from lrmq.cli import UsageError, error_message
@@ -75,6 +76,7 @@ def checkpoint_kind(path: str) -> str:
             raise CheckpointError(f"{path}: incomplete lrmq checkpoint, missing {', '.join(missing)}")
         read_lrmq_config(path)  # raises naming config.json and what is wrong with it
     if is_hf_checkpoint(path):
+        hf_quantization(path)  # a quantization_config lrmq cannot read: one line naming config.json, now
         return "hf"
     cfg = os.path.join(path, CONFIG_FILE)
     if os.path.exists(cfg) and not os.path.isfile(cfg):
@@ -97,13 +99,18 @@ def check_checkpoint(path: str, option: str = "--checkpoint") -> str:
 
 
 def load_model(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None) -> Decoder:
-    """Load a Decoder from either format, optionally straight onto `mesh`.
+    """Load a Decoder from either format, optionally straight onto `mesh`. A quantized Hugging Face checkpoint
+    (compressed-tensors, AutoAWQ: `lrmq.checkpoint.quantized`) loads as the packed model it holds, as an lrmq
+    ``packed`` checkpoint does.
 
     dtype: compute dtype override; param_dtype: parameter dtype override (None keeps the stored one).
     """
     path = resolve_checkpoint(path)
     if checkpoint_kind(path) == "lrmq":
         return load_lrmq(path, mesh=mesh, dtype=dtype, param_dtype=param_dtype)
+    q = hf_quantization(path)
+    if q is not None:  # compressed-tensors / AutoAWQ: the packed model it holds
+        return load_quantized_hf(path, q, mesh=mesh, dtype=dtype, param_dtype=param_dtype)
     return load_hf_model(path, mesh=mesh, dtype=dtype, param_dtype=param_dtype)
 
 

@@ -87,6 +87,20 @@ def pack_awq(values) -> np.ndarray:
     return out.view(np.int32)
 
 
+def unpack_awq(packed) -> np.ndarray:
+    """Inverse of :func:`pack_awq`: int32 ``[R, N/8]`` -> uint8 ``[R, N]`` (nibble ``i`` of a word is column
+    ``8c + AWQ_ORDER[i]``)."""
+    w = np.asarray(packed)
+    if w.ndim != 2 or w.dtype.kind not in "iu" or w.dtype.itemsize != 4:
+        raise ValueError(f"AutoAWQ packs 4-bit values into 2-D int32 words, got {w.dtype}{list(w.shape)}")
+    w = w.view(np.uint32)
+    R, C = w.shape
+    out = np.zeros((R, C, 8), np.uint8)
+    for i, col in enumerate(AWQ_ORDER):
+        out[:, :, col] = (w >> np.uint32(4 * i)) & np.uint32(0xF)
+    return out.reshape(R, C * 8)
+
+
 def awq_gemm_export(codes, scales, zeros) -> dict[str, np.ndarray]:
     """AutoAWQ ``WQLinear_GEMM`` tensors from 4-bit codes: ``qweight``, ``qzeros``, ``scales`` (fp16)."""
     codes, scales, zeros, _ = _check(codes, scales, zeros, 4)
@@ -95,6 +109,16 @@ def awq_gemm_export(codes, scales, zeros) -> dict[str, np.ndarray]:
         "qzeros": pack_awq(zeros),
         "scales": scales.astype(np.float16),
     }
+
+
+def awq_gemm_import(qweight, qzeros, scales):
+    """Inverse of :func:`awq_gemm_export`: ``(codes [K, N] uint8, scales [K/g, N] float32, zeros [K/g, N]
+    uint8)`` -- the fp16 scales widened exactly."""
+    codes, zeros, scales = unpack_awq(qweight), unpack_awq(qzeros), np.asarray(scales)
+    if scales.shape != zeros.shape:
+        raise ValueError(f"scales {list(scales.shape)} and qzeros (unpacked {list(zeros.shape)}) differ in shape")
+    _check(codes, scales, zeros, 4)
+    return codes, scales.astype(np.float32), zeros
 
 
 def awq_quantization_config(bits: int = 4, group_size: int = 128) -> dict:
@@ -186,6 +210,35 @@ def ct_pack_quantized_export(
     if g_idx is not None:
         out["weight_g_idx"] = np.asarray(g_idx, np.int32)
     return out
+
+
+def ct_pack_quantized_import(tensors, *, bits: int, symmetric: bool):
+    """Inverse of :func:`ct_pack_quantized_export`: one Linear's tensors (``weight_packed``, ``weight_scale``,
+    ``weight_shape``, ``weight_zero_point`` when asymmetric, optional ``weight_g_idx``; the keys without the
+    module prefix) -> ``(codes [K, N] uint8, scales [K/g, N] float32, zeros [K/g, N] uint8, g_idx or None)``,
+    lrmq orientation, unsigned zeros (symmetric: ``2^(b-1)``), scales widened exactly from the stored dtype."""
+    bits = _check_ct_bits(bits)
+    missing = [k for k in ("weight_packed", "weight_scale", "weight_shape") if k not in tensors]
+    if not symmetric and "weight_zero_point" not in tensors:
+        missing.append("weight_zero_point")
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    N, K = (int(x) for x in np.asarray(tensors["weight_shape"]).reshape(-1))
+    scales = np.asarray(tensors["weight_scale"])
+    if scales.ndim != 2 or scales.shape[0] != N:
+        raise ValueError(f"weight_scale {list(scales.shape)} does not fit weight_shape [{N}, {K}]")
+    codes = unpack_from_int32(tensors["weight_packed"], bits, K, axis=1).T
+    if "weight_zero_point" in tensors:
+        zeros = unpack_from_int32(tensors["weight_zero_point"], bits, N, axis=0).T
+    else:
+        zeros = np.full(scales.T.shape, 1 << (bits - 1), np.uint8)
+    if symmetric and np.any(zeros != 1 << (bits - 1)):
+        raise ValueError(f"a symmetric scheme with zero points other than {1 << (bits - 1)}")
+    g_idx = np.asarray(tensors["weight_g_idx"]) if "weight_g_idx" in tensors else None
+    scales = scales.T.astype(np.float32)
+    if g_idx is None:
+        _check(codes, scales, zeros, bits)
+    return np.ascontiguousarray(codes), np.ascontiguousarray(scales), np.ascontiguousarray(zeros), g_idx
 
 
 def ct_quantization_config(

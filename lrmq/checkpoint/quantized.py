@@ -1,0 +1,337 @@
+"""Quantized Hugging Face checkpoints in: the formats `lrmq.ptq.exports` writes (and llmcompressor / AutoAWQ
+write), read back as the packed model they hold.
+
+The format comes from the checkpoint's ``config.json`` ``quantization_config`` (`hf_quantization`), never from
+the user:
+
+* compressed-tensors ``pack-quantized`` (``quant_method: compressed-tensors``; llmcompressor's W4A16 / W8A16
+  ...): int weights, 2..8 bits, symmetric or asymmetric, ``strategy`` ``channel`` or ``group``; each targeted
+  Linear's ``weight_packed`` / ``weight_scale`` / ``weight_zero_point`` / ``weight_shape`` (/ ``weight_g_idx``)
+  are unpacked by `lrmq.ptq.export_formats.ct_pack_quantized_import`, the exact inverse of the writer.
+* compressed-tensors ``dense`` (``quantization_status: frozen``; llmcompressor's ``save_compressed=False``):
+  fake-quant float weights next to their ``weight_scale`` / ``weight_zero_point``; the float weights are
+  read, the quantization parameters skipped.
+* AutoAWQ GEMM (``quant_method: awq``, ``version: gemm``, 4-bit): ``qweight`` / ``qzeros`` / ``scales``,
+  unpacked by `export_formats.awq_gemm_import` (AutoAWQ's interleaved nibble order reversed).
+* lrmq's own ``fake_quant`` export (and any float checkpoint) has no ``quantization_config``: it is an ordinary
+  Hugging Face checkpoint and never comes here.
+
+`load_quantized_hf` builds the model with every quantized Linear's kernel a `QuantizedKernel` holding the same
+codes, scales (widened exactly from the stored fp16 / bf16) and zero points: 4- and 8-bit weights run through
+lrmq's Pallas kernels (`lrmq.quant.formats.PACKINGS`), other widths are dequantized by XLA at each matmul, as in
+lrmq's own ``packed`` checkpoints. A weight a `QuantizedWeight` cannot hold (act-order ``weight_g_idx`` with
+groups out of order, a K the packing does not divide) is dequantized once into a float kernel. Every other tensor
+is read by `lrmq.checkpoint.hf.fill_hf_params`, so a bucket checkpoint (``gs://``, `lrmq.checkpoint.remote`) is
+streamed the same way.
+
+`quantized_format(path)` names the format of any quantized checkpoint (these, or an lrmq ``packed`` one) in one
+line; `refuse_quantized` is the one-line refusal of a command or mode that needs float weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+
+import numpy as np
+from flax import nnx
+
+from lrmq import paths
+from lrmq.checkpoint import remote
+from lrmq.checkpoint.hf import (CheckpointError, _place, _remote, fill_hf_params, flat_params, tensor_index)
+from lrmq.checkpoint.hf_names import expand
+from lrmq.model.config import ModelConfig
+from lrmq.model.decoder import Decoder
+from lrmq.ptq import export_formats as ef
+from lrmq.quant import packing
+from lrmq.quant.qweight import QuantizedWeight
+from lrmq.sharding import LOGICAL_AXES_KEY
+
+CT_FORMATS = ("pack-quantized", "dense")
+AWQ_TENSORS = ("qweight", "qzeros", "scales")
+CT_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+CT_QPARAMS = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_global_scale")  # beside a dense weight
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightScheme:
+    """One group of a checkpoint's quantized weights: `bits`, `group_size` (-1 per output channel),
+    `symmetric`."""
+
+    bits: int
+    group_size: int
+    symmetric: bool
+
+    def describe(self) -> str:
+        g = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        return f"int{self.bits} {'sym' if self.symmetric else 'asym'} {g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HFQuantization:
+    """A quantized Hugging Face checkpoint's format, from its config.json (`source`).
+
+    method: "compressed-tensors" or "awq"; fmt: compressed-tensors' "pack-quantized" / "dense", or "gemm";
+    groups: ((targets, WeightScheme), ...) in config order; ignore: module names (or ``re:`` patterns) left
+    in float."""
+
+    method: str
+    fmt: str
+    groups: tuple
+    ignore: tuple
+    source: str
+
+    def describe(self) -> str:
+        """E.g. ``compressed-tensors pack-quantized int4 asym g128``, ``AutoAWQ GEMM int4 asym g128``."""
+        schemes = ", ".join(dict.fromkeys(s.describe() for _, s in self.groups))
+        head = "AutoAWQ GEMM" if self.method == "awq" else f"compressed-tensors {self.fmt}"
+        return f"{head} {schemes}" + (" (fake-quant float weights)" if self.fmt == "dense" else "")
+
+    def scheme_for(self, module: str) -> WeightScheme | None:
+        """The scheme of HF module `module` ('model.layers.0.self_attn.q_proj'), None when it is ignored or no
+        group targets it (compressed-tensors' matching: a name, ``re:<pattern>``, or the class ``Linear``)."""
+        if any(_matches(t, module) for t in self.ignore):
+            return None
+        return next((s for targets, s in self.groups if any(_matches(t, module) for t in targets)), None)
+
+
+def _matches(target: str, module: str) -> bool:
+    if target == "Linear":
+        return True  # every module lrmq reads a weight scheme for is a Linear
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == module
+
+
+def _fail(source: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{source}: quantization_config: {what}")
+
+
+def _int(v, source, key, lo=None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+        raise _fail(source, f"{key} must be an integer{f' >= {lo}' if lo is not None else ''}, found {v!r}")
+    return v
+
+
+def _ct_scheme(w: dict, source: str, name: str) -> WeightScheme:
+    where = f"config_groups.{name}.weights"
+    if not isinstance(w, dict):
+        raise _fail(source, f"{where} must be a mapping of the weight quantization, found {w!r}")
+    if w.get("type", "int") != "int":
+        raise _fail(source, f"{where}.type {w.get('type')!r}: lrmq reads integer weight quantization only")
+    bits = _int(w.get("num_bits"), source, f"{where}.num_bits")
+    if bits not in ef.CT_BITS:
+        raise _fail(source, f"{where}.num_bits {bits}: lrmq reads {ef.CT_BITS.start}..{ef.CT_BITS.stop - 1}-bit weights")
+    strategy = w.get("strategy")
+    if strategy == "channel":
+        g = -1
+    elif strategy == "group":
+        g = _int(w.get("group_size"), source, f"{where}.group_size", 1)
+    else:
+        raise _fail(source, f"{where}.strategy {strategy!r}: lrmq reads 'channel' and 'group'")
+    if w.get("dynamic"):
+        raise _fail(source, f"{where}.dynamic is set: lrmq reads static weight quantization only")
+    return WeightScheme(bits, g, bool(w.get("symmetric", True)))
+
+
+def _parse(qc, source: str) -> HFQuantization:
+    if not isinstance(qc, dict):
+        raise _fail(source, f"expected a mapping, found {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise _fail(source, f"AutoAWQ version {version!r}: lrmq reads the GEMM layout only")
+        bits = qc.get("bits", qc.get("w_bit"))
+        if bits != 4:
+            raise _fail(source, f"AutoAWQ bits {bits!r}: the GEMM layout is 4-bit")
+        g = _int(qc.get("group_size", qc.get("q_group_size")), source, "group_size")
+        if not qc.get("zero_point", True):
+            raise _fail(source, "AutoAWQ zero_point false: lrmq reads AutoAWQ's zero-point (asymmetric) GEMM layout")
+        ignore = tuple(qc.get("modules_to_not_convert") or ())
+        return HFQuantization("awq", "gemm", ((("Linear",), WeightScheme(4, g if g > 0 else -1, False)),),
+                              ("lm_head", *ignore), source)
+    if method == "compressed-tensors":
+        fmt = qc.get("format")
+        groups = qc.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise _fail(source, "config_groups is missing or empty")
+        parsed = []
+        for name, grp in groups.items():
+            if not isinstance(grp, dict):
+                raise _fail(source, f"config_groups.{name} must be a mapping, found {grp!r}")
+            gfmt = grp.get("format") or fmt
+            if gfmt not in CT_FORMATS:
+                raise _fail(source, f"format {gfmt!r}: lrmq reads compressed-tensors {' and '.join(CT_FORMATS)}")
+            for act in ("input_activations", "output_activations"):
+                if grp.get(act):
+                    raise _fail(source, f"config_groups.{name}.{act} is set: lrmq reads weight-only quantization "
+                                        "(W<n>A16), not quantized activations")
+            targets = grp.get("targets") or []
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                raise _fail(source, f"config_groups.{name}.targets must be a list of names")
+            parsed.append((tuple(targets), _ct_scheme(grp.get("weights"), source, name)))
+            fmt = gfmt
+        if qc.get("kv_cache_scheme"):
+            raise _fail(source, "kv_cache_scheme is set: lrmq does not read a quantized KV cache from a checkpoint")
+        if (qc.get("sparsity_config") or {}).get("format") not in (None, "dense"):
+            raise _fail(source, f"sparsity_config format {qc['sparsity_config']['format']!r}: lrmq reads dense "
+                                "(unsparsified) checkpoints")
+        return HFQuantization("compressed-tensors", fmt, tuple(parsed), tuple(qc.get("ignore") or ()), source)
+    raise _fail(source, f"quant_method {method!r} is not read by lrmq; it reads compressed-tensors "
+                        f"({', '.join(CT_FORMATS)}) and AutoAWQ GEMM checkpoints")
+
+
+def hf_quantization(path: str) -> HFQuantization | None:
+    """The quantization of the Hugging Face checkpoint directory `path` (a local view for a bucket), None
+    for a float checkpoint; CheckpointError naming config.json for one lrmq cannot read."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        hf = paths.read_json(cfg_path, what="model config")
+    except (OSError, paths.FileFormatError):
+        return None  # reported by the config reader
+    qc = hf.get("quantization_config") if isinstance(hf, dict) else None
+    if qc is None:
+        return None
+    return _parse(qc, cfg_path)
+
+
+def quantized_format(path: str) -> str | None:
+    """A one-line description of the quantized checkpoint at `path` (resolved), None for a float one: a
+    quantized Hugging Face checkpoint's `HFQuantization.describe`, or an lrmq ``packed`` checkpoint's."""
+    from lrmq.checkpoint.orbax_io import STATE_FILE, is_lrmq_checkpoint
+
+    if not os.path.isdir(path):
+        return None
+    if is_lrmq_checkpoint(path):
+        try:
+            variables = paths.read_json(os.path.join(path, STATE_FILE), what="lrmq state manifest").get("variables")
+        except (OSError, paths.FileFormatError, AttributeError):
+            return None  # reported by the loader
+        statics = [e.get("static") or {} for e in (variables or {}).values()
+                   if isinstance(e, dict) and e.get("type") == "QuantizedKernel"]
+        if not statics:
+            return None
+        kinds = dict.fromkeys("nf4" if s.get("fmt") == "nf4" else
+                              f"int{s.get('bits')} {'sym' if s.get('symmetric') else 'asym'} g{s.get('group_size')}"
+                              for s in statics)
+        return f"lrmq packed {', '.join(kinds)}"
+    q = hf_quantization(path)
+    return q.describe() if q else None
+
+
+def refuse_quantized(path: str, what: str, hint: str = "") -> None:
+    """`what` (a command or mode) needs float weights: a one-line CheckpointError naming the checkpoint's
+    config.json and its format when `path` (resolved) holds a quantized model."""
+    desc = quantized_format(path)
+    if desc:
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {what} needs float weights, this checkpoint is "
+                              f"quantized ({desc}){'; ' + hint if hint else ''}")
+
+
+class _Tensors:
+    """Reads whole tensors of a checkpoint's `tensor_index`, local (safetensors) or in a bucket."""
+
+    def __init__(self, index: dict[str, str]):
+        self.index = index
+        self._stack = contextlib.ExitStack()
+        self._open: dict = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def get(self, name: str) -> np.ndarray:
+        f = self.index[name]
+        if paths.is_url(f):
+            return np.asarray(_remote(f).tensor(name))
+        if f not in self._open:
+            from safetensors import safe_open
+
+            self._open[f] = self._stack.enter_context(safe_open(f, framework="numpy"))
+        return self._open[f].get_tensor(name)
+
+
+def _linear_prefixes(abstract: Decoder) -> dict[str, str]:
+    """HF module prefix ('model.layers.0.self_attn.q_proj') -> lrmq Linear path ('layers.0.attn.q_proj')."""
+    return {hf[: -len(".weight")]: ours[: -len(".kernel")]
+            for hf, (ours, _) in expand(set(flat_params(abstract)), abstract.cfg).items()
+            if ours.endswith(".kernel") and hf.endswith(".weight")}
+
+
+def _codes(q: HFQuantization, prefix: str, scheme: WeightScheme, names: set[str], reader: _Tensors):
+    """(codes [K, N], scales [K/g, N] f32, zeros [K/g, N], g_idx | None, tensor names read) of one Linear."""
+    keys = AWQ_TENSORS if q.method == "awq" else CT_TENSORS
+    got = {k: reader.get(f"{prefix}.{k}") for k in keys if f"{prefix}.{k}" in names}
+    if q.method == "awq":
+        missing = [f"{prefix}.{k}" for k in AWQ_TENSORS if k not in got]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        codes, scales, zeros = ef.awq_gemm_import(got["qweight"], got["qzeros"], got["scales"])
+        g_idx = None
+    else:
+        codes, scales, zeros, g_idx = ef.ct_pack_quantized_import(got, bits=scheme.bits, symmetric=scheme.symmetric)
+    return codes, scales, zeros, g_idx, {f"{prefix}.{k}" for k in got}
+
+
+def _qweight(codes, scales, zeros, g_idx, scheme: WeightScheme, dtype: str) -> QuantizedWeight | None:
+    """The `QuantizedWeight` of these codes, None when it cannot hold them (groups out of order, or a K the
+    packing does not divide)."""
+    K, N = codes.shape
+    g = K // scales.shape[0]
+    if g * scales.shape[0] != K or (g_idx is not None and not np.array_equal(g_idx, np.arange(K) // g)):
+        return None
+    try:
+        packed = packing.pack(codes, scheme.bits)
+    except ValueError:
+        return None
+    return QuantizedWeight(codes=packed, scales=scales, zeros=zeros.astype(np.uint8), fmt="int", bits=scheme.bits,
+                           group_size=g, shape=(K, N), dtype=dtype, symmetric=scheme.symmetric)
+
+
+def load_quantized_hf(path: str, q: HFQuantization, *, mesh=None, dtype: str | None = None,
+                      param_dtype: str | None = None) -> Decoder:
+    """The model of quantized Hugging Face checkpoint `path` (see the module docstring), optionally straight
+    onto `mesh`; its config drops ``quantization_config`` (the model's packed kernels carry the format)."""
+    from lrmq.quant.transforms import module_at, set_packed_kernel
+
+    cfg = ModelConfig.from_hf_file(path, dtype=dtype, param_dtype=param_dtype)
+    hf = {k: v for k, v in (cfg.hf_config or {}).items() if k != "quantization_config"}
+    cfg = cfg.replace(hf_config=hf)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    index = tensor_index(path)
+    names = set(index)
+    where = remote.remote_url(path) or path
+    consumed: set[str] = set()
+    with _Tensors(index) as reader:
+        for prefix, mod in _linear_prefixes(abstract).items():
+            scheme = q.scheme_for(prefix)
+            if q.fmt == "dense":  # fake-quant: the float weight is read below, its quantization parameters skipped
+                consumed |= {f"{prefix}.{k}" for k in CT_QPARAMS} & names
+                continue
+            quantized = any(f"{prefix}.{k}" in names for k in (AWQ_TENSORS if q.method == "awq" else CT_TENSORS))
+            if scheme is None or not quantized:
+                if scheme is not None and f"{prefix}.weight" not in names:
+                    raise CheckpointError(f"{where}: {prefix} is targeted by quantization_config ({scheme.describe()}) "
+                                          "but has neither its packed tensors nor a float weight")
+                continue  # a float Linear, read with the other tensors
+            try:
+                codes, scales, zeros, g_idx, read = _codes(q, prefix, scheme, names, reader)
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {prefix} ({q.describe()}): {e}") from None
+            lin = module_at(abstract, mod)
+            if codes.shape != (lin.in_features, lin.out_features):
+                raise CheckpointError(f"{where}: {prefix} holds a [{codes.shape[1]}, {codes.shape[0]}] weight, the "
+                                      f"config needs [{lin.out_features}, {lin.in_features}]")
+            qw = _qweight(codes, scales, zeros, g_idx, scheme, cfg.param_dtype)
+            if qw is not None:
+                set_packed_kernel(lin, qw, mesh)
+            else:  # dequantized once into a float kernel
+                w = ef.dequantize(codes, scales, zeros, dtype="float32", g_idx=g_idx).astype(lin.kernel.get_value().dtype)
+                lin.kernel.set_value(_place(w, lin.kernel.get_metadata().get(LOGICAL_AXES_KEY), mesh))
+            consumed |= read
+    return fill_hf_params(abstract, path, index, mesh=mesh, consumed=frozenset(consumed))
