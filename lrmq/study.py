@@ -13,7 +13,7 @@ import sys
 
 from lrmq import cli, configlib
 from lrmq.studies.config import StudyConfig, load_study_config
-from lrmq.studies.matrix import expand
+from lrmq.studies.matrix import arm_format, expand
 from lrmq.studies.report import write_report
 from lrmq.studies.runner import Study
 
@@ -39,7 +39,17 @@ def _main(args) -> int:
                     "ptq": f"lrmq.quantize {a.method} w{a.bits} g{a.group_size} of {a.source}"
                            + (f" ({' '.join(a.quantize)})" if a.quantize else "")
                            + (" before=pseudo_ft" if a.before == "pseudo_ft" else "")}[a.kind]
-            print(f"{a.name:32s} {a.group:22s} {what}")
+            fmt = arm_format(cfg, a)
+            print(f"{a.name:32s} {a.group:22s} {fmt.describe() if fmt else 'float':42s} {what}")
+        pairs = [(a, label, b) for a in arms for label, b in a.compare.items()]
+        if pairs:
+            print("\nQAT vs PTQ pairs (results.md's QAT-vs-PTQ table):")
+            by = {a.name: a for a in arms}
+            for a, label, b in pairs:
+                fa, fb = arm_format(cfg, a), arm_format(cfg, by[b])
+                same = "same format" if fa and fb and fa.same_format(fb) else "DIFFERENT formats"
+                print(f"  {label:16s} {a.name:24s} {fa.describe() if fa else 'float':42s} vs {b:26s} "
+                      f"{fb.describe() if fb else 'float'}  [{same}]")
         print(f"{len(arms)} arms x {len(cfg.seeds)} seeds = {len(arms) * len(cfg.seeds)} jobs", file=sys.stderr)
         return 0
     study = Study(cfg)

@@ -52,13 +52,29 @@ def _study(*args: str) -> types.SimpleNamespace:
 def test_paper_matrices():
     p1 = expand(load_study_config(os.path.join(REPO_ROOT, "configs/study/paper1.yaml")))
     names = {a.name: a for a in p1}
-    # per algorithm: FP, 3 QAT, 2 QLoRA, PTQ rtn/awq/gptq/quantlrm x W4/W3 + nf4 + int8; plus the base model
-    assert len(p1) == 1 + 2 * (1 + 3 + 2 + 4 * 2 + 2)
+    # per algorithm: FP, 4 QAT, 2 QLoRA, PTQ rtn/awq/gptq/quantlrm x W4/W3 + nf4 + int8 + RTN in the two QAT formats
+    # no other arm has (int8 per tensor, int4 symmetric per channel); plus the base model
+    assert len(p1) == 1 + 2 * (1 + 4 + 2 + 4 * 2 + 2 + 2)
     assert names["drgrpo-ptq-nf4-w4"].group_size == 64 and names["grpo-ptq-int8-w8"].bits == 8
     assert names["grpo-ptq-gptq-w3"].group_size == 128 and names["grpo-ptq-gptq-w3"].source == "grpo"
     assert "quant.qat_scheme=paper_int8" in names["drgrpo-qat-paper_int8"].train
     assert "algo.advantage=drgrpo" in names["drgrpo-qlora-int4"].train
     assert names["grpo-qlora-nf4"].baseline == "grpo" and names["grpo"].baseline == "base"
+    # each QAT arm is paired with RTN of the FP policy in exactly its weight format; paper_int8 also with AWQ W4
+    from lrmq.studies.matrix import arm_format
+
+    cfg1 = load_study_config(os.path.join(REPO_ROOT, "configs/study/paper1.yaml"))
+    same = {a.name: a.compare["same format"] for a in p1 if "qat" in a.name}
+    assert same == {f"{alg}-qat-{s}": f"{alg}-ptq-{p}" for alg in ("grpo", "drgrpo") for s, p in (
+        ("paper_int8", "rtn-w8-pt-sym"), ("int8", "int8-w8"), ("int4", "rtn-w4-pc-sym"), ("int4_asym", "rtn-w4"))}
+    for a, b in same.items():
+        fa, fb = arm_format(cfg1, names[a]), arm_format(cfg1, names[b])
+        assert fa.same_format(fb) and fa.scheme.startswith("qat:") and fb.scheme in ("rtn", "int8"), (a, b)
+    assert arm_format(cfg1, names["grpo-qat-int4_asym"]).describe() == "int4 asym g128 f32-scale (qat:int4_asym)"
+    assert names["grpo-ptq-rtn-w4-pc-sym"].quantize == ["symmetric=true"]
+    assert names["grpo-ptq-rtn-w8-pt-sym"].group_size == 0
+    assert names["grpo-qat-paper_int8"].compare["paper 1 pairing"] == "grpo-ptq-awq-w4"
+    assert not arm_format(cfg1, names["grpo-qat-paper_int8"]).same_format(arm_format(cfg1, names["grpo-ptq-awq-w4"]))
     # sources come before the arms that quantize them
     order = [a.name for a in p1]
     assert all(order.index(a.source) < order.index(a.name) for a in p1 if a.kind == "ptq")
@@ -108,6 +124,8 @@ def test_quant_rollout_studies():
     (["only=[nope]"], "only: unknown arms"),
     (["eval.metric=headline"], "eval.metric"),
     (["paper1.ptq_methods=[rtm]"], "rtm"),
+    (["paper1.enabled=true", "paper1.paper_pairs={int4: awq-w9}"], "'grpo-ptq-awq-w9' is not a ptq arm"),
+    (["paper1.enabled=true", "paper1.qat_group_size={int2: 8}"], "not in paper1.qat_schemes"),
     (["seeds=[]"], "seeds is empty"),
     (["parallel=0"], "parallel"),
     (["eval.sizes=3"], "unknown key"),
@@ -167,7 +185,8 @@ def test_quick_study_results(quick_study):
     assert max(steps) == 6
 
     md = (out / "results.md").read_text()
-    assert "| arm | group | bits | sampled_accuracy |" in md
+    assert "| arm | group | bits | weight format | sampled_accuracy |" in md
+    assert "| grpo-ptq-rtn-w4 | GRPO + PTQ | 4 | int4 asym g128 f32-scale (rtn) |" in md
     for name in arms:
         assert f"| {name} |" in md
     assert f"{arms['grpo']['mean']:.3f}" in md and "1 seed, no spread" in md
@@ -322,6 +341,13 @@ def test_equal_bits_pairs_compare_quantized_training_with_ptq():
     assert p["diff"] == pytest.approx(d.mean()) and p["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(3))
     assert p["beyond_2se"] is True and p["bits"] == 4 and p["source"] == "grpo"
     assert pairs[("grpo-qat-paper_int8", "grpo-ptq-int8-w8")]["n"] == 2  # only the seeds both have
+    # an arm that names its pairs gets exactly those rows, labelled, with both formats
+    arms[1].update(compare={"same format": "grpo-ptq-rtn-w3", "paper 1 pairing": "grpo-ptq-int8-w8"},
+                   weight_format="int4 sym per-channel f32-scale (qat:int4)")
+    rows = [(p["pairing"], p["a"], p["b"], p["a_format"]) for p in equal_bits_pairs(arms, "acc")]
+    assert rows[:2] == [("same format", "grpo-qat-int4", "grpo-ptq-rtn-w3", "int4 sym per-channel f32-scale (qat:int4)"),
+                        ("paper 1 pairing", "grpo-qat-int4", "grpo-ptq-int8-w8", arms[1]["weight_format"])]
+    assert [p["pairing"] for p in equal_bits_pairs(arms, "acc")][2:] == ["equal bits"]  # paper_int8: no compare
     one = paired(arms[0], {"name": "b", "seeds": {"0": {"acc": 0.1}}}, "acc")
     assert one["n"] == 1 and one["se"] is None and one["beyond_2se"] is None
 

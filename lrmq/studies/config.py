@@ -34,8 +34,8 @@ class ArmSpec:
     source: str = opt("", "ptq: the arm whose model (same seed) is quantized")
     method: str = opt("", "ptq: the PTQ method", names=PTQ_METHODS, empty_ok=True)
     bits: int = opt(4, "ptq: weight bits, 2-8 (docs/ptq.md lists the widths each method and format takes)", ge=2, le=8)
-    group_size: int = opt(128, "ptq: input rows per group (-1 = per output channel; nf4: the block size)",
-                          ge=1, also=(-1,))
+    group_size: int = opt(128, "ptq: input rows per group (-1 = per output channel; 0 = per tensor, rtn / int8; "
+                               "nf4: the block size)", ge=1, also=(-1, 0))
     quantize: list[str] = opt(help="ptq: further dotted overrides of the QuantizeConfig (e.g. "
                                    "quantlrm.mapping=inverted_u)", factory=list)
     before: Literal["run", "pseudo_ft"] = opt("run", "ptq quantlrm: the 'before' weights: run (the source "
@@ -43,6 +43,10 @@ class ArmSpec:
                                                      "policy on its own correct rollouts; the policy itself is "
                                                      "quantized)")
     baseline: str = opt("", "the arm this one is compared against in results.md (empty: a ptq arm's source)")
+    compare: dict[str, str] = opt(help="train arms trained quantized (QAT): the PTQ arms the QAT-vs-PTQ table pairs "
+                                       "this arm with, label -> arm (paper1 sets 'same format': RTN of the FP policy "
+                                       "in this arm's weight format, and 'paper 1 pairing'); empty: every PTQ arm "
+                                       "of the baseline's policy at the same bits", factory=dict)
     nominal_bits: float = opt(0.0, "bits per weight shown on the accuracy-vs-bits plot (0 = from the recipe)", ge=0)
 
     def validate(self):
@@ -112,13 +116,32 @@ class Paper1Matrix:
                           ge=1, also=(-1,))
     qat_schemes: list[str] = opt(help="QAT-in-RL schemes (quant.qat_scheme)",
                                  factory=lambda: ["paper_int8", "int8", "int4"],
-                                 names=("paper_int8", "int8", "int4", "w8a8"), kind="QAT scheme")
+                                 names=("paper_int8", "int8", "int4", "int4_asym", "int8_asym", "w8a8"),
+                                 kind="QAT scheme")
     qat_overrides: list[str] = opt(help="train overrides of the QAT arms", factory=list)
+    qat_group_size: dict[str, int] = opt(help="quant.qat_group_size of a scheme's QAT arms, scheme -> input rows per "
+                                              "group (a scheme not named: the train config's; 0 = per output "
+                                              "channel)", factory=dict)
+    same_format_ptq: bool = opt(True, "pair each QAT arm with RTN of the FP policy in exactly its weight format "
+                                      "(lrmq.quant.qat.qat_weight_format; an arm of ptq_methods in that format is "
+                                      "reused, else an rtn arm is added): the QAT-vs-PTQ table's matched pairs")
+    paper_pairs: dict[str, str] = opt(help="paper 1's own pairings, a labelled row of the QAT-vs-PTQ table: QAT scheme "
+                                           "-> the PTQ arm of the same algorithm, without the 'ALG-ptq-' prefix",
+                                      factory=lambda: {"paper_int8": "awq-w4"})
     qlora_bases: list[str] = opt(help="QLoRA base formats (quant.base_format)", factory=lambda: ["nf4", "int4"],
                                  names=("nf4", "int4"), kind="QLoRA base format")
     qlora_overrides: list[str] = opt(help="train overrides of the QLoRA arms (paper 1: lr 1e-4 vs 1e-6)",
                                      factory=list)
     base: bool = opt(True, "add the base model without RL (the floor)")
+
+    def validate(self):
+        for what, keys in (("qat_group_size", self.qat_group_size), ("paper_pairs", self.paper_pairs)):
+            unknown = [k for k in keys if k not in self.qat_schemes]
+            if unknown:
+                raise ValueError(f"paper1.{what}: {unknown} not in paper1.qat_schemes {self.qat_schemes}")
+        bad = {k: v for k, v in self.qat_group_size.items() if v < 0}
+        if bad:
+            raise ValueError(f"paper1.qat_group_size: {bad}: 0 (per output channel) or a positive group size")
 
 
 @dataclass

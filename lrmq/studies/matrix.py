@@ -5,7 +5,11 @@ Paper 1 (arXiv 2511.15694), for each RL algorithm A (GRPO, Dr.GRPO):
     A                      full-precision RL
     A-ptq-M-wB             PTQ of A's policy with M at B bits (rtn/awq/gptq/quantlrm at each of `bits`, g=group_size;
                            nf4 at 4 bits (block 64, double quant); int8 at 8 bits per channel)
-    A-qat-S                QAT inside RL with scheme S (paper_int8 = the paper's per-tensor int8 STE, int8 / int4 AQT)
+    A-qat-S                QAT inside RL with scheme S (paper_int8 = the paper's per-tensor int8 STE, int8 / int4 AQT,
+                           int4_asym / int8_asym: min-max with zero points, lrmq.quantize's RTN format)
+    A-ptq-rtn-wB-F         the same-format pair of a QAT arm (`same_format_ptq`): RTN of A's policy in exactly the
+                           QAT scheme's weight format F (pt = per tensor, pc = per channel, gN; -sym), unless an arm
+                           above already has that format (A-ptq-rtn-wB, A-ptq-int8-w8)
     A-qlora-F              QLoRA on a packed F (nf4 / int4) base
     base                   the starting checkpoint without RL (the floor)
 
@@ -21,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from lrmq.configlib import ConfigError
+from lrmq.configlib import ConfigError, load_config
+from lrmq.quant.formats import PER_CHANNEL, PER_TENSOR, WeightFormat
+from lrmq.quant.qat import qat_weight_format, scheme_bits
 from lrmq.studies.config import ArmSpec, StudyConfig
 
 # (bits, group) that a method always uses, whatever the matrix says
@@ -46,6 +52,44 @@ def ptq_widths(methods, bits_list, group: int) -> list[tuple[str, int, int]]:
     return out
 
 
+def _override(overrides, key: str, default=None):
+    out = default
+    for o in overrides:
+        k, _, v = o.partition("=")
+        if k.strip() == key:
+            out = v.strip()
+    return out
+
+
+def qat_arm_format(cfg: StudyConfig, train: list[str]) -> WeightFormat | None:
+    """The weight format a train arm's QAT scheme trains in (the study's train config with the arm's overrides);
+    None for a train arm without QAT."""
+    if _override([*cfg.train.overrides, *train], "quant.mode") != "qat":
+        return None
+    from lrmq.rl.config import TrainConfig
+
+    q = load_config(TrainConfig, cfg.train.config, [*cfg.train.overrides, *train]).quant
+    return qat_weight_format(q.qat_scheme, q.qat_group_size)
+
+
+def ptq_arm_format(cfg: StudyConfig, a: ArmSpec) -> WeightFormat:
+    """The weight format a ptq arm writes (from its recipe: method, bits, group size, symmetric)."""
+    if a.method == "nf4":
+        return WeightFormat(bits=4, group_size=a.group_size, symmetric=True, scheme="nf4", kind="nf4",
+                            double_quant=True)
+    sym = a.method == "int8" or str(_override([*cfg.quantize.overrides, *a.quantize], "symmetric", "false")).lower() \
+        in ("true", "1", "yes")
+    return WeightFormat(bits=a.bits, group_size=a.group_size, symmetric=sym, scheme=a.method)
+
+
+def _format_tag(f: WeightFormat, default_group: int) -> str:
+    """`rtn-wB` for the matrix's own RTN format (asymmetric, `group_size`), else `rtn-wB-<pt|pc|gN>[-sym]`."""
+    if f.group_size == default_group and not f.symmetric:
+        return f"rtn-w{f.bits}"
+    g = {PER_TENSOR: "pt", PER_CHANNEL: "pc"}.get(f.group_size, f"g{f.group_size}")
+    return f"rtn-w{f.bits}-{g}" + ("-sym" if f.symmetric else "")
+
+
 def paper1_arms(cfg: StudyConfig) -> list[ArmSpec]:
     p = cfg.paper1
     arms = [ArmSpec(name="base", kind="base", group="base (no RL)")] if p.base else []
@@ -53,11 +97,26 @@ def paper1_arms(cfg: StudyConfig) -> list[ArmSpec]:
         label = alg.upper().replace("DRGRPO", "Dr.GRPO")
         arms.append(ArmSpec(name=alg, kind="train", group=f"{label} FP", train=list(overrides),
                             baseline="base" if p.base else ""))
-        for m, b, g in ptq_widths(p.ptq_methods, p.bits, p.group_size):
-            arms.append(_ptq(f"{alg}-ptq-{m}-w{b}", alg, m, b, g, group=f"{label} + PTQ"))
+        ptq = [_ptq(f"{alg}-ptq-{m}-w{b}", alg, m, b, g, group=f"{label} + PTQ")
+               for m, b, g in ptq_widths(p.ptq_methods, p.bits, p.group_size)]
+        qat, matched = [], []
         for s in p.qat_schemes:
-            arms.append(ArmSpec(name=f"{alg}-qat-{s}", kind="train", group=f"{label} QAT", baseline=alg,
-                                train=[*overrides, "quant.mode=qat", f"quant.qat_scheme={s}", *p.qat_overrides]))
+            g = [f"quant.qat_group_size={p.qat_group_size[s]}"] if s in p.qat_group_size else []
+            arm = ArmSpec(name=f"{alg}-qat-{s}", kind="train", group=f"{label} QAT", baseline=alg,
+                          train=[*overrides, "quant.mode=qat", f"quant.qat_scheme={s}", *g, *p.qat_overrides])
+            qat.append(arm)
+            if p.same_format_ptq and s != "w8a8":  # w8a8 also quantizes activations: no weight-only PTQ twin
+                fmt = qat_arm_format(cfg, arm.train)
+                twin = next((a for a in ptq + matched if a.method in ("rtn", "int8")
+                             and ptq_arm_format(cfg, a).same_format(fmt)), None)
+                if twin is None:
+                    twin = _ptq(f"{alg}-ptq-{_format_tag(fmt, p.group_size)}", alg, "rtn", fmt.bits, fmt.group_size,
+                                group=f"{label} + PTQ", quantize=["symmetric=true"] if fmt.symmetric else [])
+                    matched.append(twin)
+                arm.compare["same format"] = twin.name
+            if s in p.paper_pairs:
+                arm.compare["paper 1 pairing"] = f"{alg}-ptq-{p.paper_pairs[s]}"
+        arms += ptq + matched + qat
         for f in p.qlora_bases:
             arms.append(ArmSpec(name=f"{alg}-qlora-{f}", kind="train", group=f"{label} QLoRA", baseline=alg,
                                 train=[*overrides, "quant.mode=qlora", f"quant.base_format={f}",
@@ -112,6 +171,11 @@ def expand(cfg: StudyConfig) -> list[ArmSpec]:
     for a in arms.values():
         if a.baseline and a.baseline not in arms:
             raise ConfigError(f"arm {a.name}: baseline {a.baseline!r} is not an arm of the study")
+        for label, other in a.compare.items():
+            if a.kind != "train":
+                raise ConfigError(f"arm {a.name}: compare is for train arms (a QAT arm against PTQ arms)")
+            if other not in arms or arms[other].kind != "ptq":
+                raise ConfigError(f"arm {a.name}: compare {label!r}: {other!r} is not a ptq arm of the study")
         if a.kind == "ptq":
             if a.source not in arms:
                 raise ConfigError(f"arm {a.name}: source {a.source!r} is not an arm of the study; arms: "
@@ -155,10 +219,20 @@ def nominal_bits(arm: ArmSpec, arms: dict[str, ArmSpec], float_bits: float) -> f
             elif k == "quant.base_format":
                 fmt = v
         if mode == "qat":
-            return 4.0 if scheme == "int4" else 8.0
+            return float(scheme_bits(scheme or "paper_int8"))
         if mode == "qlora":
             return 4.0 if fmt in ("nf4", "int4", None) else float_bits
     return float_bits
+
+
+def arm_format(cfg: StudyConfig, arm: ArmSpec) -> WeightFormat | None:
+    """The weight format of the model an arm evaluates: a ptq arm's, a QAT arm's scheme's; None for float models
+    and QLoRA (a float policy with adapters, evaluated merged)."""
+    if arm.kind == "ptq":
+        return ptq_arm_format(cfg, arm)
+    if arm.kind == "train":
+        return qat_arm_format(cfg, arm.train)
+    return None
 
 
 def arm_table(arms: list[ArmSpec]) -> list[dict]:

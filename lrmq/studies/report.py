@@ -9,8 +9,11 @@
   policy and are scored on the same problems with the same key): mean and SE of the per-seed differences.
   Every Δ to a baseline is also given paired by seed (`vs_baseline_paired`): the arms of one seed share the
   evaluation problems and sampling key, and train arms of one seed the prompt order.
-* Paper 1's question, quantized training vs quantizing after training at the same bits (`equal_bits_pairs`):
-  each QAT / QLoRA arm against every PTQ arm of its FP baseline's policy at its nominal bits, paired by seed.
+* Paper 1's question, quantized training vs quantizing after training (`equal_bits_pairs`), paired by seed: a QAT
+  arm against the PTQ arms its `compare` names, each row labelled ("same format": RTN of the FP policy in exactly
+  the QAT scheme's weight format; "paper 1 pairing": the paper's own, another format); an arm without `compare`
+  (QLoRA) against every PTQ arm of its FP baseline's policy at its nominal bits ("equal bits"). Every arm's
+  weight format (`lrmq.quant.formats.WeightFormat.describe`) is in the tables.
 * Rollouts (train arms that logged a sampler/learner mismatch: quantized weights or KV cache in the rollouts):
   the reward and the mismatch KL averaged over training, the rollout's weight and KV bytes per cached token, and
   the CPU speed as measured (rollout s, rollout tokens/s, step s over the steps after the first).
@@ -30,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from lrmq.atomic import atomic_write_text
-from lrmq.studies.matrix import FLOAT_BITS, nominal_bits
+from lrmq.studies.matrix import FLOAT_BITS, arm_format, nominal_bits
 from lrmq.studies.runner import RESULT, Study, job_dir, read_metrics, wall_clock
 
 PLOTS = ("reward_curves.png", "accuracy_vs_bits.png", "accuracy_vs_bytes.png", "importance_hist.png", "mismatch_kl.png")
@@ -60,7 +63,9 @@ def aggregate(study: Study) -> dict:
                 mem = mem or r.get("memory", {})
         keys = sorted({k for m in per_seed.values() for k, v in m.items() if isinstance(v, (int, float))})
         means = {k: _stats([m[k] for m in per_seed.values() if isinstance(m.get(k), (int, float))]) for k in keys}
+        fmt = arm_format(cfg, arm)
         entry = {"name": arm.name, "kind": arm.kind, "group": arm.group or arm.kind, "source": arm.source,
+                 "weight_format": fmt.describe() if fmt else None, "compare": dict(arm.compare),
                  "method": arm.method, "bits": arm.bits if arm.kind == "ptq" else None,
                  "group_size": arm.group_size if arm.kind == "ptq" else None,
                  "nominal_bits": nominal_bits(arm, study.by_name, fbits),
@@ -92,20 +97,32 @@ def paired(a: dict, b: dict, metric: str) -> Optional[dict]:
 
 
 def equal_bits_pairs(arms: list[dict], metric: str) -> list[dict]:
-    """Each quantized-training arm (a train arm whose baseline is a train arm of more bits: QAT, QLoRA)
-    against every PTQ arm of that baseline's policy at the same nominal bits, paired by seed."""
+    """Quantized training vs PTQ, paired by seed. An arm with `compare` ({label: ptq arm}): a row per pair, with
+    its label; another quantized-training arm (a train arm whose baseline is a train arm of more bits: QLoRA)
+    against every PTQ arm of that baseline's policy at the same nominal bits ("equal bits"). Each row carries both
+    arms' weight formats."""
     by = {a["name"]: a for a in arms}
     out = []
+
+    def row(a, p, label, source):
+        r = paired(a, p, metric)
+        if r:
+            out.append({"source": source, "bits": p["bits"], "pairing": label, "a_format": a.get("weight_format"),
+                        "b_format": p.get("weight_format"), **r})
+
     for a in arms:
+        if a.get("compare"):
+            for label, b in a["compare"].items():
+                if b in by:
+                    row(a, by[b], label, by[b]["source"])
+            continue
         base = by.get(a.get("baseline", ""))
         if a["kind"] != "train" or not base or base["kind"] != "train" or \
                 not (a.get("nominal_bits") or 0) < (base.get("nominal_bits") or 0):
             continue
         for p in arms:
             if p["kind"] == "ptq" and p["source"] == base["name"] and p["bits"] == a["nominal_bits"]:
-                r = paired(a, p, metric)
-                if r:
-                    out.append({"source": base["name"], "bits": p["bits"], **r})
+                row(a, p, "equal bits", base["name"])
     return out
 
 
@@ -177,8 +194,8 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
              f"Written {res['written']}.", ""]
     other = [k for k in ("greedy_accuracy", "sampled_accuracy", "sampled_reward") if k != metric and any(
         k in a["metrics"] for a in res["arms"])]
-    head = ["arm", "group", "bits", f"{metric}", "n", *other, "Δ vs baseline", "Δ paired by seed", "weight MiB",
-            "train params + opt MiB"]
+    head = ["arm", "group", "bits", "weight format", f"{metric}", "n", *other, "Δ vs baseline", "Δ paired by seed",
+            "weight MiB", "train params + opt MiB"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in res["arms"]:
         m = a["memory"]
@@ -191,7 +208,8 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
             delta = f"{v['diff']:+.3f} ({v['baseline']}; 1 seed, no spread)"
         else:
             delta = f"{v['diff']:+.3f} ± {v['se']:.3f}{' *' if v['beyond_2se'] else ''} ({v['baseline']})"
-        cells = [a["name"], a["group"], f"{a['nominal_bits']:g}", _pm(a), str(a["n"]),
+        cells = [a["name"], a["group"], f"{a['nominal_bits']:g}", a.get("weight_format") or "float", _pm(a),
+                 str(a["n"]),
                  *[_pm(a["metrics"].get(k)) for k in other], delta, _paired_cell(a.get("vs_baseline_paired")),
                  _mib(m.get("weight_bytes")), train]
         lines.append("| " + " | ".join(cells) + " |")
@@ -204,12 +222,17 @@ def markdown(res: dict, failed: list[dict] = ()) -> str:
                                       else " (1 seed)")
             lines.append(f"| {p['source']} | {p['bits']} | {p['a']} | {p['b']} | {d} | {p['n']} |")
     if res.get("equal_bits_pairs"):
-        lines += ["", f"Quantized training (QAT / QLoRA) vs PTQ of the full-precision policy at the same bits "
-                      f"({metric} differences paired by seed: mean ± SE; * = beyond 2 SE; > 0: training under "
-                      "quantization is better):", "",
-                  "| FP policy | bits | trained quantized (A) | PTQ (B) | A − B | seeds |", "|---|---|---|---|---|---|"]
+        lines += ["", f"Quantized training (QAT / QLoRA) vs PTQ of the full-precision policy ({metric} differences "
+                      "paired by seed: mean ± SE of the per-seed differences; * = beyond 2 SE; > 0: training under "
+                      "quantization is better). Pairing: *same format* = RTN of the FP policy in exactly the QAT "
+                      "scheme's weight format; *paper 1 pairing* = the paper's own comparison (another format); "
+                      "*equal bits* = every PTQ arm at the arm's bits:", "",
+                  "| pairing | FP policy | trained quantized (A) | A's format | PTQ (B) | B's format | A − B | seeds |",
+                  "|---|---|---|---|---|---|---|---|"]
         for p in res["equal_bits_pairs"]:
-            lines.append(f"| {p['source']} | {p['bits']} | {p['a']} | {p['b']} | {_paired_cell(p)} | {p['n']} |")
+            lines.append(f"| {p.get('pairing', 'equal bits')} | {p['source']} | {p['a']} | "
+                         f"{p.get('a_format') or 'float'} | {p['b']} | {p.get('b_format') or 'float'} | "
+                         f"{_paired_cell(p)} | {p['n']} |")
     rollout_arms = [a for a in res["arms"] if "train/mismatch/kl_k3_avg" in a["metrics"]]
     if rollout_arms:
         lines += ["", "Rollouts (train arms; means over training steps, then mean ± std over seeds): the reward, "
