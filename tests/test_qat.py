@@ -3,6 +3,8 @@ quantized point (STE); paper_int8's scale is frozen at load; stochastic rounding
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,3 +223,28 @@ def test_asym_qat_export_is_rtn_bit_for_bit():
         np.testing.assert_array_equal(fq, dequantize(rtn))
         np.testing.assert_array_equal(lin.dot_general.quantize(w), fq)  # the forward's weight
         assert WeightFormat.of_weight(qw, "rtn").same_format(fmt)
+
+
+def test_asym_qat_policy_export_end_to_end(tmp_path):
+    """int4_asym's quantized export through the QAT exporters: the packed checkpoint computes the QAT forward, and
+    qat_policy.json, the packed metadata and the compressed-tensors config all name its asymmetric format."""
+    import json
+
+    from lrmq.checkpoint.load import load_model
+    from lrmq.checkpoint.orbax_io import read_weight_formats
+    from lrmq.ptq.qat_export import export_qat_policy
+    from lrmq.quant.qat import qat_weight_format
+
+    m = tiny()
+    apply_qat(m, "int4_asym", group_size=16)
+    y_qat = jit_forward(m, TOK)
+    out = export_qat_policy(m, str(tmp_path / "q"), scheme="int4_asym", group_size=16)
+    np.testing.assert_allclose(jit_forward(load_model(os.path.join(out, "packed")), TOK), y_qat, atol=2e-5, rtol=1e-5)
+    fmt = qat_weight_format("int4_asym", 16)
+    info = json.load(open(os.path.join(out, "qat_policy.json")))
+    assert info["weight_format"]["name"] == "int4 asym g16 f32-scale (qat:int4_asym)" and info["symmetric"] is False
+    assert info["same_format_ptq"].endswith("--method rtn --bits 4 --group-size 16 --out OUT")
+    assert read_weight_formats(os.path.join(out, "packed")) == [fmt]
+    qc = json.load(open(os.path.join(out, "compressed_tensors", "config.json")))["quantization_config"]
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["symmetric"], w["group_size"]) == (4, False, 16), w
