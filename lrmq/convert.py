@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import sys
 
-from lrmq.checkpoint.hf import CheckpointError, load_hf_model, save_hf_model
+from lrmq.checkpoint.hf import CheckpointError, save_hf_model
 from lrmq import paths
-from lrmq.checkpoint.load import check_checkpoint, checkpoint_kind
-from lrmq.checkpoint.orbax_io import load_lrmq, save_lrmq
+from lrmq.checkpoint.load import check_checkpoint, checkpoint_kind, load_model
+from lrmq.checkpoint.orbax_io import save_lrmq
+from lrmq.checkpoint.quantized import refuse_quantized
 from lrmq.cli import USER_ERRORS, ArgumentParser, check_disjoint, number, run_main, select_platforms, tune_gc
 from lrmq.model.config import DTYPES
 
@@ -38,10 +39,10 @@ def convert(src: str, dst: str, *, to: str, src_kind: str | None = None, dtype: 
     if os.path.exists(dst) and not overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(dst)} already exists (pass --overwrite)")
 
-    if kind == "hf":
-        model = load_hf_model(src, dtype=dtype, param_dtype=dtype)
-    else:
-        model = load_lrmq(src, dtype=dtype, param_dtype=dtype)
+    if to == "hf":  # float safetensors: a packed model has no such form (before the load, not after it)
+        refuse_quantized(src, "convert --to hf", "convert it --to lrmq (a packed lrmq checkpoint)")
+    # a quantized HF checkpoint (compressed-tensors, AutoAWQ) loads as its packed model: --to lrmq keeps it packed
+    model = load_model(src, dtype=dtype, param_dtype=dtype)
     if to == "hf":
         return save_hf_model(model, dst, dtype=dtype, tokenizer_from=src, max_shard_bytes=max_shard_bytes,
                              overwrite=overwrite)

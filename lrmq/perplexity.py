@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lrmq.checkpoint.load import check_checkpoint, load_model, load_tokenizer
+from lrmq.checkpoint.quantized import refuse_quantized
 from lrmq.cli import ArgumentParser, number, run_main, select_platforms, tune_gc
 from lrmq.model.config import check_position_limit
 from lrmq.data.text import label, read_documents
@@ -126,6 +127,8 @@ def _run(a) -> int:
     ckpt = check_checkpoint(a.checkpoint)  # the model first: a missing one is not "a missing tokenizer"
     text = read_text(a.text_file, a.text_field)
     tok = load_tokenizer(a.tokenizer, "--tokenizer") if a.tokenizer else load_tokenizer(ckpt)
+    if a.fake_quant:  # fake-quantizes float kernels: a packed checkpoint has none
+        refuse_quantized(ckpt, "--fake-quant")
     model = load_model(ckpt, dtype=a.dtype)
     window = a.window or min(DEFAULT_WINDOW, model.cfg.max_position_embeddings)
     check_position_limit(model.cfg, window, "--window")

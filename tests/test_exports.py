@@ -47,6 +47,49 @@ def quantized(hf_checkpoint):
     return out
 
 
+def packed_logits_as_stored(m, r, dtype, toks):
+    """Logits (float32 compute) of the packed model of PTQ result ``r`` with what an export in ``dtype`` stores
+    rounded to it -- every float parameter and every scale: what reading the export back must give."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from lrmq.checkpoint.hf import flat_params
+    from lrmq.ptq.exports import packed_kernels
+
+    rnd = lambda a: jnp.asarray(a).astype(dtype).astype(jnp.float32)  # noqa: E731
+    params = flat_params(m)
+    saved = {k: v.get_value() for k, v in params.items()}
+    stored = dataclasses.replace(r, packed={p: qw.replace(scales=rnd(qw.scales)) for p, qw in r.packed.items()})
+    try:
+        for k, v in params.items():
+            v.set_value(rnd(saved[k]))
+        with packed_kernels(m, stored):
+            return np.asarray(m(toks))
+    finally:
+        for k, v in params.items():
+            v.set_value(saved[k])
+
+
+def assert_reads_back(out_dir, m, r, dtype, toks, *, packed=True):
+    """``load_model`` reads the export ``out_dir`` as the packed model it came from: every quantized Linear a
+    QuantizedKernel with the same codes and zero points, and the logits of ``packed_logits_as_stored``."""
+    from lrmq.checkpoint.load import load_model
+    from lrmq.quant.formats import unpacked_codes
+    from lrmq.quant.transforms import module_at
+
+    q = load_model(out_dir, dtype="float32", param_dtype="float32")
+    for path, qw in r.packed.items():
+        got = module_at(q, path).kernel.get_value()
+        assert hasattr(got, "codes") == packed, path
+        if packed:
+            assert (got.bits, got.group_size, got.symmetric) == (qw.bits, qw.group_size, qw.symmetric), path
+            np.testing.assert_array_equal(np.asarray(unpacked_codes(got)), np.asarray(unpacked_codes(qw)), err_msg=path)
+            np.testing.assert_array_equal(np.asarray(got.zeros), np.asarray(qw.zeros), err_msg=path)
+    np.testing.assert_allclose(np.asarray(q(toks)), packed_logits_as_stored(m, r, dtype, toks), rtol=0, atol=2e-5)
+    assert "quantization_config" not in q.cfg.to_hf_dict()  # the model carries its format in its packed kernels
+
+
 def _codes(qw):
     from lrmq.quant.formats import unpacked_codes
 
@@ -103,6 +146,9 @@ def test_autoawq_and_ct_w4(quantized, tmp_path):
     np.testing.assert_allclose(np.asarray(q(toks)), np.asarray(m(toks)), rtol=1e-5, atol=1e-5)
     f = load_model(os.path.join(out, "fake_quant"))
     np.testing.assert_allclose(np.asarray(f(toks)), np.asarray(m(toks)), rtol=1e-3, atol=1e-3)
+    # AutoAWQ and compressed-tensors read back (lrmq.checkpoint.quantized) as the packed model they came from
+    for fmt in ("autoawq", "compressed_tensors"):
+        assert_reads_back(os.path.join(out, fmt), m, r, "float16", toks)
 
 
 def test_ct_w3_and_refusals(quantized, tmp_path):
@@ -122,6 +168,9 @@ def test_ct_w3_and_refusals(quantized, tmp_path):
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["tie_word_embeddings"] and cfg["quantization_config"]["ignore"] == ["lm_head"]
     assert "lm_head.weight" not in ct
+    import jax.numpy as jnp
+
+    assert_reads_back(out, m, r, "bfloat16", jnp.asarray(np.arange(24)[None] % 128))  # W3: dense 3-bit words
     with pytest.raises(ExportError, match="4-bit only"):
         write_outputs(m, r, str(tmp_path / "x"), formats=("fake_quant", "autoawq"))
     assert not os.path.exists(tmp_path / "x")

@@ -21,6 +21,7 @@ from typing import Mapping
 
 from lrmq import paths
 from lrmq.checkpoint.load import checkpoint_kind, load_model, load_tokenizer, read_model_config, resolve_checkpoint
+from lrmq.checkpoint.quantized import refuse_quantized
 from lrmq.configlib import dump_config
 from lrmq.ptq.calibration import calibration_blocks
 from lrmq.model.config import ModelConfig, check_position_limit
@@ -128,7 +129,9 @@ def prepare(cfg: QuantizeConfig, names: Mapping[str, str] | None = None) -> Prep
 
 
 def load_float_model(path: str):
-    """The model at ``path``; a checkpoint whose Linears are already packed is refused (ValueError)."""
+    """The model at ``path``; a quantized checkpoint (an lrmq packed one, compressed-tensors, AutoAWQ) is refused in
+    one line naming its format (`lrmq.checkpoint.quantized.refuse_quantized`), before it is loaded."""
+    refuse_quantized(resolve_checkpoint(path), "PTQ", "quantize its float checkpoint")
     model = load_model(path)
     packed = [p for p, lin in iter_linears(model, None) if hasattr(lin.kernel.get_value(), "codes")]
     if packed:

@@ -32,7 +32,8 @@ import numpy as np
 
 from lrmq.checkpoint.hf import flat_params, tensor_index
 from lrmq.checkpoint.hf_names import expand
-from lrmq.checkpoint.load import checkpoint_kind, load_model
+from lrmq.checkpoint.load import checkpoint_kind, load_model, resolve_checkpoint
+from lrmq.checkpoint.quantized import hf_quantization
 from lrmq.checkpoint.safetensors_mmap import MappedSafetensors
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
@@ -105,7 +106,7 @@ class TensorSource:
         self.kind = checkpoint_kind(path)
         self._model = None
         self._files: dict = {}  # safetensors path -> MappedSafetensors (parsed header)
-        if self.kind == "hf":
+        if self.kind == "hf" and hf_quantization(resolve_checkpoint(path)) is None:
             self.cfg = ModelConfig.from_hf_file(path)
             index = tensor_index(path)
             abstract = nnx.eval_shape(lambda: Decoder(self.cfg, nnx.Rngs(0)))
@@ -115,7 +116,8 @@ class TensorSource:
                     if hf not in index:
                         raise QuantLRMError(f"{path}: tensor {hf} is missing")
                     self.entries[ours[: -len(".kernel")]] = (hf, index[hf])
-        else:
+        else:  # an lrmq checkpoint or a quantized HF one (compressed-tensors, AutoAWQ): its Linears dequantized
+            self.kind = "model"
             self._model = load_model(path)
             self.cfg = self._model.cfg
             self.entries = {p: (p + ".kernel", None) for p in

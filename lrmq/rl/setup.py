@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
+from lrmq.checkpoint.quantized import refuse_quantized
 from lrmq.data.prompts import load_prompt_dataset
 from lrmq.data.synthetic import make_splits
 from lrmq.quant.training import prepare_for_training
@@ -28,9 +29,14 @@ def load_datasets(cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
 
 
 def build_model(cfg: TrainConfig, mesh):
-    """The policy on `mesh`, prepared for the configured quant.mode (QAT dot_generals or a QLoRA base)."""
-    model = load_model(resolve_checkpoint(cfg.model.checkpoint), mesh=mesh, dtype=cfg.model.dtype,
-                       param_dtype=cfg.model.param_dtype)
+    """The policy on `mesh`, prepared for the configured quant.mode (QAT dot_generals or a QLoRA base). A quantized
+    model.checkpoint (lrmq packed, compressed-tensors, AutoAWQ) is a QLoRA base only: its packed Linears stay as
+    they are (`pack_base` packs the float ones); any other mode is refused in one line naming its format."""
+    path = resolve_checkpoint(cfg.model.checkpoint)
+    if cfg.quant.mode != "qlora":
+        refuse_quantized(path, f"model.checkpoint with quant.mode={cfg.quant.mode}",
+                         "train QLoRA adapters on it (quant.mode=qlora), or start from its float checkpoint")
+    model = load_model(path, mesh=mesh, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
     if cfg.quant.mode != "none":
         model = prepare_for_training(model, cfg.quant, seed=cfg.run.seed, mesh=mesh)
     return model
