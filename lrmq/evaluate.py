@@ -17,6 +17,7 @@ from flax import nnx
 from lrmq import aot, cli, compile_cache, configlib, paths
 from lrmq.checkpoint.load import check_checkpoint, load_model, resolve_checkpoint
 from lrmq.checkpoint.peft import load_lora, read_adapter_config
+from lrmq.checkpoint.quantized import quantized_format
 from lrmq.config_help import to_plain
 from lrmq.configlib import ConfigError
 from lrmq.evals.benchmarks import BENCHMARKS, EvalDataError, default_data_dir, load_items, resolve_suite
@@ -104,11 +105,14 @@ def build_config(args) -> EvalConfig:
     return cfg
 
 
-def run_meta(cfg: EvalConfig) -> dict:
+def run_meta(cfg: EvalConfig, weight_format: str | None = None) -> dict:
+    """results.json's header: the suite, the checkpoint, its weight format when given (`quantized_format`: e.g.
+    ``lrmq packed int4 asym g128 f32-scale (rtn)``; "float" for a float model; shown above the table), the config."""
     plain = to_plain(cfg)
     for k in ("out_dir", "progress", "tensorboard", "data_dir"):
         plain.pop(k, None)
-    return {"suite": cfg.suite, "checkpoint": cfg.checkpoint, "config": plain}
+    return {"suite": cfg.suite, "checkpoint": cfg.checkpoint,
+            **({"weight_format": weight_format} if weight_format else {}), "config": plain}
 
 
 def check_run_dir(cfg: EvalConfig, overwrite: bool) -> None:
@@ -247,6 +251,7 @@ def _main(args) -> int:
         read_adapter_config(cfg.adapter)
     check_run_dir(cfg, args.overwrite)
     model, tok, mesh = load_eval_model(cfg)
+    meta = run_meta(cfg, quantized_format(resolve_checkpoint(cfg.checkpoint)) or "float")
     engine = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=cfg.generation.engine_config(), mesh=mesh,
                     impl=cfg.generation.decode_attention)
     if not cfg.generation.kv_pages:  # the pool sized to the device: kv_memory_fraction of it less the weights
@@ -257,11 +262,11 @@ def _main(args) -> int:
     try:
         results = run_suite(model, tok, items, cfg.generation, suite=suite, engine=engine,
                             out_dir=cfg.out_dir, pass_k=cfg.pass_k,
-                            timeout_s=cfg.timeout_s, progress=cfg.progress, writer=writer, meta=run_meta(cfg))
+                            timeout_s=cfg.timeout_s, progress=cfg.progress, writer=writer, meta=meta)
     finally:
         if writer is not None:
             writer.close()
-    print(markdown_table(results), end="")
+    print(markdown_table({**meta, **results}), end="")
     t = results["timing"]
     where = f" on a mesh of {mesh.devices.size} devices" if mesh is not None else ""
     print(f"[lrmq.evaluate] {t['generated_sequences']} sequences, {t['new_tokens']} new tokens in {t['seconds']:.1f}s"

@@ -50,6 +50,7 @@ def paper1_run(tmp_path_factory):
 def test_paper1_end_to_end_reproducible(paper1_run, tmp_path):
     res = _results(paper1_run)
     assert set(res["benchmarks"]) == {"aime24", "amc", "math500", "minerva", "olympiadbench"}
+    assert res["weight_format"] == "float"
     assert res["pooled"]["n_problems"] == 13 and res["pooled"]["samples"] == 2
     assert res["headline"]["how"] == "pooled" and res["headline"]["metric"] == "reward"
     assert "pass@2" in res["benchmarks"]["amc"] and res["config"]["generation"]["temperature"] == 1.0
@@ -136,6 +137,10 @@ def test_quantlrm_packed_int4(int4_checkpoint, tmp_path):
                 "generation.page_size=4", checkpoint=int4_checkpoint, suite="quantlrm") == 0
     res = _results(out)
     assert set(res["benchmarks"]) == {"aime120", "folio", "temporal_sequences", "gpqa_diamond"}
+    # the model's weight format, as lrmq.quantize wrote it, heads the table and results.json
+    assert res["weight_format"] == "lrmq packed int4 asym g32 f32-scale (rtn)"
+    assert open(os.path.join(out, "results.md")).readline() == \
+        f"Model: {int4_checkpoint} (lrmq packed int4 asym g32 f32-scale (rtn))\n"
     assert res["headline"]["how"] == "average" and res["config"]["generation"]["top_p"] == 0.95
     recs = [json.loads(l) for l in _lines(out)]
     assert all(r["prompt"].endswith("<think>\n") and "<|im_start|>" not in r["prompt"] for r in recs)

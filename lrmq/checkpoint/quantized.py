@@ -201,11 +201,17 @@ def hf_quantization(path: str) -> HFQuantization | None:
 def quantized_format(path: str) -> str | None:
     """A one-line description of the quantized checkpoint at `path` (resolved), None for a float one: a
     quantized Hugging Face checkpoint's `HFQuantization.describe`, or an lrmq ``packed`` checkpoint's."""
-    from lrmq.checkpoint.orbax_io import STATE_FILE, is_lrmq_checkpoint
+    from lrmq.checkpoint.orbax_io import STATE_FILE, is_lrmq_checkpoint, read_weight_formats
 
     if not os.path.isdir(path):
         return None
     if is_lrmq_checkpoint(path):
+        try:  # the format it was written with (lrmq.quant.formats.WeightFormat), else what its arrays say
+            recorded = read_weight_formats(path)
+        except CheckpointError:
+            recorded = []
+        if recorded:
+            return "lrmq packed " + ", ".join(f.describe() for f in recorded)
         try:
             variables = paths.read_json(os.path.join(path, STATE_FILE), what="lrmq state manifest").get("variables")
         except (OSError, paths.FileFormatError, AttributeError):

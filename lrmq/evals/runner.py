@@ -174,6 +174,8 @@ def markdown_table(results: dict) -> str:
     head = ["benchmark", "problems", "K", "accuracy", "reward", *[f"pass@{k}" for k in ks], "boxed/answered",
             "mean tokens", "truncated"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if results.get("weight_format"):  # lrmq.evaluate's run_meta: the model scored and its weight format
+        lines = [f"Model: {results.get('checkpoint')} ({results['weight_format']})", ""] + lines
 
     def row(name, s):
         if not s.get("n_problems"):
@@ -303,7 +305,7 @@ def run_suite(model_or_state, tokenizer, items: Sequence[Item], gen: GenerationS
         # results.json holds no timings: the same config and seed give the same file.
         atomic_write_text(os.path.join(out_dir, RESULTS),
                           json.dumps({**(meta or {}), **results}, indent=2, sort_keys=True) + "\n")
-        atomic_write_text(os.path.join(out_dir, TABLE), markdown_table(results))
+        atomic_write_text(os.path.join(out_dir, TABLE), markdown_table({**(meta or {}), **results}))
         atomic_write_text(os.path.join(out_dir, TIMING), json.dumps(
             {"generated_sequences": n_todo, "new_tokens": new_tokens, "seconds": seconds,
              "sequences_per_s": n_todo / seconds if seconds > 0 else None}, indent=2) + "\n")
