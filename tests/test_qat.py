@@ -200,29 +200,30 @@ def test_a_qat_model_exports_its_float_weights(tmp_path, scheme):
 
 
 def test_asym_qat_export_is_rtn_bit_for_bit():
-    """int4_asym's exported codes, zero points and scales are lrmq.quantize's RTN of the same weights (asymmetric,
-    the same groups), its forward multiplies by exactly their dequantization, and its recorded format is the one
-    `lrmq.quantize` writes with the flags it names."""
+    """int4_asym g128's exported codes, zero points and scales are lrmq.quantize's default RTN of the same weights
+    (int4 asym g128), its forward multiplies by exactly their dequantization, and its recorded format is the one
+    `lrmq.quantize` writes with the flags it names (its defaults)."""
+    from lrmq.model.linear import Linear
     from lrmq.ptq.qat_export import qat_weight
     from lrmq.quant.formats import WeightFormat, dequantize, quantize_weight, unpacked_codes
-    from lrmq.quant.qat import qat_weight_format
+    from lrmq.quant.qat import make_dot_general, qat_weight_format, set_dot_general
 
-    m = tiny()
-    apply_qat(m, "int4_asym", group_size=16)
-    fmt = qat_weight_format("int4_asym", 16)
-    assert fmt.describe() == "int4 asym g16 f32-scale (qat:int4_asym)"
-    assert fmt.quantize_args() == ["--method", "rtn", "--bits", "4", "--group-size", "16"]
-    for path, lin in iter_linears(m, r".*\.(q|down)_proj$"):  # K = 32 and 64: groups of 16, two and four
-        w = lin.kernel.get_value()
-        fq, qw = qat_weight(lin, path)
-        rtn = quantize_weight(w, bits=4, group_size=16, symmetric=False)  # lrmq.quantize --method rtn's quantizer
-        np.testing.assert_array_equal(unpacked_codes(qw), unpacked_codes(rtn), err_msg=path)
-        np.testing.assert_array_equal(qw.zeros, rtn.zeros, err_msg=path)
-        np.testing.assert_array_equal(qw.scales, rtn.scales, err_msg=path)
-        assert int(jnp.min(qw.zeros)) != int(jnp.max(qw.zeros))  # real zero points, not a symmetric midpoint
-        np.testing.assert_array_equal(fq, dequantize(rtn))
-        np.testing.assert_array_equal(lin.dot_general.quantize(w), fq)  # the forward's weight
-        assert WeightFormat.of_weight(qw, "rtn").same_format(fmt)
+    lin = Linear(256, 8, use_bias=False, axes=(None, None), dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs=nnx.Rngs(0))
+    w = lin.kernel.get_value()
+    set_dot_general(lin, make_dot_general("int4_asym", w, group_size=128))
+    fmt = qat_weight_format("int4_asym", 128)
+    assert fmt.describe() == "int4 asym g128 f32-scale (qat:int4_asym)"
+    assert fmt.quantize_args() == ["--method", "rtn", "--bits", "4", "--group-size", "128"]  # lrmq.quantize's defaults
+    fq, qw = qat_weight(lin, "lin")
+    rtn = quantize_weight(w)  # lrmq.quantize --method rtn's quantizer, its defaults
+    np.testing.assert_array_equal(unpacked_codes(qw), unpacked_codes(rtn))
+    np.testing.assert_array_equal(qw.zeros, rtn.zeros)
+    np.testing.assert_array_equal(qw.scales, rtn.scales)
+    assert int(jnp.min(qw.zeros)) != int(jnp.max(qw.zeros))  # real zero points, not a symmetric midpoint
+    np.testing.assert_array_equal(fq, dequantize(rtn))
+    np.testing.assert_array_equal(lin.dot_general.quantize(w), fq)  # the forward's weight
+    assert WeightFormat.of_weight(qw, "rtn").same_format(fmt) and WeightFormat.of_weight(rtn, "rtn").same_format(fmt)
 
 
 def test_asym_qat_policy_export_end_to_end(tmp_path):
