@@ -288,6 +288,23 @@ def test_model_and_data_read_from_the_bucket(gcs, tmp_path):
         load_prompt_dataset([gcs + "/data/missing.jsonl"], option="data.train_files")
 
 
+def test_quantized_checkpoint_read_from_the_bucket(gcs):
+    """A compressed-tensors checkpoint in the bucket (llmcompressor's W4A16 fixture) loads as the packed model the
+    local copy gives: its packed tensors and the float ones streamed, no weight file on local disk."""
+    from lrmq import paths
+    from lrmq.checkpoint.load import load_model, resolve_checkpoint
+    from lrmq.checkpoint.quantized import quantized_format
+
+    local = os.path.join(REPO_ROOT, "tests", "fixtures", "llmc_w4a16")
+    url = gcs + "/models/llmc_w4a16"
+    paths.publish_dir(local, url)
+    view = resolve_checkpoint(url)
+    assert quantized_format(view) == quantized_format(local) == "compressed-tensors pack-quantized int4 sym g128"
+    assert not [f for f in os.listdir(view) if f.endswith(".safetensors")]
+    toks = np.arange(16)[None] % 300
+    np.testing.assert_array_equal(np.asarray(load_model(url)(toks)), np.asarray(load_model(local)(toks)))
+
+
 # ----------------------------------------------------------------------------- a pod run, offline
 @pytest.mark.slow(reason="two JAX processes x 2 CPU devices train one step from the bucket, then lrmq.evaluate")
 @pytest.mark.skipif(os.environ.get("LRMQ_SKIP_MULTIPROCESS") == "1", reason="LRMQ_SKIP_MULTIPROCESS=1")
