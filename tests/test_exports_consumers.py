@@ -242,6 +242,32 @@ def test_ct_per_channel(rtn_tiny, ct_pair, symmetric):
         np.testing.assert_allclose(got, ref, rtol=0, atol=LOGIT_ATOL)
 
 
+@pytest.mark.parametrize("bits, symmetric, group_size", [(4, True, -1), (8, False, GROUP)])  # W3: test_exports.py
+def test_lrmq_reads_ct_checkpoints_back(rtn_tiny, ct_pair, bits, symmetric, group_size):
+    """``load_model`` reads lrmq's float32 export and compressed-tensors' own checkpoint of the same values (its
+    ModelCompressor) as the packed model they came from: the same codes and zero points in every QuantizedKernel
+    and the packed model's logits bit for bit (float32: nothing is rounded on the way)."""
+    import jax.numpy as jnp
+
+    from lrmq.checkpoint.load import load_model
+    from lrmq.ptq.exports import packed_kernels
+    from lrmq.quant.formats import unpacked_codes
+    from lrmq.quant.transforms import module_at
+
+    m, r, _ = rtn_tiny(bits, symmetric, group_size=group_size)
+    with packed_kernels(m, r):
+        want = np.asarray(m(jnp.asarray(TOKS)))
+    d = ct_pair(bits, symmetric, group_size)
+    for which in ("lrmq", "ct"):
+        q = load_model(d[which])
+        for path, qw in r.packed.items():
+            got = module_at(q, path).kernel.get_value()
+            assert (got.bits, got.group_size, got.symmetric) == (qw.bits, qw.group_size, qw.symmetric), (which, path)
+            np.testing.assert_array_equal(np.asarray(unpacked_codes(got)), np.asarray(unpacked_codes(qw)))
+            np.testing.assert_array_equal(np.asarray(got.zeros), np.asarray(qw.zeros))
+        np.testing.assert_array_equal(np.asarray(q(jnp.asarray(TOKS))), want, err_msg=which)
+
+
 # quantization_config keys compressed-tensors 0.20.1's ModelCompressor.update_config writes and lrmq does not
 # (the writer's own version; a field for MoE checkpoints), and those lrmq writes as null where 0.20.1 leaves
 # null fields out (llmcompressor 0.14 / compressed-tensors 0.19 write them null, as lrmq does)
