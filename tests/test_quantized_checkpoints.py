@@ -50,6 +50,15 @@ def test_llmcompressor_w4a16_reads_back_to_its_own_logits(llmc_model):
         assert (qw.bits, qw.group_size, qw.symmetric) == (4, 128, True) and packing_of(qw).name == "int4"
     want = np.load(os.path.join(LLMC, "reference_logits.npy"))
     np.testing.assert_allclose(np.asarray(llmc_model(_tokens())), want, rtol=0, atol=1e-4)
+    # lrmq.quantize --method quantlrm --base: the base's Linears, dequantized (checked against a fine-tuned tiny)
+    from lrmq.ptq.quantlrm import TensorSource, check_pair
+    from lrmq.quant.formats import dequantize
+
+    base = TensorSource(LLMC)
+    check_pair(TensorSource(TINY), base)
+    np.testing.assert_array_equal(base.get("layers.1.mlp.down_proj").astype(np.float32),
+                                  np.asarray(dequantize(packed["layers.1.mlp.down_proj"])).astype(base.get(
+                                      "layers.1.mlp.down_proj").dtype).astype(np.float32))
 
 
 def test_convert_qlora_base_and_float_only_refusals(llmc_model, cli, tmp_path):

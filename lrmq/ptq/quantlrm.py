@@ -139,6 +139,10 @@ class TensorSource:
                 out[p] = (name, tuple(module_at(self._model, p).float_weight().shape))
         return out
 
+    def kn_shape(self, stored: tuple) -> tuple:
+        """A shape of `shapes()` in lrmq orientation [K, N], as `get` returns the weight."""
+        return tuple(stored)[::-1] if self.kind == "hf" else tuple(stored)
+
     def get(self, path: str) -> np.ndarray:
         hf, f = self.entries[path]
         if self.kind == "hf":
@@ -157,7 +161,7 @@ def check_pair(ft: TensorSource, base: TensorSource) -> None:
             problems.append(f"tensor {sf[p][0]} is in the fine-tuned checkpoint but not in the base")
         elif p not in sf:
             problems.append(f"tensor {sb[p][0]} is in the base checkpoint but not in the fine-tuned one")
-        elif sf[p][1] != sb[p][1]:
+        elif ft.kn_shape(sf[p][1]) != base.kn_shape(sb[p][1]):  # an HF checkpoint stores [N, K], a model [K, N]
             problems.append(f"tensor {sf[p][0]}: fine-tuned shape {sf[p][1]} != base shape {sb[p][1]}")
     for f in ARCH_FIELDS:
         a, b = getattr(ft.cfg, f), getattr(base.cfg, f)
