@@ -129,6 +129,8 @@ def _edited(tmp_path, edit_config=None, drop=()):
     (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
      "config_groups.group_0.input_activations is set: lrmq reads weight-only"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=1), "config_groups.group_0.weights.num_bits 1"),
+    (lambda q: (q.update(version="0.12.2"), q["config_groups"]["group_0"]["weights"].update(num_bits=3)),
+     "written by compressed-tensors 0.12.2, whose 3-bit packing"),
 ])
 def test_unreadable_quantization_config_is_one_line(tmp_path, edit, match):
     from lrmq.checkpoint.load import check_checkpoint
@@ -148,3 +150,30 @@ def test_missing_packed_tensor_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj \(compressed-tensors pack-quantized int4 "
                                               r"sym g128\): missing weight_scale"):
         load_model(d)
+
+
+def test_compressed_tensors_dense_is_its_fake_quant_weights(llmc_model, tmp_path):
+    """format "dense" (llmcompressor's save_compressed=False): the float weights are read, the quantization
+    parameters beside them skipped -- a float model with the packed model's logits."""
+    from safetensors.numpy import load_file, save_file
+
+    from lrmq.checkpoint.load import load_model
+    from lrmq.quant.transforms import iter_linears, module_at
+
+    d = tmp_path / "dense"
+    shutil.copytree(LLMC, d)
+    t = load_file(str(d / "model.safetensors"))
+    for hf in [k[: -len(".weight_packed")] for k in t if k.endswith(".weight_packed")]:
+        path = hf.removeprefix("model.").replace("self_attn", "attn")
+        for k in ("weight_packed", "weight_shape"):
+            del t[f"{hf}.{k}"]
+        t[f"{hf}.weight"] = np.ascontiguousarray(np.asarray(module_at(llmc_model, path).float_weight()).T)
+    save_file(t, str(d / "model.safetensors"))
+    c = json.load(open(d / "config.json"))
+    c["quantization_config"].update(format="dense", quantization_status="frozen")
+    c["quantization_config"]["config_groups"]["group_0"]["format"] = "dense"
+    c["dtype"] = "float32"
+    json.dump(c, open(d / "config.json", "w"))
+    m = load_model(str(d))
+    assert not any(hasattr(lin.kernel.get_value(), "codes") for _, lin in iter_linears(m, None))
+    np.testing.assert_allclose(np.asarray(m(_tokens())), np.asarray(llmc_model(_tokens())), rtol=0, atol=1e-5)

@@ -136,6 +136,11 @@ def _ct_scheme(w: dict, source: str, name: str) -> WeightScheme:
     return WeightScheme(bits, g, bool(w.get("symmetric", True)))
 
 
+def _version(v) -> tuple | None:
+    m = re.match(r"(\d+)\.(\d+)", str(v)) if v else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def _parse(qc, source: str) -> HFQuantization:
     if not isinstance(qc, dict):
         raise _fail(source, f"expected a mapping, found {type(qc).__name__}")
@@ -174,6 +179,12 @@ def _parse(qc, source: str) -> HFQuantization:
                 raise _fail(source, f"config_groups.{name}.targets must be a list of names")
             parsed.append((tuple(targets), _ct_scheme(grp.get("weights"), source, name)))
             fmt = gfmt
+        version = _version(qc.get("version"))
+        odd = sorted({s.bits for _, s in parsed} - {2, 4, 8})
+        if version and version < (0, 19) and odd and fmt == "pack-quantized":
+            raise _fail(source, f"written by compressed-tensors {qc['version']}, whose {odd[0]}-bit packing (whole "
+                                "values per int32 word) predates the dense bit stream lrmq reads (0.19+); "
+                                "2-, 4- and 8-bit checkpoints are the same in both")
         if qc.get("kv_cache_scheme"):
             raise _fail(source, "kv_cache_scheme is set: lrmq does not read a quantized KV cache from a checkpoint")
         if (qc.get("sparsity_config") or {}).get("format") not in (None, "dense"):
