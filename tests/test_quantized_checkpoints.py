@@ -150,6 +150,13 @@ def test_missing_packed_tensor_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj \(compressed-tensors pack-quantized int4 "
                                               r"sym g128\): missing weight_scale"):
         load_model(d)
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(os.path.join(d, "model.safetensors"))
+    t["model.layers.1.mlp.up_proj.weight_scale"] = t["model.layers.0.mlp.up_proj.weight_scale"] * np.inf
+    save_file(t, os.path.join(d, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj .*weight_scale has non-finite values"):
+        load_model(d)
 
 
 def test_compressed_tensors_dense_is_its_fake_quant_weights(llmc_model, tmp_path):

@@ -292,6 +292,8 @@ def _codes(q: HFQuantization, prefix: str, scheme: WeightScheme, names: set[str]
         g_idx = None
     else:
         codes, scales, zeros, g_idx = ef.ct_pack_quantized_import(got, bits=scheme.bits, symmetric=scheme.symmetric)
+    if not np.isfinite(scales).all():
+        raise ValueError(f"{'scales' if q.method == 'awq' else 'weight_scale'} has non-finite values (NaN or Inf)")
     return codes, scales, zeros, g_idx, {f"{prefix}.{k}" for k in got}
 
 
