@@ -13,6 +13,12 @@ $(STAMP): pyproject.toml
 	# torch pinned exactly and first: a looser spec would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# JAX's CUDA plugin for compile-only GPU targets (lrmq/targets.py), of the installed jax's version, in a side
+	# directory: in site-packages JAX would load it at every start, printing 'Could not find cuda drivers' lines
+	# on a machine without a GPU even with JAX_PLATFORMS=cpu. Only a GPU compile puts it on the path.
+	if [ "$$(uname -sm)" = "Linux x86_64" ]; then v=$$($(BIN)/python -c 'import jax; print(jax.__version__)'); \
+	  $(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/lrmq-gpu-aot \
+	  jax-cuda12-pjrt==$$v jax-cuda12-plugin==$$v; fi
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -39,22 +39,18 @@ from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, Update
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 from lrmq.rl.step import make_optimizer, make_train_step, old_logprob_sources, opt_state_shardings
 from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, bytes_per_device, make_mesh
+from lrmq.targets import gpu_topology_devices, tpu_topology_devices  # noqa: F401  (lrmq.aot.X: their public name)
 
 
 # ----------------------------------------------------------------------------- targets
-@functools.lru_cache(maxsize=None)
-def topology_devices(name: str) -> tuple:
-    """The devices of a TPU topology such as "v5p:2x4x4" or "v5e:2x4" (needs libtpu, not a TPU)."""
-    # libtpu takes a machine-wide lock by default, so a second process compiling for TPU (a test and the
-    # CLI it launches, two compiles side by side) would fail; compiling only needs no exclusive device.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
-
-    try:
-        return tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
-    except Exception as e:  # libtpu missing, or a malformed name: say which
-        raise ConfigError(f"TPU topology {name!r}: {str(e).splitlines()[0]} (needs libtpu: "
-                          f"pip install 'jax[tpu]'; names look like v5e:2x4, v5p:2x4x4, v6e:2x2)") from None
+def topology_devices(name: str, platform: str = "tpu") -> tuple:
+    """Compile-only devices of a TPU topology ("v5p:2x4x4", needs libtpu) or, with platform "gpu", of GPUs
+    ("h200:8": one host of 8 H200s, needs JAX's CUDA plugin); `lrmq.targets`."""
+    if platform == "gpu":
+        return gpu_topology_devices(name)
+    if platform != "tpu":
+        raise ConfigError(f"--platform {platform!r}: expected tpu or gpu")
+    return tpu_topology_devices(name)
 
 
 # ----------------------------------------------------------------------------- abstract state

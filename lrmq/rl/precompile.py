@@ -189,14 +189,20 @@ def lower_compile(fn, *args, mesh) -> tuple[object, float]:
 
 
 def hbm_bytes(device) -> int | None:
-    """Usable memory of one device: the runtime's own limit on real hardware, else the spec table."""
+    """Usable memory of one device: the runtime's own limit on real hardware, else the spec table (TPUs) or, for a
+    GPU, its target description's memory times JAX's allocator fraction (`lrmq.targets.gpu_usable_bytes`)."""
     try:
         stats = device.memory_stats()
         if stats and stats.get("bytes_limit"):
             return int(stats["bytes_limit"])
     except Exception:  # topology devices and CPUs have no runtime stats
         pass
-    return HBM_BYTES.get(getattr(device, "device_kind", ""))
+    kind = getattr(device, "device_kind", "")
+    if kind in HBM_BYTES:
+        return HBM_BYTES[kind]
+    from lrmq.targets import gpu_usable_bytes  # a GPU lrmq has a target description of: JAX's share of its memory
+
+    return gpu_usable_bytes(kind)
 
 
 def memory_report(compiled) -> dict:
