@@ -105,7 +105,7 @@ def test_convert_qlora_base_and_float_only_refusals(llmc_model, cli, tmp_path):
 
     cfg = config_from_dict(TrainConfig, {"model": {"checkpoint": LLMC}, "quant": {"mode": "none"}})
     with pytest.raises(CheckpointError, match=f"{cfg_path}: model.checkpoint with quant.mode=none needs float "
-                                              f"weights, this checkpoint is quantized \\({FORMAT}\\)"):
+                                              f"weights, this checkpoint is already quantized \\({FORMAT}\\)"):
         build_model(cfg, None)
 
 

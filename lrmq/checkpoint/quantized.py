@@ -245,7 +245,7 @@ def refuse_quantized(path: str, what: str, hint: str = "") -> None:
     desc = quantized_format(path)
     if desc:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: {what} needs float weights, this checkpoint is "
-                              f"quantized ({desc}){'; ' + hint if hint else ''}")
+                              f"already quantized ({desc}){'; ' + hint if hint else ''}")
 
 
 class _Tensors:
