@@ -39,7 +39,7 @@ from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, Update
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 from lrmq.rl.step import make_optimizer, make_train_step, old_logprob_sources, opt_state_shardings
 from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, bytes_per_device, make_mesh
-from lrmq.targets import gpu_topology_devices, tpu_topology_devices  # noqa: F401  (lrmq.aot.X: their public name)
+from lrmq.targets import gpu_memory_line, gpu_topology_devices, tpu_topology_devices  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- targets
@@ -51,6 +51,36 @@ def topology_devices(name: str, platform: str = "tpu") -> tuple:
     if platform != "tpu":
         raise ConfigError(f"--platform {platform!r}: expected tpu or gpu")
     return tpu_topology_devices(name)
+
+
+TOPOLOGY_HELP = ("with --compile-only: the hardware to compile for, TPU (--platform tpu, needs libtpu) e.g. v5p:2x4x4, "
+                 "or GPU (--platform gpu, needs JAX's CUDA plugin) NAME:GPUS e.g. h200:8 (one host of 8; "
+                 "names: h100, h200, a100, b200)")
+PLATFORM_HELP = "the --topology's kind: tpu (libtpu) or gpu (JAX's CUDA plugin, no GPU needed)"
+
+
+def target_devices(topology: str | None, platform: str = "tpu") -> list | None:
+    """The --compile-only target's devices: `topology_devices(topology, platform)`, or None for this machine's
+    devices (a --platform gpu without a --topology is an error: this machine has no GPU to compile for)."""
+    if not topology:
+        if platform == "gpu":
+            raise ConfigError("--platform gpu needs --topology NAME:GPUS, e.g. h200:8")
+        return None
+    if platform == "gpu":
+        from lrmq import compile_cache
+
+        compile_cache.disable_for_compile_only_gpu()
+    return list(topology_devices(topology, platform))
+
+
+def memory_note(report: "FitReport", devices) -> str | None:
+    """A GPU target's memory line (`lrmq.targets.gpu_memory_line`): its memory, JAX's share, and the
+    XLA_PYTHON_CLIENT_MEM_FRACTION that makes a program past that share fit; None for other devices."""
+    if not devices:
+        return None
+    totals = [row_total(r) for r in report.rows]
+    needed = max(totals) if totals and not math.isinf(max(totals)) else None
+    return gpu_memory_line(devices[0].device_kind, needed, HEADROOM)
 
 
 # ----------------------------------------------------------------------------- abstract state
@@ -104,11 +134,27 @@ def abstract_batch(cfg: TrainConfig, mesh, shape: UpdateShape | None = None) -> 
 
 
 # ----------------------------------------------------------------------------- compiles
-def _flops(compiled) -> float:
+def compiled_cost(compiled) -> dict:
+    """XLA's cost analysis of a compiled program ({"flops": ..., "bytes accessed": ...}, per loop iteration). A
+    compile-only GPU executable has none (its `cost_analysis()` is None): then XLA's HloCostAnalysis of its
+    optimized HLO, run through the CPU client (the same analysis; {} where this jaxlib does not offer it)."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
+    if cost:
+        return dict(cost)
+    try:
+        from jax._src import xla_bridge
+        from jax._src.lib import xla_client
+
+        module = compiled.runtime_executable().hlo_modules()[0]
+        return dict(xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))
+    except Exception:  # a private helper of jaxlib: absent, or moved in a later version
+        return {}
+
+
+def _flops(compiled) -> float:
+    return float(compiled_cost(compiled).get("flops", 0.0))
 
 
 def compile_train_step(run: AbstractRun, micro_batch: int | None = None, shape: UpdateShape | None = None):

@@ -61,3 +61,10 @@ def enable(setting: str = "auto") -> str | None:
     cc.reset_cache()
     log.info("JAX compilation cache: %s", path)
     return path
+
+
+def disable_for_compile_only_gpu() -> None:
+    """Turn JAX's persistent cache off for this process: a compile-only GPU executable (`lrmq.targets`) is written
+    to it but cannot be read back ("PjRtCompiler must be constructed with a Client to call
+    DeserializeLoadedExecutable"), so a second run would warn for each program and compile it again anyway."""
+    jax.config.update("jax_enable_compilation_cache", False)

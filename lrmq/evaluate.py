@@ -61,7 +61,8 @@ def parse_args(argv=None):
     aot_args.add_argument("--compile-only", action="store_true",
                           help="compile the suite's generation (its batch, prompt length and decode length) for "
                                "--topology and print per-device memory; exit 3 when it does not fit")
-    aot_args.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:2x4 (default: this machine)")
+    aot_args.add_argument("--topology", default=None, help=aot.TOPOLOGY_HELP + " (default: this machine)")
+    aot_args.add_argument("--platform", choices=["tpu", "gpu"], default="tpu", help=aot.PLATFORM_HELP)
     aot_args.add_argument("--shapes", default=None, help="architecture preset instead of --checkpoint's config.json")
     aot_args.add_argument("--prompt-len", type=cli.number(int, ge=1), default=512,
                           help="left-padded prompt length to compile for (prompts are bucketed to powers of two)")
@@ -192,7 +193,7 @@ def compile_only(cfg: EvalConfig, args) -> int:
         raise ConfigError(f"--prompt-len {args.prompt_len} leaves no room for new tokens in the model's "
                           f"{positions} positions")
     new = min(g.max_new_tokens, positions - args.prompt_len)
-    devices = list(aot.topology_devices(args.topology)) if args.topology else None
+    devices = aot.target_devices(args.topology, args.platform)
     mesh = make_mesh(None, devices=devices)
     graphdef, state = aot.abstract_model(mcfg, mesh, pack=args.pack)
     print(f"target: {args.topology or 'local devices'} ({mesh.devices.size} devices); suite {cfg.suite}: "
@@ -205,6 +206,9 @@ def compile_only(cfg: EvalConfig, args) -> int:
                                       impl=g.decode_attention, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(report.table())
     print(aot.pool_line(report.pool, "generation.kv_pages"))
+    note = aot.memory_note(report, devices)
+    if note:
+        print(note)
     print(line)
     return 0 if report.fits else 3
 

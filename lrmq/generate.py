@@ -58,15 +58,16 @@ def parse_args(argv=None):
                     help="decode attention: auto (the compile target's kernel: JAX's ragged paged attention on TPU, "
                          "Triton on GPU, where it takes the shapes; else xla), or xla / tpu / gpu given explicitly. "
                          "xla runs fp8 KV pages at 1 KV head per TPU chip, which auto refuses")
-    aot = ap.add_argument_group("ahead-of-time compile (no weights are read or allocated)")
-    aot.add_argument("--compile-only", action="store_true",
+    aot_args = ap.add_argument_group("ahead-of-time compile (no weights are read or allocated)")
+    aot_args.add_argument("--compile-only", action="store_true",
                      help="compile generation for --topology (default: this machine) and print per-device memory")
-    aot.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:2x4")
-    aot.add_argument("--shapes", default=None, help="architecture preset (lrmq/model/presets.py) instead of "
+    aot_args.add_argument("--topology", default=None, help=aot.TOPOLOGY_HELP + " (default: this machine)")
+    aot_args.add_argument("--platform", choices=["tpu", "gpu"], default="tpu", help=aot.PLATFORM_HELP)
+    aot_args.add_argument("--shapes", default=None, help="architecture preset (lrmq/model/presets.py) instead of "
                                                       "--checkpoint's config.json")
-    aot.add_argument("--batch", type=number(int, ge=1), default=8, help="decode slots: sequences decoded at once")
-    aot.add_argument("--prompt-len", type=number(int, ge=1), default=512, help="left-padded prompt length")
-    aot.add_argument("--pack", choices=["int4", "int8", "nf4"], default=None,
+    aot_args.add_argument("--batch", type=number(int, ge=1), default=8, help="decode slots: sequences decoded at once")
+    aot_args.add_argument("--prompt-len", type=number(int, ge=1), default=512, help="left-padded prompt length")
+    aot_args.add_argument("--pack", choices=["int4", "int8", "nf4"], default=None,
                      help="compile with every linear packed in this format (the Pallas kernels serve them)")
     args = ap.parse_args(argv)
     if args.compile_only:
@@ -90,7 +91,7 @@ def compile_only(args) -> int:
     mcfg = (preset_config(args.shapes, dtype=args.dtype) if args.shapes
             else read_model_config(args.checkpoint, dtype=args.dtype))
     check_position_limit(mcfg, args.prompt_len + args.max_new_tokens, "--prompt-len + --max-new-tokens")
-    devices = list(aot.topology_devices(args.topology)) if args.topology else None
+    devices = aot.target_devices(args.topology, args.platform)
     mesh = make_mesh(None, devices=devices)
     graphdef, state = aot.abstract_model(mcfg, mesh, pack=args.pack)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -106,6 +107,9 @@ def compile_only(args) -> int:
                                       log=lambda m: print(m, file=sys.stderr, flush=True))
     print(report.table())
     print(aot.pool_line(report.pool, "--kv-pages"))
+    note = aot.memory_note(report, devices)
+    if note:
+        print(note)
     print(line)
     return 0 if report.fits else 3
 

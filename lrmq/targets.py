@@ -220,3 +220,21 @@ def gpu_topology_devices(name: str) -> tuple:
     except Exception as e:
         raise ConfigError(f"GPU topology {name!r}: {str(e).strip().splitlines()[0]}") from None
     return tuple(devices)
+
+
+def gpu_memory_line(device_kind: str, needed: float | None = None, headroom: float = 0.0) -> str | None:
+    """One line for a compile-only GPU report: the GPU's memory and the share JAX's allocator takes of it; with
+    `needed` (the largest program's bytes) past that share less `headroom`, the XLA_PYTHON_CLIENT_MEM_FRACTION that
+    would hold it (when one up to 0.95 does). None for a device lrmq has no GPU description of."""
+    spec = gpu_specs().get(device_kind)
+    if spec is None:
+        return None
+    mem, frac = spec["memory_bytes"], gpu_mem_fraction()
+    line = (f"{device_kind}: {mem / 2 ** 30:.1f} GiB, of which JAX's allocator takes {frac:.2f} "
+            f"(XLA_PYTHON_CLIENT_MEM_FRACTION, default {GPU_MEM_FRACTION_DEFAULT}): {mem * frac / 2 ** 30:.2f} GiB "
+            f"per GPU")
+    if needed is not None and needed > mem * frac * (1 - headroom):
+        want = needed / (mem * (1 - headroom))
+        if want <= 0.95:
+            line += f"; XLA_PYTHON_CLIENT_MEM_FRACTION={max(want + 0.005, frac + 0.01):.2f} makes it fit"
+    return line

@@ -41,8 +41,8 @@ def main(argv=None) -> int:
                     help="compile the train step and the rollout for the recipe's hardware without allocating "
                          "weights; print per-device memory, FLOPs and compile times; exit 3 if it does not fit")
     ap.add_argument("--topology", default=None,
-                    help="with --compile-only: TPU topology to compile for, e.g. v5p:2x4x4 "
-                         "(default: mesh.topology of the config, else this machine's devices)")
+                    help=aot.TOPOLOGY_HELP + " (default: mesh.topology of the config, else this machine's devices)")
+    ap.add_argument("--platform", choices=["tpu", "gpu"], default="tpu", help=aot.PLATFORM_HELP)
     ap.add_argument("--report", default=None, help="with --compile-only: also write the report as JSON here")
     ap.add_argument("--stop-after", type=cli.number(int, ge=0), default=0,
                     help="run at most this many steps in this invocation, then save and exit (resume later)")
@@ -61,7 +61,9 @@ def main(argv=None) -> int:
         print(dump_config(cfg, comments=True))
         return 0
     if args.compile_only:
-        return compile_only(cfg, args.topology or cfg.mesh.topology, args.report)
+        # mesh.topology names the recipe's TPU slice: a GPU target is named on the command line
+        topology = args.topology or (cfg.mesh.topology if args.platform == "tpu" else None)
+        return compile_only(cfg, topology, args.report, args.platform)
     maybe_init_distributed()
 
     # Until the training loop installs its own handlers (finish the step, save, exit), SIGTERM during
@@ -108,14 +110,14 @@ class _StartupInterrupted(BaseException):
     """SIGTERM / SIGINT before the training loop took over the signals."""
 
 
-def compile_only(cfg, topology: str, report_path: str | None) -> int:
+def compile_only(cfg, topology: str, report_path: str | None, platform: str = "tpu") -> int:
     """--compile-only: 0 when the step and the rollout fit, 3 when they do not, 2 on a config error."""
     import json
 
     try:
         if report_path:  # a directory there: say so before the compile, not after it
             paths.check_file_path(report_path, "--report")
-        devices = aot.topology_devices(topology) if topology else None
+        devices = aot.target_devices(topology, platform)
         report = aot.check_fit(cfg, devices, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ConfigError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
         cli.print_error("train", e)
@@ -126,6 +128,9 @@ def compile_only(cfg, topology: str, report_path: str | None) -> int:
     print(report.table())
     if report.pool is not None:
         print(aot.pool_line(report.pool, "rollout.kv_pages"))
+    note = aot.memory_note(report, devices)
+    if note:
+        print(note)
     print(aot.verdict(report, cfg))
     if report_path:
         atomic_write_text(report_path, json.dumps(aot.report_dict(report, cfg, target), indent=1) + "\n")

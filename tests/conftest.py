@@ -275,7 +275,7 @@ def command_in_process():
 
     platforms = os.environ.get("JAX_PLATFORMS")
     os.environ["JAX_PLATFORMS"] = platforms or "cpu"
-    cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+    cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_enable_compilation_cache",
                                                    "jax_persistent_cache_min_compile_time_secs")}
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level

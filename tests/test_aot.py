@@ -67,6 +67,12 @@ def test_compile_only_bad_topology_names_it(_train):
     r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), "--compile-only",
                "--topology", "v9z:banana")
     assert r.returncode == 2 and "v9z:banana" in r.stderr
+    # a GPU target: an unknown name lists the known ones; none at all is asked for (this machine has no GPU)
+    r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), "--compile-only",
+               "--platform", "gpu", "--topology", "h300:8")
+    assert r.returncode == 2 and "GPU 'h300': unknown; known: a100, b200, h100, h200" in r.stderr
+    r = _train("--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), "--compile-only", "--platform", "gpu")
+    assert r.returncode == 2 and "--platform gpu needs --topology NAME:GPUS, e.g. h200:8" in r.stderr
 
 
 @pytest.mark.slow(reason="the one paper-recipe fit check: Qwen3-0.6B's update and rollout compiled for v5e-8")

@@ -149,7 +149,7 @@ def test_rotated_dot_product_attention_matches_dense(window):
            q, k, v, pos, seg, window, ct)
 
 
-def test_auto_follows_the_compile_target():
+def test_auto_follows_the_compile_target(monkeypatch):
     bf16, f32 = jnp.bfloat16, jnp.float32
     q, kv = (2, 64, 8, 128), (2, 64, 2, 128)
     assert choose_impl("auto", q, kv, bf16, self_attn=True, segments=True) == ("xla", False)  # CPU host
@@ -158,6 +158,13 @@ def test_auto_follows_the_compile_target():
         assert choose_impl("auto", q, kv, f32, self_attn=True, segments=False) == ("splash", False)
         assert choose_impl("auto", q, kv, bf16, self_attn=False, segments=False) == ("xla", False)
     with pk.target("gpu"):
+        # no cuDNN in this process (a GPU compile from a CPU host): XLA's blockwise attention, and a forced
+        # cuDNN path says why it cannot
+        assert not attn_mod.cudnn_loaded()
+        assert choose_impl("auto", q, kv, bf16, self_attn=True, segments=False) == ("xla", False)
+        with pytest.raises(ValueError, match="cuDNN is not loaded in this process"):
+            choose_impl("cudnn", q, kv, bf16, self_attn=True, segments=False)
+        monkeypatch.setattr(attn_mod, "cudnn_loaded", lambda: True)  # a GPU machine's process
         assert choose_impl("auto", q, kv, bf16, self_attn=True, segments=False) == ("cudnn", False)
         for args in ((q, kv, bf16, True, True), (q, kv, f32, True, False), ((2, 64, 8, 256), (2, 64, 2, 256),
                                                                              bf16, True, False)):

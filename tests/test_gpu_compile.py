@@ -60,3 +60,18 @@ def test_native_noise_filter_keeps_real_errors():
             "foo.cc:1\n")
     assert targets.filter_native_noise(text) == ("E0000 00:00:1.0 1 foo.cc:1] a real error\n"
                                                  "=== Source Location Trace: ===\nfoo.cc:1\n")
+
+
+def test_gpu_memory_line_names_the_fraction_that_fits(monkeypatch):
+    kind = "NVIDIA H200 141GB HBM3e"
+    assert targets.gpu_memory_line(kind) == (f"{kind}: 141.0 GiB, of which JAX's allocator takes 0.75 "
+                                             "(XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75): 105.75 GiB per GPU")
+    # 110 GiB needed, 10% headroom: 110 / (141 * 0.9) = 0.867 of the GPU
+    assert targets.gpu_memory_line(kind, 110 * 2 ** 30, 0.1).endswith("XLA_PYTHON_CLIENT_MEM_FRACTION=0.87 makes it fit")
+    assert "makes it fit" not in targets.gpu_memory_line(kind, 130 * 2 ** 30, 0.1)  # past 0.95: no such setting
+    assert targets.gpu_memory_line("TPU v5 lite") is None
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert targets.gpu_usable_bytes(kind) == int(151397597184 * 0.9)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "lots")
+    with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='lots': not a number"):
+        targets.gpu_usable_bytes(kind)

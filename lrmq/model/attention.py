@@ -115,7 +115,23 @@ def cudnn_unsupported(q_shape, k_shape, dtype, *, self_attn: bool, segments: boo
         return f"{jnp.dtype(dtype).name} q/k/v (cuDNN takes bf16 / f16)"
     if d % 8 or d > 128:
         return f"head_dim {d} (a multiple of 8, at most 128)"
+    if not cudnn_loaded():
+        return "cuDNN is not loaded in this process (an ahead-of-time compile for a GPU on a machine without it)"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_loaded() -> bool:
+    """Whether JAX finds cuDNN here: its fused attention asks for the library's version when traced, and XLA
+    builds the cuDNN graph when it compiles, so a compile-only GPU target on a machine without cuDNN (a CPU
+    host: `lrmq.targets.gpu_topology_devices`) takes XLA's blockwise attention instead."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+    except Exception:  # jax's private helper moved, no CUDA plugin, or no libcudnn
+        return False
+    return True
 
 
 def allowed_mask(qp, kp, qs=None, ks=None, window: int | None = None):
