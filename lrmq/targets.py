@@ -194,6 +194,24 @@ def parse_gpu_topology(name: str) -> tuple[str, int, int]:
     return kind, hosts, per_host
 
 
+# XLA options a compile for a compile-only GPU needs: XLA rewrites a large sort (top-p sampling over the vocabulary)
+# into CUB's radix sort and asks the CUDA runtime for its scratch size while compiling ("INTERNAL: CUDA Runtime
+# error: Error loading CUDA libraries"); without it XLA's own sort kernel is compiled
+COMPILE_ONLY_GPU_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+
+
+def compile_options(devices) -> dict:
+    """XLA compiler options for a program compiled for `devices`: COMPILE_ONLY_GPU_OPTIONS for compile-only GPU
+    devices (`gpu_topology_devices`' StreamExecutorGpuDevice, which cannot run), else none."""
+    first = next(iter(devices), None)
+    if first is not None and first.platform == "gpu" and first in _COMPILE_ONLY:
+        return dict(COMPILE_ONLY_GPU_OPTIONS)
+    return {}
+
+
+_COMPILE_ONLY: set = set()
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_topology_devices(name: str) -> tuple:
     """Compile-only devices of a GPU topology such as "h200:8" (one host of 8 H200s; `parse_gpu_topology`), for
@@ -219,6 +237,7 @@ def gpu_topology_devices(name: str) -> tuple:
                 devices = make()
     except Exception as e:
         raise ConfigError(f"GPU topology {name!r}: {str(e).strip().splitlines()[0]}") from None
+    _COMPILE_ONLY.update(devices)
     return tuple(devices)
 
 

@@ -75,3 +75,25 @@ def test_gpu_memory_line_names_the_fraction_that_fits(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "lots")
     with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='lots': not a number"):
         targets.gpu_usable_bytes(kind)
+
+
+def test_a_large_sort_compiles_for_a_compile_only_gpu():
+    """XLA rewrites a large sort (top-p sampling over the vocabulary) into CUB's radix sort, which asks the CUDA
+    runtime for its scratch size while compiling: with no CUDA library here that compile fails, and
+    `lower_compile` (every lrmq compile) passes `targets.compile_options`, XLA's own sort kernel."""
+    _require_plugin()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from lrmq.rl.precompile import lower_compile
+
+    devices = targets.gpu_topology_devices("h100")
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    x = jax.ShapeDtypeStruct((32, 151936), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+    sort = jax.jit(lambda x: jnp.sort(x, axis=-1))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Error loading CUDA libraries"):
+        sort.lower(x).compile()
+    compiled, _ = lower_compile(sort, x, mesh=mesh)
+    assert compiled.memory_analysis().argument_size_in_bytes == 32 * 151936 * 4
+    assert targets.compile_options(jax.devices("cpu")) == {}

@@ -181,10 +181,13 @@ class UpdatePrograms:
 
 # ----------------------------------------------------------------------------- compiles and memory
 def lower_compile(fn, *args, mesh) -> tuple[object, float]:
-    """(compiled, seconds) of `fn.lower(*args).compile()` under `mesh` (JAX's persistent cache applies)."""
+    """(compiled, seconds) of `fn.lower(*args).compile()` under `mesh` (JAX's persistent cache applies; the XLA
+    options a compile-only GPU target needs: `lrmq.targets.compile_options`)."""
+    from lrmq.targets import compile_options
+
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = fn.lower(*args).compile()
+        compiled = fn.lower(*args).compile(compile_options(mesh.devices.flat) or None)
     return compiled, time.perf_counter() - t0
 
 
