@@ -78,7 +78,8 @@ def test_the_compile_only_engines_take_the_setting(monkeypatch):
         aot._rollout_programs(cfg, None, None, None, None)
     ecfg = eval_config(None, ["checkpoint=tiny", "generation.decode_attention=xla"])
     with pytest.raises(Seen):
-        evaluate.compile_only(ecfg, types.SimpleNamespace(shapes=None, prompt_len=16, topology=None, pack=None))
+        evaluate.compile_only(ecfg, types.SimpleNamespace(shapes=None, prompt_len=16, topology=None, platform="tpu",
+                                                         pack=None))
     args = generate.parse_args(["--compile-only", "--checkpoint", "tiny", "--prompt-len", "16",
                                 "--decode-attention", "xla"])
     with pytest.raises(Seen):
