@@ -152,11 +152,13 @@ def test_tune_gc_freezes_what_exists_and_collects_the_young_less_often():
         gc.set_threshold(*saved)
 
 
-@pytest.mark.slow(reason="six CLI processes, each starting Python and JAX: ~20 s alone, 31 s in the quiet suite")
+@pytest.mark.slow(reason="eight CLI processes (two of them TPU / GPU --compile-only), each starting Python and JAX: "
+                         "14 s alone on a busy 2-core host")
 @pytest.mark.skipif(cli.tpu_present(), reason="this machine may have a TPU: JAX is meant to start it")
 def test_commands_start_quietly_without_jax_platforms(tmp_path):
     """Each command starts a JAX backend (real work, or a bad input found after the backend started), with no
-    JAX_PLATFORMS in the environment: no TPU-runtime lines. The tiny model is named by its alias everywhere.
+    JAX_PLATFORMS in the environment: no TPU-runtime lines, and none of JAX's CUDA plugin either (the GPU compile
+    loads it; lrmq.targets filters its driver lines and libtpu's preamble). The tiny model is named by its alias everywhere.
     The commands run side by side (each is mostly Python start-up and a small compile)."""
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"{i} + {i} = {2 * i}." for i in range(200)))
