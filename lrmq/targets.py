@@ -218,25 +218,32 @@ def gpu_topology_devices(name: str) -> tuple:
     `jax.jit(...).lower(...).compile()` on a machine without a GPU (needs JAX's CUDA plugin, not a GPU)."""
     kind, hosts, per_host = parse_gpu_topology(name)
     config = gpu_target_config(kind)
-    _find_cuda_plugin()
     # the plugin checks the CUDA libraries' versions at start unless JAX_PLATFORMS leaves CUDA out; compiling
     # needs no CUDA library
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    from jax.experimental import topologies
+    import jax
 
-    def make():
-        return topologies.get_topology_desc("gpu", platform="cuda", topology=f"1x{hosts}x{per_host}",
-                                            target_config=config).devices
+    # everything that may load the plugin's libraries runs inside the filter (importing JAX modules after the
+    # side directory is on the path loads its CUDA extensions, which print the driver lines)
+    with native_noise_filtered():
+        # JAX's backends start first, without the plugin of the side directory: it is only ever used to compile,
+        # and a process without JAX_PLATFORMS never tries to start a CUDA backend (and print its driver lines)
+        jax.devices()
+        _find_cuda_plugin()
+        from jax.experimental import topologies
 
-    try:
-        with native_noise_filtered():
+        def make():
+            return topologies.get_topology_desc("gpu", platform="cuda", topology=f"1x{hosts}x{per_host}",
+                                                target_config=config).devices
+
+        try:
             try:
                 devices = make()
             except NotImplementedError:  # JAX looked for plugins before the side directory was on the path
                 importlib.import_module(_CUDA_PLUGIN).initialize()
                 devices = make()
-    except Exception as e:
-        raise ConfigError(f"GPU topology {name!r}: {str(e).strip().splitlines()[0]}") from None
+        except Exception as e:
+            raise ConfigError(f"GPU topology {name!r}: {str(e).strip().splitlines()[0]}") from None
     _COMPILE_ONLY.update(devices)
     return tuple(devices)
 
