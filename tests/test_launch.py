@@ -58,3 +58,12 @@ def test_skip_setup_and_bad_usage(tmp_path):
     assert r.returncode == 2 and "unknown option --bogus" in r.stderr
     r, _ = _launch(tmp_path, "my-tpu", "z", "--", gcloud=True)
     assert r.returncode == 2 and "no lrmq.train arguments" in r.stderr
+
+
+def test_config_error_exits_2_before_any_gcloud_call(tmp_path):
+    """The config is resolved and validated locally (as --print-config does) before the pod is touched."""
+    for extra, want in ((["--config", "configs/paper1/pod_v5p64_0.6b_grpoo.yaml"], "pod_v5p64_0.6b_grpoo.yaml"),
+                        ([*TRAIN, "algo.betta=0"], "unknown key 'algo.betta'")):
+        r, calls = _launch(tmp_path, "my-tpu", "us-east5-a", "--", *extra, gcloud=True)
+        assert r.returncode == 2 and calls == [] and "+ gcloud" not in r.stdout, (r.stdout, r.stderr)
+        assert want in r.stderr and "nothing was run" in r.stderr, r.stderr
