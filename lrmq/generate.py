@@ -24,6 +24,7 @@ from lrmq.data.text import read_documents
 from lrmq.generation.engine import Engine, EngineConfig
 from lrmq.generation.paged import DECODE_ATTENTION, KV_CACHE_FORMATS
 from lrmq.generation.sampling import SamplingConfig
+from lrmq.generation.scheduler import check_kv_pages, pages_for_one_sequence
 from lrmq.model.config import check_position_limit
 from lrmq.model.presets import preset_config
 from lrmq.sharding import make_mesh
@@ -133,8 +134,14 @@ def generate(args) -> int:
     empty = [i + 1 for i, x in enumerate(ids) if not x]
     if empty:
         raise UsageError(f"prompt {empty[0]} has no tokens")
-    model = load_model(ckpt, dtype=args.dtype)
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if args.kv_pages:  # a pool too small for the prompt that needs the most pages: said before the model is built
+        ec = EngineConfig()
+        big = max(range(len(ids)), key=lambda i: pages_for_one_sequence(len(ids[i]), args.max_new_tokens,
+                                                                        ec.page_size, ec.sync_steps))
+        check_kv_pages(args.kv_pages, "--kv-pages", prompt_tokens=len(ids[big]), max_new=args.max_new_tokens,
+                       page_size=ec.page_size, sync_steps=ec.sync_steps, prompt_note=f" (prompt {big + 1})")
+    model = load_model(ckpt, dtype=args.dtype)
     check_position_limit(model.cfg, len(ids[longest]) + args.max_new_tokens,
                          f"prompt {longest + 1} ({len(ids[longest])} tokens) + --max-new-tokens "
                          f"({args.max_new_tokens})")

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from conftest import command_in_process
+
 from lrmq import atomic
 from lrmq import convert as convert_cli
 from lrmq import evaluate as evaluate_cli
@@ -504,6 +506,14 @@ BROKEN = [
      "dir.yaml: is a directory, expected a config file"),
     ("train-config-not-utf8", "train", ["--config", "{yaml_utf8}", "--print-config"], "latin1.yaml line 2: not UTF-8"),
     ("study-config-duplicate-key", "study", ["--config", "{yaml_dup}", "--list"], "key 'run' is given twice"),
+    # a KV pool smaller than one sequence: refused at start, naming the smallest value that works
+    ("train-kv-pages-1", "train", [*TRAIN, "rollout.kv_pages=1", "run.out_dir={out}"],
+     "rollout.kv_pages=1: a KV pool of 1 pages of 16 tokens cannot hold one sequence"),
+    ("evaluate-kv-pages-1", "evaluate", ["--checkpoint", "tiny", "--data-dir", FIXTURES_EVALS, *EVAL,
+                                         "generation.kv_pages=1", "--out", "{out}"],
+     "the smallest that works is generation.kv_pages=6"),
+    ("generate-kv-pages-1", "generate", ["--checkpoint", "tiny", "--prompt", "1+1=", "--max-new-tokens", "8",
+                                         "--kv-pages", "1"], "the smallest that works is --kv-pages=7"),
     # benchmark data, adapters
     ("evaluate-data-bad-json", "evaluate", ["--checkpoint", "tiny", "--data-dir", "{evdata_json}", *EVAL,
                                             "--out", "{out}"], "amc.json line 2: not valid JSON"),
@@ -547,10 +557,11 @@ def test_broken_input_is_one_line(row, broken, tmp_path, capsys):
     argv = [_fill(a, broken, out) for a in argv]
     needle = _fill(needle, broken, out)
     capsys.readouterr()
-    try:
-        rc = CLIS[cli](argv)
-    except SystemExit as e:  # argparse
-        rc = e.code
+    with command_in_process():  # lrmq.train's logging set-up (force=True) is put back
+        try:
+            rc = CLIS[cli](argv)
+        except SystemExit as e:  # argparse
+            rc = e.code
     err = capsys.readouterr().err
     assert rc == 2, (rc, err)
     lines = [l for l in err.splitlines() if l.strip()]

@@ -12,7 +12,8 @@ import pytest
 
 from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch, key_data
 from lrmq.generation.paged import NULL_PAGE, pages_for
-from lrmq.generation.scheduler import Scheduler, Seq, prefill_batch, row_buckets, rows_for
+from lrmq.generation.scheduler import (Scheduler, Seq, check_kv_pages, pages_for_one_sequence, prefill_batch,
+                                      row_buckets, rows_for)
 
 PAD = -7
 
@@ -200,3 +201,32 @@ def test_batches_zeros_and_abstract_agree_field_by_field():
     p = PrefillBatch.zeros(2, 8, 2)
     assert p.tokens.shape == (2, 8) and (p.positions == -1).all() and p.page_table.shape == (2, 2)
     assert jax.tree.structure(PrefillBatch.abstract(2, 8, 2)) == jax.tree.structure(p)
+
+
+@pytest.mark.parametrize("prompt_len,max_new,page_size,sync_steps", [(3, 10, 4, 4), (5, 3, 4, 4), (1, 7, 2, 3),
+                                                                     (9, 12, 4, 5)])
+def test_pages_for_one_sequence_is_the_smallest_pool_that_finishes_it(prompt_len, max_new, page_size, sync_steps):
+    """`pages_for_one_sequence` pages run a lone sequence to its end without a preemption; one page fewer never
+    does (refused by `plan`, or the sequence preempts itself at every turn); `check_kv_pages` names the value."""
+    need = pages_for_one_sequence(prompt_len, max_new, page_size, sync_steps)
+    prompt = list(range(1, prompt_len + 1))
+    sched, seqs, device = make([prompt], [max_new], slots=1, pages=need, page_size=page_size, sync_steps=sync_steps)
+    assert run(sched, device) == [0] and sched.stats["preempted"] == 0
+    check_done(sched, seqs)
+    sched, _, device = make([prompt], [max_new], slots=1, pages=need - 1, page_size=page_size, sync_steps=sync_steps)
+    with pytest.raises(RuntimeError, match="cannot hold one sequence"):
+        for _ in range(4 * max_new):  # Engine.generate's loop, bounded: a self-preempting sequence never ends
+            prompts = sched.admit()
+            if prompts:
+                device.prefill(prefill_batch(prompts, 1, prompt_len - 1, page_size))
+            sched.reserve()
+            if sched.stats["preempted"]:
+                raise RuntimeError("cannot hold one sequence: preempted itself")
+            batch = sched.plan()
+            sched.apply(batch, device.decode(batch))
+            assert sched.busy, "finished with one page fewer than pages_for_one_sequence"
+    check_kv_pages(need, "x", prompt_tokens=prompt_len, max_new=max_new, page_size=page_size, sync_steps=sync_steps)
+    check_kv_pages(0, "x", prompt_tokens=prompt_len, max_new=max_new, page_size=page_size, sync_steps=sync_steps)
+    with pytest.raises(ValueError, match=f"the smallest that works is x={need} "):
+        check_kv_pages(need - 1, "x", prompt_tokens=prompt_len, max_new=max_new, page_size=page_size,
+                       sync_steps=sync_steps)

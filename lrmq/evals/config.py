@@ -11,6 +11,7 @@ from lrmq.configlib import ConfigError, apply_overrides, config_from_dict, opt
 from lrmq.evals.benchmarks import EVAL_PROMPTS, resolve_suite
 from lrmq.generation.engine import EngineConfig
 from lrmq.generation.paged import DECODE_ATTENTION, KV_CACHE_FORMATS
+from lrmq.generation.scheduler import check_kv_pages
 
 
 @dataclass
@@ -53,6 +54,12 @@ class GenerationSection:
             raise ValueError("samples, batch_size and max_new_tokens must be >= 1")
         if self.page_size < 1 or self.kv_pages < 0 or self.max_positions < 0:
             raise ValueError("page_size must be >= 1, kv_pages and max_positions >= 0")
+        # the prompts are not tokenized yet: the pool must at least hold a one-token prompt and the completion
+        # (the engine checks the longest prompt again before its first call)
+        new = min(self.max_new_tokens, self.max_positions - 1) if self.max_positions > 1 else self.max_new_tokens
+        check_kv_pages(self.kv_pages, "generation.kv_pages", prompt_tokens=1, max_new=new,
+                       page_size=self.page_size, sync_steps=EngineConfig.sync_steps,
+                       prompt_note=" (the shortest prompt)")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(slots=self.batch_size, page_size=self.page_size, pages=self.kv_pages,

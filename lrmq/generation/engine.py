@@ -48,7 +48,8 @@ from lrmq.generation.paged import (LAYOUTS, KVScales, PagedCache, QuantPool, abs
                                    page_bytes, pages_for, pool_scales, pool_shape, resolve_impl, storage_dtype,
                                    with_scales)
 from lrmq.generation.sampling import SamplingConfig, sample
-from lrmq.generation.scheduler import Scheduler, Seq, SharedPrompt, prefill_batch, row_buckets, rows_for
+from lrmq.generation.scheduler import (Scheduler, Seq, SharedPrompt, check_kv_pages, pages_for_one_sequence,
+                                      prefill_batch, row_buckets, rows_for)
 from lrmq.model.decoder import Decoder, layer_runs
 from lrmq.sharding import DECODE_RULES, batch_divisor, constrain_state, host_array, use_rules
 
@@ -333,6 +334,11 @@ class Engine:
         if prompt_capacity and longest > prompt_capacity:
             raise ValueError(f"a prompt has {longest} tokens, more than prompt_capacity {prompt_capacity}")
         width_new = max(s.max_new for s in seqs)
+        if self.config.pages:  # a set pool must hold the sequence that needs the most pages (else it never ends)
+            c = self.config
+            big = max(seqs, key=lambda s: pages_for_one_sequence(len(s.prompt), s.max_new, c.page_size, c.sync_steps))
+            check_kv_pages(c.pages, "the engine's KV pages", prompt_tokens=len(big.prompt), max_new=big.max_new,
+                           page_size=c.page_size, sync_steps=c.sync_steps)
         slots, pages, width = self.sizes(len(seqs), prompt_capacity or longest, max(width_new, new_capacity))
         c, impl = self.config, self.resolved_impl()
         sched = Scheduler(seqs, slots=slots, pages=pages, width=width, page_size=c.page_size,

@@ -45,6 +45,33 @@ def rows_for(n: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= n)
 
 
+def pages_for_one_sequence(prompt_tokens: int, max_new: int, page_size: int, sync_steps: int) -> int:
+    """The smallest KV pool, in pages (the null page included), that runs one sequence of `prompt_tokens` prompt
+    tokens and `max_new` new ones to its end without preempting itself: the null page, the prompt's pages
+    (`SharedPrompt`) and the sequence's own pages `sync_steps` decode steps past its last reserve
+    (`Seq.own_pages_needed` at its last reserve: alone, it decodes `sync_steps` tokens per call, so the last reserve
+    comes after the largest multiple of `sync_steps` below `max_new`)."""
+    p = max(prompt_tokens, 1)
+    shared = (p - 1) // page_size
+    last = (max(max_new, 1) - 1) // sync_steps * sync_steps
+    return 1 + pages_for(p - 1, page_size) + pages_for(p + last + sync_steps, page_size) - shared
+
+
+def check_kv_pages(pages: int, option: str, *, prompt_tokens: int, max_new: int, page_size: int, sync_steps: int,
+                   prompt_note: str = "") -> None:
+    """A set KV pool (`pages` > 0) that cannot hold one sequence is a config error: ValueError naming `option` and
+    the smallest value that works (`pages_for_one_sequence`); 0 (sized to fit) is always accepted. Commands call
+    it when they validate their config, before any model is built."""
+    if pages <= 0:
+        return
+    need = pages_for_one_sequence(prompt_tokens, max_new, page_size, sync_steps)
+    if pages < need:
+        raise ValueError(f"{option}={pages}: a KV pool of {pages} pages of {page_size} tokens cannot hold one "
+                         f"sequence of {prompt_tokens} prompt tokens{prompt_note} + {max_new} new tokens (pages reserved "
+                         f"{sync_steps} decode steps ahead); the smallest that works is {option}={need} "
+                         f"(or 0: sized to fit)")
+
+
 class PagePool:
     """The free pages of the pool (page 0 is the null page, never handed out). A prompt's pages belong to
     its `SharedPrompt`, which counts the slots reading them and gives them back when the last one finishes."""

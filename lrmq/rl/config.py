@@ -14,6 +14,7 @@ from lrmq.configlib import ConfigError, check_data_parallel_batch, opt
 from lrmq.data.prompts import PROMPT_TEMPLATES
 from lrmq.generation.engine import EngineConfig
 from lrmq.generation.paged import DECODE_ATTENTION, KEPT_SCALE_FORMATS, is_quantized
+from lrmq.generation.scheduler import check_kv_pages
 from lrmq.model.presets import PRESETS
 from lrmq.rl.advantages import ADVANTAGES
 from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, LossConfig
@@ -342,6 +343,11 @@ class TrainConfig:
                                       "mesh.data x mesh.fsdp")
         if self.run.steps < 1:
             raise ConfigError("run.steps must be >= 1")
+        try:  # a set pool too small for one rollout sequence: refused here, not by the scheduler mid-rollout
+            check_kv_pages(r.kv_pages, "rollout.kv_pages", prompt_tokens=r.max_prompt_len, max_new=r.max_new_tokens,
+                           page_size=r.page_size, sync_steps=r.sync_steps, prompt_note=" (rollout.max_prompt_len)")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self._check_rollout_quant()
 
     def _check_rollout_quant(self):
