@@ -550,8 +550,8 @@ BROKEN = [
 @pytest.mark.parametrize("row", BROKEN, ids=[r[0] for r in BROKEN])
 def test_broken_input_is_one_line(row, broken, tmp_path, capsys):
     """Exit status 2 and the whole of stderr one line `lrmq.NAME: error: ...` naming the file (and line): no
-    traceback (raised here, it fails the test), no second line; nothing written (a training run dir excepted:
-    the run dir and its lock come first)."""
+    traceback (raised here, it fails the test), no second line; nothing written (a refused training start
+    removes the run dir it made, and its lock)."""
     _, cli, argv, needle = row
     out = str(tmp_path / "out")
     argv = [_fill(a, broken, out) for a in argv]
@@ -572,3 +572,5 @@ def test_broken_input_is_one_line(row, broken, tmp_path, capsys):
     assert "calibration file" not in lines[0] or cli == "quantize", err
     if cli != "train":
         assert not os.path.exists(out)
+    else:  # a refused start leaves no run dir it made (nor a lock of a dead process)
+        assert not os.path.exists(out), os.listdir(out)

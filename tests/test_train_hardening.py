@@ -90,6 +90,7 @@ def test_resume_with_an_incompatible_config_keeps_the_config(scratch_ckpt, tmp_p
     with pytest.raises(ConfigError, match="cannot resume.*quant.mode"):
         make_trainer(other).train()
     assert open(os.path.join(run, "config.yaml")).read() == saved
+    assert not os.path.exists(os.path.join(run, ".lock"))  # the refused resume left no lock
 
 
 def test_log_lines_after_the_checkpoint_are_dropped_on_resume(tmp_path):
@@ -155,6 +156,7 @@ def test_positions_past_the_model_limit_are_refused(scratch_ckpt, tmp_path):
     cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens = 200, 100  # the scratch model has 256 positions
     with pytest.raises(ConfigError, match="= 300 positions exceeds the model's max_position_embeddings 256"):
         make_trainer(cfg)
+    assert not os.path.exists(tmp_path / "run")  # a refused start removes the run dir it made, lock and all
 
 
 def test_sigterm_during_start_up_exits_with_a_message(tmp_path):

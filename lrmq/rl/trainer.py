@@ -8,6 +8,7 @@ cheap next to generation) and then places its own shards of the train batch.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -93,17 +94,24 @@ class GRPOTrainer:
         self.preflight_programs = preflight_programs
         compile_cache.enable(cfg.run.compile_cache)
         self.run_dir = paths.resolve(cfg.run.out_dir)  # local: absolute path; or a URL (gs://...)
+        created = not paths.is_url(self.run_dir) and not os.path.exists(self.run_dir)
         paths.ensure_dir(self.run_dir)
         # one training per run dir (process 0 holds it for the whole multi-process run)
         self.lock = RunDirLock(self.run_dir)
         if jax.process_index() == 0:
             self.lock.acquire()
-        self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
-        self._check_mesh()
-        self._init_policy()
-        self._init_updates()
-        self._init_engines()
-        self._init_run(writer_factory)
+        try:
+            self.mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
+            self._check_mesh()
+            self._init_policy()
+            self._init_updates()
+            self._init_engines()
+            self._init_run(writer_factory)
+        except BaseException:  # a refused start (bad input, an interrupt): no lock of a dead process is left,
+            self.lock.release()  # nor the run dir this start made while nothing was written into it
+            if created and os.path.isdir(self.run_dir) and not os.listdir(self.run_dir):
+                os.rmdir(self.run_dir)
+            raise
 
     # ------------------------------------------------------------------ setup helpers
     def _init_policy(self):
@@ -527,7 +535,11 @@ class GRPOTrainer:
         """Train to run.steps (or `stop_after` more steps, or a signal) from the newest checkpoint; returns the
         last step's metrics (with the final evaluation's)."""
         cfg = self.cfg
-        self._start()
+        try:
+            self._start()
+        except BaseException:  # a refused resume, a preflight that does not fit, an interrupt: no lock is left
+            self.lock.release()
+            raise
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         bar = progress_bar(cfg.run.steps, self.step, enabled=cfg.run.progress)
         last: dict[str, float] = {}
