@@ -130,7 +130,7 @@ class UsageError(ValueError):
 # what a bad input raises (CheckpointError, CalibrationError, ConfigError, ... are ValueErrors; an unknown
 # registry name is a KeyError)
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-               PermissionError, DiskFullError)
+               PermissionError, DiskFullError, paths.UnreachableError)
 
 
 def error_message(e: BaseException) -> str:

@@ -169,9 +169,62 @@ def join(base, *parts: str) -> str:
     return os.path.join(base, *parts)
 
 
+class UnreachableError(OSError):
+    """A bucket whose storage service does not answer (no network, a wrong emulator address): one line, exit 2."""
+
+
+# The one probe of a bucket's service before its client is used: the client (gcsfs) retries a failed connection
+# six times with backoff (84 s and a 221-line traceback without network); the probe asks once, without retries.
+PROBE_TIMEOUT_S = 8.0
+_PROBED: dict[tuple[str, str], str | None] = {}  # (endpoint, bucket) -> None (it answered) or why it did not
+
+
+def gcs_endpoint() -> str:
+    """The GCS JSON API location gcsfs (epath's gs:// backend) talks to: $STORAGE_EMULATOR_HOST when set (as
+    gcsfs.core._location reads it), else Google's."""
+    loc = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if loc in ("", "default"):
+        return "https://storage.googleapis.com"
+    return loc if loc.startswith(("http://", "https://")) else f"http://{loc}"
+
+
+def check_reachable(path) -> None:
+    """A gs:// URL's storage service answers: one GET of its bucket, `PROBE_TIMEOUT_S` at most, no retries, no
+    proxy (gcsfs's aiohttp session uses none); any HTTP answer counts (whether the bucket exists and may be
+    read is the client's to say). Otherwise `UnreachableError` naming `path`. Once per bucket and process;
+    other schemes are not probed."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    path = os.fspath(path)
+    m = _URL.match(path)
+    if not m or m.group(1) != "gs":
+        return
+    bucket = path[m.end():].split("/", 1)[0]
+    key = (gcs_endpoint(), bucket)
+    if key not in _PROBED:
+        url = f"{key[0]}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}?fields=name"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            opener.open(url, timeout=PROBE_TIMEOUT_S).close()
+            _PROBED[key] = None
+        except urllib.error.HTTPError:  # 401 / 403 / 404: it answered
+            _PROBED[key] = None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            why = getattr(e, "reason", None) or e
+            _PROBED[key] = f"{type(why).__name__}: {why}" if not isinstance(why, str) else why
+    if _PROBED[key] is not None:
+        raise UnreachableError(f"{path}: cannot reach gs://{bucket}: no answer from {key[0]} ({_PROBED[key]}; "
+                               f"asked once, {PROBE_TIMEOUT_S:.0f} s at most); check the network (or "
+                               "STORAGE_EMULATOR_HOST)")
+
+
 def epath_of(path):
+    """The `etils.epath.Path` of a local path or URL; a gs:// bucket is probed first (`check_reachable`)."""
     from etils import epath
 
+    check_reachable(path)
     return epath.Path(os.fspath(path))
 
 
@@ -184,6 +237,7 @@ def ensure_dir(path) -> None:
         os.makedirs(path, exist_ok=True)
         return
     root = _URL.match(path).group(0) + path[_URL.match(path).end():].split("/", 1)[0]
+    check_reachable(path)  # UnreachableError names the run dir itself
     try:
         found = epath_of(root).exists()
     except Exception as e:  # credentials, network, a missing fsspec backend: name the path

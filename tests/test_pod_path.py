@@ -106,6 +106,31 @@ def test_checkpoints_refuse_urls_orbax_cannot_write():
         RunCheckpointer("s3://b/run/checkpoints")
 
 
+def test_unreachable_bucket_is_one_line_and_fast(cli, tmp_path, monkeypatch):
+    """The fake bucket server stopped (nothing listens at its address): a command given a gs:// run dir,
+    checkpoint or data file exits 2 within 15 s with one line naming the URL, before any model is built
+    (paths.check_reachable: one probe, no retries; gcsfs alone spent 84 s retrying)."""
+    with socket.socket() as s:  # a port nothing listens on: a stopped server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    train = ["--config", os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml"), "run.progress=false"]
+    for module, argv, url in (
+            ("train", [*train, "run.out_dir=gs://lrmq-stopped/runs/x"], "gs://lrmq-stopped/runs/x"),
+            ("generate", ["--checkpoint", "gs://lrmq-stopped/models/tiny", "--prompt", "1"],
+             "gs://lrmq-stopped/models/tiny"),
+            ("train", [*train, f"run.out_dir={tmp_path / 'run'}", "data.train_files=[gs://lrmq-stopped/d.jsonl]"],
+             "gs://lrmq-stopped/d.jsonl")):
+        t0 = time.monotonic()
+        r = cli(module, *argv)
+        lines = [l for l in r.stderr.splitlines() if l.startswith(f"lrmq.{module}: ")]
+        assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert lines[0].startswith(f"lrmq.{module}: error: ") and (
+            f"{url}: cannot reach gs://lrmq-stopped: no answer from http://127.0.0.1:{port}" in lines[0]), lines[0]
+        assert time.monotonic() - t0 < 15
+    assert not (tmp_path / "run").exists()  # the refused start left no run dir
+
+
 def test_missing_bucket_is_named(gcs):
     from lrmq import paths
 
