@@ -30,7 +30,7 @@ from lrmq.generation.engine import Engine
 from lrmq.generation.paged import pool_budget
 from lrmq.model.config import ModelConfig
 from lrmq.model.presets import preset_config
-from lrmq.ptq.qat_export import quantized_policy_of
+from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.quant.lora import DEFAULT_TARGETS, apply_lora
 from lrmq.sharding import bytes_per_device, make_mesh
 from lrmq.tokenizer import Tokenizer
@@ -73,14 +73,8 @@ def parse_args(argv=None):
 
 def check_qat_policy(cfg: EvalConfig) -> None:
     """A QAT run's final_policy is its float master weights; the model the run trained is the quantized export
-    beside it (lrmq.ptq.qat_export). Scoring the float weights answers another question: refused unless asked."""
-    found = quantized_policy_of(cfg.checkpoint)
-    if found and not cfg.float_qat_policy:
-        quantized, scheme = found
-        use = (f"score the model it trained: --checkpoint {quantized}" if scheme != "w8a8" else
-               "w8a8 quantizes activations at run time and has no quantized export")
-        raise ConfigError(f"{cfg.checkpoint} is the float master weights of a QAT run (quant.qat_scheme={scheme}); "
-                          f"{use} (or pass --float-qat-policy to score the float weights)")
+    beside it. Refused unless float_qat_policy (--float-qat-policy) asks for it (`refuse_float_qat_policy`)."""
+    refuse_float_qat_policy(cfg.checkpoint, action="score", allowed=cfg.float_qat_policy)
 
 
 def build_config(args) -> EvalConfig:
@@ -232,6 +226,7 @@ def _main(args) -> int:
         return compile_only(cfg, args)
     if not cfg.checkpoint:
         raise ConfigError("--checkpoint (or checkpoint: in --config) is required")
+    check_qat_policy(cfg)  # a QAT run's float weights: refused before the benchmarks or the model are read
     suite, names = resolve_suite(cfg.suite)
     bad = [n for n in cfg.benchmarks if n not in names]
     if bad:
@@ -248,8 +243,7 @@ def _main(args) -> int:
             errors.append(str(e))
     if errors:
         raise EvalDataError("\n".join(errors))
-    # a missing or broken checkpoint / adapter, or a QAT run's float weights: said before the run dir is written
-    check_qat_policy(cfg)
+    # a missing or broken checkpoint / adapter: said before the run dir is written
     check_checkpoint(cfg.checkpoint, "--checkpoint" if args.checkpoint else "checkpoint")
     if cfg.adapter:
         read_adapter_config(cfg.adapter)

@@ -27,12 +27,16 @@ from lrmq.generation.sampling import SamplingConfig
 from lrmq.generation.scheduler import check_kv_pages, pages_for_one_sequence
 from lrmq.model.config import check_position_limit
 from lrmq.model.presets import preset_config
+from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.sharding import make_mesh
 
 
 def parse_args(argv=None):
     ap = ArgumentParser("generate", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="HF or lrmq checkpoint directory ('tiny' = the shipped model)")
+    ap.add_argument("--float-qat-policy", action="store_true",
+                    help="use a QAT run's float master weights (RUN/final_policy); refused otherwise, the model the run "
+                         "trained being its quantized export RUN/final_policy_quantized/packed")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     src.add_argument("--prompts-file", help="plain-text file, one prompt per line, or .jsonl/.json/.parquet with a "
@@ -125,6 +129,8 @@ def main(argv=None) -> int:
 
 
 def generate(args) -> int:
+    # a QAT run's float weights: refused in one line before anything is read (lrmq.ptq.qat_export)
+    refuse_float_qat_policy(args.checkpoint, action="generate with", allowed=args.float_qat_policy)
     ckpt = check_checkpoint(args.checkpoint)  # the model first: a missing one is not "a missing tokenizer"
     prompts = read_prompts(args)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

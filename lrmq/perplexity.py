@@ -30,6 +30,7 @@ from lrmq.checkpoint.quantized import refuse_quantized
 from lrmq.cli import ArgumentParser, number, run_main, select_platforms, tune_gc
 from lrmq.model.config import check_position_limit
 from lrmq.data.text import label, read_documents
+from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.quant.quantizers import QUANTIZERS
 from lrmq.quant.transforms import iter_linears
 
@@ -100,6 +101,9 @@ def main(argv=None) -> int:
     ap = ArgumentParser("perplexity", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="HF or lrmq checkpoint (float, fake-quant or packed; "
                                                          "'tiny' = the shipped model)")
+    ap.add_argument("--float-qat-policy", action="store_true",
+                    help="use a QAT run's float master weights (RUN/final_policy); refused otherwise, the model the run "
+                         "trained being its quantized export RUN/final_policy_quantized/packed")
     ap.add_argument("--text-file", required=True, help="plain text (.txt, .md), or .jsonl/.json/.parquet with a "
                                                         "text field (--text-field)")
     ap.add_argument("--text-field", default="text", help="the record field holding the text (.jsonl/.json/.parquet)")
@@ -124,6 +128,8 @@ def main(argv=None) -> int:
 
 
 def _run(a) -> int:
+    # a QAT run's float weights: refused in one line before anything is read (lrmq.ptq.qat_export)
+    refuse_float_qat_policy(a.checkpoint, action="score", allowed=a.float_qat_policy)
     ckpt = check_checkpoint(a.checkpoint)  # the model first: a missing one is not "a missing tokenizer"
     text = read_text(a.text_file, a.text_field)
     tok = load_tokenizer(a.tokenizer, "--tokenizer") if a.tokenizer else load_tokenizer(ckpt)

@@ -44,6 +44,7 @@ from lrmq.ptq.config import QuantizeConfig, load_quantize_config
 from lrmq.ptq.exports import FORMATS, packed_kernels, save_format
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
 from lrmq.ptq.pipeline import load_float_model, model_config, prepare, resolve_model_path, run_quantize
+from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.quant.quantizers import check_bits
 from lrmq.quant.training import param_bytes
 from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
@@ -67,6 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--checkpoint", default=None,
                     help="float HF or lrmq checkpoint directory ('tiny' = the shipped model; required unless "
                          "--run-dir gives it: RUN/final_policy)")
+    ap.add_argument("--float-qat-policy", action="store_true",
+                    help="quantize a QAT run's float master weights (RUN/final_policy); refused otherwise, naming "
+                         "the run's quantized export and the lrmq.quantize command that writes its scheme's format")
     ap.add_argument("--method", required=True, help=f"one of {PTQ_METHODS.names()}")
     ap.add_argument("--bits", type=int, default=None,
                     help="weight bits, 2..8 (default: 4; int8: 8; nf4 and --format autoawq take 4 only)")
@@ -231,6 +235,8 @@ def run(args) -> dict:
     """Quantize per the flags; returns a small summary. Raises UsageError (or another INPUT_ERRORS) on bad input."""
     cfg = config_from_flags(args)
     check_flags(args, cfg)
+    # a QAT run's float weights: refused before anything is read, naming its scheme's format (lrmq.ptq.qat_export)
+    refuse_float_qat_policy(cfg.model, action="quantize", allowed=args.float_qat_policy)
     check_checkpoint(cfg.model, "--checkpoint" if args.checkpoint else "--run-dir")
     if args.base:
         check_checkpoint(args.base, "--base")

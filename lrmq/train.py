@@ -14,6 +14,7 @@ import sys
 from lrmq import aot, cli, paths
 from lrmq.atomic import atomic_write_text, disk_full_error, is_disk_full
 from lrmq.configlib import ConfigError, add_config_args, config_from_args, dump_config
+from lrmq.ptq.qat_export import QUANTIZED_POLICY
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.run_lock import RunDirBusy
 from lrmq.aot import PreflightError
@@ -102,8 +103,19 @@ def main(argv=None) -> int:
     keys = [k for k in ("eval/sampled_accuracy", "eval/greedy_accuracy", "reward/mean", "reward/accuracy")
             if k in final]
     print(f"done: step {trainer.step}, " + ", ".join(f"{k}={final[k]:.4f}" for k in keys) +
-          f"; run dir {trainer.run_dir}")
+          f"; run dir {trainer.run_dir}" + quantized_policy_note(cfg, trainer.run_dir))
     return 0
+
+
+def quantized_policy_note(cfg, run_dir: str) -> str:
+    """The done line's pointer, in a QAT run, to the model it trained: RUN/final_policy_quantized/packed (its
+    final_policy is the float master weights, which lrmq's commands refuse unless --float-qat-policy)."""
+    if cfg.quant.mode != "qat":
+        return ""
+    packed = paths.join(run_dir, QUANTIZED_POLICY, "packed")
+    if paths.epath_of(packed).exists():
+        return f"; quantized policy (the model it trained) {packed}"
+    return f"; no quantized policy written (quant.qat_scheme={cfg.quant.qat_scheme}): final_policy is float"
 
 
 class _StartupInterrupted(BaseException):

@@ -142,6 +142,40 @@ def quantized_policy_of(checkpoint: str) -> tuple[str, str] | None:
     return paths.join(run or ".", QUANTIZED_POLICY, "packed"), str(quant.get("qat_scheme", "paper_int8"))
 
 
+FLOAT_POLICY_FLAG = "--float-qat-policy"  # the one opt-in, in evaluate, generate, perplexity and quantize
+
+
+class FloatQATPolicyError(ValueError):
+    """A QAT run's float master weights given where the model the run trained was meant (one line)."""
+
+
+def refuse_float_qat_policy(checkpoint: str | None, *, action: str = "score", allowed: bool = False,
+                            flag: str = FLOAT_POLICY_FLAG) -> None:
+    """The one rule for a QAT run's RUN/final_policy (`quantized_policy_of`): the model the run trained is its
+    quantized export RUN/final_policy_quantized/packed, so a command given the float master weights refuses them
+    in one line naming that export, unless `allowed` (the command's `flag`, e.g. --float-qat-policy, asks for
+    the float weights by name). `action` is the command's verb ("score", "generate with", "quantize");
+    "quantize" also names the scheme's own weight format and the `lrmq.quantize` command that writes it from
+    the float weights (`WeightFormat.quantize_command`). Reads only RUN/config.yaml: call it before any model
+    is built."""
+    if allowed or not checkpoint:
+        return
+    found = quantized_policy_of(checkpoint)
+    if not found:
+        return
+    quantized, scheme = found
+    ckpt = str(checkpoint).rstrip("/")
+    use = (f"{action} the model it trained: --checkpoint {quantized}" if scheme != "w8a8" else
+           "w8a8 quantizes activations at run time and has no quantized export")
+    if action == "quantize":
+        fmt = run_weight_format(ckpt.rpartition("/")[0] or ".")
+        if fmt is not None:
+            use += (f"; the scheme's own format is {fmt.describe()}, which "
+                    f"`{fmt.quantize_command(ckpt, 'OUT')} {flag}` writes from the float weights")
+    raise FloatQATPolicyError(f"{ckpt} is the float master weights of a QAT run (quant.qat_scheme={scheme}); "
+                              f"{use} (or pass {flag} to {action} the float weights)")
+
+
 def run_weight_format(run_dir: str) -> WeightFormat | None:
     """The weight format a run trained in (its RUN/config.yaml `quant` section: `qat_weight_format` of its
     qat_scheme / qat_group_size), or None when the run is not a QAT run or has no readable config."""
