@@ -203,6 +203,8 @@ def test_run_suite_streams_records_from_a_state_and_engine(tmp_path):
                     max_positions=model.cfg.max_position_embeddings, writer=w, step=10, tb_prefix="bench",
                     out_dir=str(tmp_path / "a"))
     assert res["benchmarks"]["amc"]["n_problems"] == 2 and w.s["bench/amc/accuracy"][1] == 10
+    # the tags TensorBoard shows (docs/evaluate.md): pass@K as pass_K, TensorBoard's tags taking no "@"
+    assert {"bench/amc/pass_1", "bench/amc/pass_2"} <= set(w.s) and not any("@" in k for k in w.s), sorted(w.s)
     one_slot = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=EngineConfig(slots=1, page_size=4))
     run_suite(nnx.state(model), tok, items, GenerationSection(max_new_tokens=8, samples=2), engine=one_slot,
               max_positions=model.cfg.max_position_embeddings, out_dir=str(tmp_path / "b"))
@@ -211,6 +213,18 @@ def test_run_suite_streams_records_from_a_state_and_engine(tmp_path):
     b = sorted((json.loads(l) for l in _lines(tmp_path / "b")), key=key)
     assert len(a) == 4 and [r["completion"] for r in a] == [r["completion"] for r in b]
     assert [r.stats["prefilled_prompts"] for r in results] == [2]  # each item's two samples share its prompt
+
+
+def test_a_quantized_kv_cache_reports_its_saturation(paper1_run, tmp_path):
+    """With an fp8 KV cache, results.json and results.md report kv_saturated (the engine's count of
+    K / V entries clipped at the format's max); a float cache has none to report."""
+    out = tmp_path / "fp8"
+    assert _run(out, "--limit", "1", "generation.kv_cache=fp8_e4m3", suite="amc") == 0
+    res = _results(out)
+    assert isinstance(res["kv_saturated"], int) and res["kv_saturated"] >= 0, res
+    with open(os.path.join(out, "results.md")) as f:
+        assert f"{res['kv_saturated']} K / V entries saturated" in f.read()
+    assert "kv_saturated" not in _results(paper1_run)
 
 
 def test_cli_on_two_devices(tmp_path):

@@ -195,18 +195,31 @@ def markdown_table(results: dict) -> str:
         h = results["headline"]
         lines.append("")
         lines.append(f"Headline ({h['how']} {h['metric']}): **{_f(h['value'], h['se'])}**")
+    if "kv_saturated" in results:
+        lines.append("")
+        lines.append(f"Quantized KV cache: {results['kv_saturated']} K / V entries saturated (clipped at the "
+                     "format's max)")
     return "\n".join(lines) + "\n"
+
+
+def tb_tag(key: str) -> str:
+    """A metric's TensorBoard tag: TensorBoard's tags take no "@" (tensorboardX renames pass@1 to pass_1 with a
+    warning), so pass@K is written as pass_K, the tag TensorBoard shows."""
+    return key.replace("@", "_")
 
 
 def _tb_scalars(writer, results: dict, step: int, prefix: str = "eval") -> None:
     for name, s in results["benchmarks"].items():
-        for k in ("accuracy", "reward", "pass@1", "formatted", "completion_tokens", "truncated"):
+        passes = sorted((k for k in s if k.startswith("pass@") and not k.endswith("_se")), key=lambda k: int(k[5:]))
+        for k in ("accuracy", "reward", *passes, "formatted", "completion_tokens", "truncated"):
             if k in s:
-                writer.add_scalar(f"{prefix}/{name}/{k}", s[k], step)
+                writer.add_scalar(f"{prefix}/{name}/{tb_tag(k)}", s[k], step)
     for k in ("accuracy", "reward"):
         if k in results["pooled"]:
             writer.add_scalar(f"{prefix}/pooled/{k}", results["pooled"][k], step)
         writer.add_scalar(f"{prefix}/average/{k}", results["average"][k], step)
+    if "kv_saturated" in results:
+        writer.add_scalar(f"{prefix}/kv_saturated", results["kv_saturated"], step)
     writer.flush()
 
 
@@ -292,13 +305,16 @@ def run_suite(model_or_state, tokenizer, items: Sequence[Item], gen: GenerationS
         if progress:
             bar.set_postfix(acc=f"{np.mean([x['correct'] for x in records]):.3f}", refresh=False)
 
+    stats = {}
     if todo:
-        engine.generate(state, [r.ids for r in todo], max_new_tokens=budgets, sampling=sampling,
-                        keys=keys[[r.index for r in todo]], on_finish=finished)
+        stats = engine.generate(state, [r.ids for r in todo], max_new_tokens=budgets, sampling=sampling,
+                                keys=keys[[r.index for r in todo]], on_finish=finished).stats
     bar.close()
     seconds = time.perf_counter() - t0
     # pass@K of the K samples is always reported, besides the asked-for k <= K
     results = summarize_records(records, suite, benchmarks, sorted({k for k in pass_k if k <= gen.samples} | {gen.samples}))
+    if "kv_saturated" in stats:  # a quantized KV cache: K / V entries clipped at the format's max, this call's
+        results["kv_saturated"] = int(stats["kv_saturated"])  # sequences (a resumed run: the ones it generated)
     if writer is not None:
         _tb_scalars(writer, results, step, tb_prefix)
     if out_dir:
