@@ -559,6 +559,7 @@ class GRPOTrainer:
                         self.save()
                     self.ckpt.wait()
                     return last
+            bar.close()  # the final evaluation's and the exports' messages (w8a8: no quantized export) on their own lines
             return self._finish(last)
         finally:
             bar.close()
