@@ -267,22 +267,57 @@ def download_file(url, local: str) -> bool:
     return True
 
 
+_TEMPS: list[tuple[int, str]] = []  # (creator pid, path) of this process's temporary dirs
+TEMP_KINDS = ("copy", "remote", "run-logs")
+_TEMP_NAME = re.compile(r"^lrmq-(" + "|".join(TEMP_KINDS) + r")-(\d+)-")
+
+
+def process_temp_dir(kind: str) -> str:
+    """A new temporary directory `$TMPDIR/lrmq-KIND-PID-XXXXXXXX` (KIND one of `TEMP_KINDS`: local copies of
+    bucket files, local views of bucket checkpoints, the staging dir of a URL run dir's logs) that is removed when
+    this process exits, normally or by an error (`remove_process_temps`, registered with atexit); the pid in its
+    name tells whose it is (`temp_owner`)."""
+    import atexit
+    import tempfile
+
+    if kind not in TEMP_KINDS:
+        raise ValueError(f"unknown temporary dir kind {kind!r} (known: {', '.join(TEMP_KINDS)})")
+    if not _TEMPS:
+        atexit.register(remove_process_temps)
+    path = tempfile.mkdtemp(prefix=f"lrmq-{kind}-{os.getpid()}-")
+    _TEMPS.append((os.getpid(), path))
+    return path
+
+
+def remove_process_temps() -> None:
+    """Remove the temporary dirs this process made (`process_temp_dir`); a forked child leaves its parent's."""
+    for pid, path in list(_TEMPS):
+        if pid == os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
+            _TEMPS.remove((pid, path))
+    _COPIES.clear()
+
+
+def temp_owner(name: str) -> int | None:
+    """The pid in a `process_temp_dir` name (None for another name)."""
+    m = _TEMP_NAME.match(os.path.basename(name))
+    return int(m.group(2)) if m else None
+
+
 _COPIES: dict[str, str] = {}
 
 
 def local_copy(url, what: str = "file", where: str | None = None) -> str:
     """A bucket file, or the files of a bucket directory, copied once per process into a temporary directory
     (for readers that take only local paths, e.g. `datasets`); returns the local path. A missing URL is
-    FileNotFoundError naming `where` (default: the URL)."""
-    import tempfile
-
+    FileNotFoundError naming `where` (default: the URL). The copy is removed when the process exits."""
     url = resolve(url)
     if url in _COPIES:
         return _COPIES[url]
     p = epath_of(url)
     if not p.exists():
         raise FileNotFoundError(f"{where or url}: {what} does not exist")
-    root = tempfile.mkdtemp(prefix="lrmq-copy-")
+    root = process_temp_dir("copy")
     local = os.path.join(root, p.name)
     if p.is_dir():
         os.makedirs(local)

@@ -368,7 +368,59 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import suite_timing  # noqa: E402  (tools/, just put on the path)
 
 
+# ----------------------------------------------------------------------------- the temp dir is left as found
+# Commands remove their temporary dirs (local views and copies of bucket files, mirrored run logs: lrmq-copy-PID-*,
+# lrmq-remote-PID-*, lrmq-run-logs-PID-*; lrmq.paths.process_temp_dir) when they exit. The main pytest process
+# (after xdist's workers have exited) fails the session when one is left by a process that is gone, or by itself
+# once it has removed its own as its exit would; another live process's (a concurrent session's) are not its to
+# judge. The suite's own JAX cache dir (lrmq-test-jax-cache*) has no pid and is not looked at.
+_TEMPS_AT_START: set[str] = set()
+
+
+def _lrmq_temps() -> set[str]:
+    from lrmq.paths import temp_owner
+
+    root = tempfile.gettempdir()
+    return {n for n in os.listdir(root) if temp_owner(n) is not None}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def left_temps(before: set[str]) -> list[str]:
+    """lrmq temporary dirs made since `before` by a process that has exited, or by this one."""
+    from lrmq.paths import temp_owner
+
+    return sorted(n for n in _lrmq_temps() - before if temp_owner(n) == os.getpid() or not _alive(temp_owner(n)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionfinish(session, exitstatus):
+    yield  # after xdist's own sessionfinish, which shuts its workers down (their atexit hooks have run)
+    if hasattr(session.config, "workerinput"):
+        return
+    from lrmq import paths
+
+    paths.remove_process_temps()  # what this process's exit does
+    left = left_temps(_TEMPS_AT_START)
+    if left:
+        tw = session.config.get_terminal_writer()
+        tw.line()
+        tw.line(
+            f"FAILED: the suite left {len(left)} lrmq temporary dirs in {tempfile.gettempdir()}: " + ", ".join(left[:10]),
+            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_configure(config):
+    _TEMPS_AT_START.update(_lrmq_temps())
     suite_timing.pytest_configure(config)
     # torch (the reference models, the consumer libraries' unpackers) on one intra-op thread: the suite's tensors
     # are tiny, and a second thread only spin-waits beside the other xdist worker (test_exports_consumers: CPU

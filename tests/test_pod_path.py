@@ -106,6 +106,30 @@ def test_checkpoints_refuse_urls_orbax_cannot_write():
         RunCheckpointer("s3://b/run/checkpoints")
 
 
+def test_temporary_dirs_go_when_the_process_exits(tmp_path):
+    """Local copies / views of bucket files and mirrored logs (paths.process_temp_dir) are removed when the process
+    exits, normally or by an error; the pid in their name says whose they are."""
+    import sys
+
+    from lrmq import paths
+
+    code = ("import sys; from lrmq import paths, checkpoint; from lrmq.checkpoint import remote\n"
+            "for k in ('copy', 'run-logs'): open(paths.process_temp_dir(k) + '/f', 'w').write('x')\n"
+            "print(remote._cache_root(), flush=True)\n"
+            "if sys.argv[1] == 'error': raise RuntimeError('boom')\n")
+    for how in ("normal", "error"):
+        tmp = tmp_path / how
+        tmp.mkdir()
+        r = subprocess.run([sys.executable, "-c", code, how], env=dict(os.environ, TMPDIR=str(tmp)),
+                           capture_output=True, text=True, timeout=60)
+        assert (r.returncode != 0) == (how == "error") and r.stdout.startswith(str(tmp / "lrmq-remote-")), r.stderr
+        assert os.listdir(tmp) == [], os.listdir(tmp)
+    d = paths.process_temp_dir("copy")
+    assert paths.temp_owner(d) == os.getpid() and paths.temp_owner("lrmq-test-jax-cache-x") is None
+    paths.remove_process_temps()
+    assert not os.path.exists(d)
+
+
 def test_unreachable_bucket_is_one_line_and_fast(cli, tmp_path, monkeypatch):
     """The fake bucket server stopped (nothing listens at its address): a command given a gs:// run dir,
     checkpoint or data file exits 2 within 15 s with one line naming the URL, before any model is built

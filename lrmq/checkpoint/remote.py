@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import threading
 
 import numpy as np
@@ -41,8 +40,17 @@ def remote_url(path: str) -> str | None:
         return json.load(f)["url"]
 
 
+_ROOT: list[str] = []  # this process's cache dir, made on first use
+
+
 def _cache_root() -> str:
-    return os.environ.get("LRMQ_REMOTE_CACHE") or os.path.join(tempfile.gettempdir(), f"lrmq-remote-{os.getpid()}")
+    """$LRMQ_REMOTE_CACHE (kept), else one temporary dir per process, removed when it exits
+    (`paths.process_temp_dir`)."""
+    if os.environ.get("LRMQ_REMOTE_CACHE"):
+        return os.environ["LRMQ_REMOTE_CACHE"]
+    if not _ROOT or not os.path.isdir(_ROOT[-1]):
+        _ROOT[:] = [paths.process_temp_dir("remote")]
+    return _ROOT[-1]
 
 
 def local_view(url: str) -> str:
@@ -51,7 +59,7 @@ def local_view(url: str) -> str:
     FileNotFoundError naming it."""
     url = paths.resolve(url)
     with _LOCK:
-        if url in _VIEWS:
+        if url in _VIEWS and os.path.isdir(_VIEWS[url]):  # (gone once the process's temporary dirs are removed)
             return _VIEWS[url]
         root = paths.epath_of(url)
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 
 import jax
 import orbax.checkpoint as ocp
@@ -70,7 +69,7 @@ class RunLogs:
         self._mirror = None
         self.local_dir = run_dir
         if enabled and paths.is_url(run_dir):
-            self.local_dir = tempfile.mkdtemp(prefix="lrmq-run-logs-")
+            self.local_dir = paths.process_temp_dir("run-logs")  # removed when the process exits
             self._mirror = paths.Mirror(self.local_dir, run_dir, interval_s=sync_s)
             self._mirror.pull(self.METRICS)
             self._mirror.pull(self.COMPLETIONS)
