@@ -39,9 +39,11 @@ def test_every_command_refuses_a_qat_runs_float_policy(cli, tmp_path):
         r = cli(name, *argv)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, (name, r.stderr)
-        assert REFUSED in lines[0] and f"--checkpoint {packed}" in lines[0] and "--float-qat-policy" in lines[0], \
-            (name, lines[0])
-        if name == "quantize":  # the scheme's own format, and the command that writes it
+        assert REFUSED in lines[0] and packed in lines[0] and "--float-qat-policy" in lines[0], (name, lines[0])
+        if name != "quantize":
+            assert f"the model it trained: --checkpoint {packed}" in lines[0], lines[0]
+        else:  # the quantized policy, the scheme's own format, and the command that writes it
+            assert f"the model it trained is already quantized: {packed}" in lines[0], lines[0]
             assert "int4 sym per-channel f32-scale (qat:int4)" in lines[0], lines[0]
             assert (f"python -m lrmq.quantize --checkpoint {fp} --method rtn --bits 4 --group-size -1 --symmetric "
                     f"--out OUT --float-qat-policy") in lines[0], lines[0]

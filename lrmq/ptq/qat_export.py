@@ -168,6 +168,8 @@ def refuse_float_qat_policy(checkpoint: str | None, *, action: str = "score", al
     use = (f"{action} the model it trained: --checkpoint {quantized}" if scheme != "w8a8" else
            "w8a8 quantizes activations at run time and has no quantized export")
     if action == "quantize":
+        if scheme != "w8a8":
+            use = f"the model it trained is already quantized: {quantized}"
         fmt = run_weight_format(ckpt.rpartition("/")[0] or ".")
         if fmt is not None:
             use += (f"; the scheme's own format is {fmt.describe()}, which "
