@@ -8,8 +8,9 @@
 #      THIS checkout's commit (a commit the workers cannot fetch fails there, naming it), `make install` (the
 #      pinned .venv), then jax[tpu] and the gs:// clients;
 #   2) train: jax.distributed.initialize() discovers the peers (LRMQ_DISTRIBUTED=auto).
-# The config is first resolved and validated on this machine (`python -m lrmq.train ARGS --print-config`, with this
-# checkout's .venv): a missing file or an unknown key exits 2 with the config error before any gcloud command.
+# The config is first resolved and validated on this machine (`python -m lrmq.train ARGS --print-config`, with
+# $LRMQ_PYTHON, default this checkout's .venv): a missing file or an unknown key exits 2 with the config error before
+# any gcloud command.
 # Each gcloud command is printed before it runs; --dry-run prints them and runs nothing.
 #
 # The model and data may be in a bucket (model.checkpoint=gs://..., data.train_files=[gs://...]): each host streams
@@ -41,8 +42,9 @@ if [[ $# -gt 0 && $1 != "--" ]]; then PROJECT_FLAG=(--project "$1"); shift; fi
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 # the config is resolved and validated here first (as `lrmq.train --print-config` does: the files, every key and
 # value), so a typo exits 2 with the config error before any gcloud command, --dry-run or not
-LOCAL_PY="$HERE/.venv/bin/python"
-[[ -x $LOCAL_PY ]] || LOCAL_PY=python3
+# ($LRMQ_PYTHON: a Python with lrmq's dependencies; default this checkout's .venv, else python3)
+LOCAL_PY=${LRMQ_PYTHON:-$HERE/.venv/bin/python}
+[[ -n ${LRMQ_PYTHON:-} || -x $LOCAL_PY ]] || LOCAL_PY=python3
 (cd "$HERE" && JAX_PLATFORMS=cpu "$LOCAL_PY" -m lrmq.train "$@" --print-config >/dev/null) || {
   echo "tpu_pod.sh: the lrmq.train arguments do not resolve to a valid config (above); nothing was run" >&2; exit 2; }
 COMMIT=$(git -C "$HERE" rev-parse HEAD)

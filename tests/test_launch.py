@@ -13,16 +13,27 @@ TRAIN = ["--config", "configs/paper1/pod_v5p64_0.6b_grpo.yaml", "run.out_dir=gs:
          "model.checkpoint=gs://b/models/Qwen3-0.6B-Base"]
 
 
-def _launch(tmp_path, *args, gcloud: bool):
+def _launch(tmp_path, *args, gcloud: bool, python: bool = False):
+    """Runs the script with a stand-in gcloud; the config check runs this checkout's Python (`python=True`) or a
+    stand-in that accepts any config ($LRMQ_PYTHON), which must be called first with every argument."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "gcloud.log"
+    log.unlink(missing_ok=True)
     if gcloud:  # records each call's arguments, one per line, calls separated by a line "--END--"
         (bin_dir / "gcloud").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {log}\necho --END-- >> {log}\n')
         (bin_dir / "gcloud").chmod(0o755)
+    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\n(echo python; printf "%s\\n" "$@"; echo --END--) >> {log}\n')
+    (bin_dir / "python").chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:/usr/bin:/bin", LRMQ_GIT_URL="https://example.invalid/lrmq.git")
+    if not python:
+        env["LRMQ_PYTHON"] = str(bin_dir / "python")
     r = subprocess.run(["bash", SCRIPT, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     calls = [c.strip("\n").split("\n") for c in log.read_text().split("--END--\n") if c.strip()] if log.exists() else []
+    if not python and r.returncode == 0:  # the config check came first: lrmq.train's, with every argument
+        check, calls = calls[0], calls[1:]
+        want = ["python", "-m", "lrmq.train", *args[args.index("--") + 1:], "--print-config"]
+        assert check == want, (check, want)
     return r, calls
 
 
@@ -64,6 +75,6 @@ def test_config_error_exits_2_before_any_gcloud_call(tmp_path):
     """The config is resolved and validated locally (as --print-config does) before the pod is touched."""
     for extra, want in ((["--config", "configs/paper1/pod_v5p64_0.6b_grpoo.yaml"], "pod_v5p64_0.6b_grpoo.yaml"),
                         ([*TRAIN, "algo.betta=0"], "unknown key 'algo.betta'")):
-        r, calls = _launch(tmp_path, "my-tpu", "us-east5-a", "--", *extra, gcloud=True)
+        r, calls = _launch(tmp_path, "my-tpu", "us-east5-a", "--", *extra, gcloud=True, python=True)
         assert r.returncode == 2 and calls == [] and "+ gcloud" not in r.stdout, (r.stdout, r.stderr)
         assert want in r.stderr and "nothing was run" in r.stderr, r.stderr
