@@ -169,15 +169,22 @@ def gpu_install_hint() -> str:
             f"jax-cuda12-plugin=={jax.__version__} (what make install does), or pip install 'jax[cuda12]'")
 
 
+def _plugin_importable() -> bool:
+    try:  # find_spec of a dotted name raises when the parent package (`jax_plugins`) is not there at all
+        return importlib.util.find_spec(_CUDA_PLUGIN) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _find_cuda_plugin() -> None:
     """Make JAX's CUDA plugin importable: installed, or in `gpu_plugin_dir()`; else a ConfigError with the hint."""
-    if importlib.util.find_spec(_CUDA_PLUGIN) is not None:
+    if _plugin_importable():
         return
     side = gpu_plugin_dir()
     if os.path.isdir(os.path.join(side, *_CUDA_PLUGIN.split("."))) and side not in sys.path:
         sys.path.append(side)  # `jax_plugins` is a namespace package: its path follows sys.path
         importlib.invalidate_caches()
-    if importlib.util.find_spec(_CUDA_PLUGIN) is None:
+    if not _plugin_importable():
         raise ConfigError(f"GPU compiles need JAX's CUDA plugin, not found here: {gpu_install_hint()}")
 
 
