@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import jax
 from flax import nnx
 
+from lrmq import compile_cache
 from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError
 from lrmq.generation.engine import Engine, EngineConfig, pool_info
@@ -67,7 +68,6 @@ def target_devices(topology: str | None, platform: str = "tpu") -> list | None:
             raise ConfigError("--platform gpu needs --topology NAME:GPUS, e.g. h200:8")
         return None
     if platform == "gpu":
-        from lrmq import compile_cache
 
         compile_cache.disable_for_compile_only_gpu()
     return list(topology_devices(topology, platform))

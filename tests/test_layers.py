@@ -18,11 +18,15 @@ from conftest import REPO_ROOT
 # Bottom-up. Modules are named exactly, packages (ending in ".") by prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("lrmq", "lrmq.registry", "lrmq.paths", "lrmq.atomic", "lrmq.compile_cache", "lrmq.cli", "lrmq.configlib",
+              "lrmq.targets",
               "lrmq.config_help", "lrmq.sharding", "lrmq.tokenizer", "lrmq.grading", "lrmq.grading.",
               "lrmq.hlo", "lrmq.tensorboard")),
     ("formats", ("lrmq.quant", "lrmq.quant.packing", "lrmq.quant.quantizers", "lrmq.quant.qweight",
                  "lrmq.quant.nf4", "lrmq.quant.formats", "lrmq.quant.qmatmul",
-                 "lrmq.quant.qkernel")),
+                 "lrmq.quant.qkernel",
+                 # the exported checkpoints' tensor layouts (numpy only): written by the PTQ exporters, read back by
+                 # lrmq.checkpoint.quantized
+                 "lrmq.ptq.export_formats")),
     ("model", ("lrmq.model", "lrmq.model.")),
     ("transforms", ("lrmq.quant.transforms", "lrmq.quant.qat", "lrmq.quant.lora",
                     "lrmq.quant.training", "lrmq.generation", "lrmq.generation.")),

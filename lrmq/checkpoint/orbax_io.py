@@ -28,6 +28,7 @@ from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf import CheckpointError, copy_tokenizer_files
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
+from lrmq.quant.formats import WeightFormat
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.sharding import LOGICAL_AXES_KEY, state_shardings
@@ -189,7 +190,6 @@ def read_lrmq_config(path: str, *, dtype: str | None = None, param_dtype: str | 
 def read_weight_formats(path: str) -> list:
     """The `WeightFormat`s an lrmq checkpoint records for its packed weights (lrmq_state.json `weight_formats`);
     [] for a float checkpoint or one written before formats were recorded. A malformed entry: CheckpointError."""
-    from lrmq.quant.formats import WeightFormat
 
     p = os.path.join(path, STATE_FILE)
     if not os.path.exists(p):

@@ -42,11 +42,13 @@ from lrmq import paths
 from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf import (CheckpointError, _place, _remote, fill_hf_params, flat_params, tensor_index)
 from lrmq.checkpoint.hf_names import expand
+from lrmq.checkpoint.orbax_io import STATE_FILE, is_lrmq_checkpoint, read_weight_formats
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.ptq import export_formats as ef
 from lrmq.quant import packing
 from lrmq.quant.qweight import QuantizedWeight
+from lrmq.quant.transforms import module_at, set_packed_kernel
 from lrmq.sharding import LOGICAL_AXES_KEY
 
 CT_FORMATS = ("pack-quantized", "dense")
@@ -212,7 +214,6 @@ def hf_quantization(path: str) -> HFQuantization | None:
 def quantized_format(path: str) -> str | None:
     """A one-line description of the quantized checkpoint at `path` (resolved), None for a float one: a
     quantized Hugging Face checkpoint's `HFQuantization.describe`, or an lrmq ``packed`` checkpoint's."""
-    from lrmq.checkpoint.orbax_io import STATE_FILE, is_lrmq_checkpoint, read_weight_formats
 
     if not os.path.isdir(path):
         return None
@@ -316,7 +317,6 @@ def load_quantized_hf(path: str, q: HFQuantization, *, mesh=None, dtype: str | N
                       param_dtype: str | None = None) -> Decoder:
     """The model of quantized Hugging Face checkpoint `path` (see the module docstring), optionally straight
     onto `mesh`; its config drops ``quantization_config`` (the model's packed kernels carry the format)."""
-    from lrmq.quant.transforms import module_at, set_packed_kernel
 
     cfg = ModelConfig.from_hf_file(path, dtype=dtype, param_dtype=param_dtype)
     hf = {k: v for k, v in (cfg.hf_config or {}).items() if k != "quantization_config"}

@@ -37,6 +37,7 @@ from lrmq.quant import packing
 from lrmq.quant.formats import WeightFormat
 from lrmq.quant.qat import (AqtDotGeneral, AsymSTEDotGeneral, PerTensorSTEDotGeneral, is_qat, qat_weight_format,
                             remove_qat, sym_weight_codes)
+from lrmq.ptq.rtn import quantize_linear
 from lrmq.quant.quantizers import per_tensor_codes
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.quant.transforms import iter_linears
@@ -70,7 +71,6 @@ def qat_weight(lin, path: str = "") -> tuple[np.ndarray, QuantizedWeight]:
     """(the fake-quantized float32 weight, its packed `QuantizedWeight`) of one QAT Linear."""
     dg = lin.dot_general
     if isinstance(dg, AsymSTEDotGeneral):  # lrmq's RTN: the same function computes the forward's weight
-        from lrmq.ptq.rtn import quantize_linear
 
         fq, qw = quantize_linear(lin.float_weight(), dg.bits, dg.group_size or -1, symmetric=False)
         return np.asarray(fq, np.float32), qw

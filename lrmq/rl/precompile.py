@@ -33,6 +33,7 @@ from lrmq.rl.run_state import progress_bar
 from lrmq.rl.step import (OldLogpSource, make_ref_logprobs, make_train_step, micro_batch_count,
                           old_logprob_sources)
 from lrmq.sharding import batch_divisor, batch_sharding
+from lrmq.targets import compile_options, gpu_usable_bytes
 
 log = logging.getLogger("lrmq.train")
 
@@ -183,7 +184,6 @@ class UpdatePrograms:
 def lower_compile(fn, *args, mesh) -> tuple[object, float]:
     """(compiled, seconds) of `fn.lower(*args).compile()` under `mesh` (JAX's persistent cache applies; the XLA
     options a compile-only GPU target needs: `lrmq.targets.compile_options`)."""
-    from lrmq.targets import compile_options
 
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
@@ -203,9 +203,7 @@ def hbm_bytes(device) -> int | None:
     kind = getattr(device, "device_kind", "")
     if kind in HBM_BYTES:
         return HBM_BYTES[kind]
-    from lrmq.targets import gpu_usable_bytes  # a GPU lrmq has a target description of: JAX's share of its memory
-
-    return gpu_usable_bytes(kind)
+    return gpu_usable_bytes(kind)  # a GPU lrmq has a target description of: JAX's share of its memory
 
 
 def memory_report(compiled) -> dict:

@@ -28,6 +28,7 @@ import dataclasses
 from lrmq.configlib import ConfigError, load_config
 from lrmq.quant.formats import PER_CHANNEL, PER_TENSOR, WeightFormat
 from lrmq.quant.qat import qat_weight_format, scheme_bits
+from lrmq.rl.config import TrainConfig
 from lrmq.studies.config import ArmSpec, StudyConfig
 
 # (bits, group) that a method always uses, whatever the matrix says
@@ -66,8 +67,6 @@ def qat_arm_format(cfg: StudyConfig, train: list[str]) -> WeightFormat | None:
     None for a train arm without QAT."""
     if _override([*cfg.train.overrides, *train], "quant.mode") != "qat":
         return None
-    from lrmq.rl.config import TrainConfig
-
     q = load_config(TrainConfig, cfg.train.config, [*cfg.train.overrides, *train]).quant
     return qat_weight_format(q.qat_scheme, q.qat_group_size)
 
