@@ -1,4 +1,6 @@
-"""Reading compiled HLO text (`compiled.as_text()`): computations, while loops, and the collectives a loop runs.
+"""Reading compiled HLO text (`compiled.as_text()`): computations, while loops, and the collectives a loop runs;
+and the GPU kernels of an XLA dump (`gpu_kernels`: each kernel's PTX target, tensor-core instructions, launch
+shape and shared memory, `ptxas_info` its registers and spills).
 
 Used to prove layouts from ahead-of-time compiles (no device needed): e.g. that the generation engine's
 decode loop gathers no weights per token (tests/test_paged_tpu.py) and how many bytes its collectives move
@@ -10,7 +12,10 @@ small and fails loudly (ValueError) rather than guessing when the text does not 
 from __future__ import annotations
 
 import math
+import os
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
@@ -164,3 +169,75 @@ def decode_loop(module: Module) -> Instruction:
     if not loops:
         raise ValueError("the entry computation has no while loop")
     return max(loops, key=lambda w: len(module.reachable(w.attr("body"))))
+
+
+# ------------------------------------------------------------------------------------ GPU kernels of an XLA dump
+# what XLA writes with the compile option xla_dump_to (or XLA_FLAGS=--xla_dump_to=DIR) when it compiles for a GPU:
+# one .ptx file per LLVM module (a Triton kernel's is its own), and the thunk sequence: each kernel's launch
+_THUNK = re.compile(r"\]\s+(\S+)\s+grid:\s*\[([^\]]*)\]\s+threads:\s*\[([^\]]*)\]\s+shared_memory:\s*(\d+)\s*bytes")
+_ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(")
+# tensor-core instructions: mma.sync (sm_80 on), wgmma.mma_async (sm_90a), tcgen05.mma (sm_100a)
+_TENSOR_CORE = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)[\w.]*)", re.M)
+_LOCAL = re.compile(r"\.local\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.replace(",", " ").split()]
+
+
+def gpu_kernels(dump_dir: str) -> dict[str, dict]:
+    """{kernel name: facts} of the GPU kernels in an XLA dump directory: "target" (the PTX `.target`, e.g.
+    "sm_90a"), "tensor_core" {instruction: count} (mma.sync / wgmma.mma_async / tcgen05.mma in its PTX),
+    "local_bytes" (PTX local memory, a stack array), "ptx" (the file), and from the thunk sequence "grid",
+    "threads", "shared_memory" (bytes). ValueError when the directory holds no PTX (not a GPU compile's dump)."""
+    out: dict[str, dict] = {}
+    names = sorted(os.listdir(dump_dir))
+    for name in names:
+        if not name.endswith(".ptx"):
+            continue
+        path = os.path.join(dump_dir, name)
+        with open(path) as f:
+            text = f.read()
+        target = re.search(r"^\.target\s+(\w+)", text, re.M)
+        parts = _ENTRY.split(text)  # [preamble, name1, body1, name2, body2, ...]
+        for entry, body in zip(parts[1::2], parts[2::2]):
+            counts: dict[str, int] = {}
+            for ins in _TENSOR_CORE.findall(body):
+                counts[ins] = counts.get(ins, 0) + 1
+            out[entry] = {"target": target.group(1) if target else None, "tensor_core": counts,
+                          "local_bytes": sum(int(v) for v in _LOCAL.findall(body)), "ptx": path}
+    if not any(n.endswith(".ptx") for n in names):
+        raise ValueError(f"{dump_dir}: no .ptx file (not the dump of a GPU compile)")
+    for name in names:
+        if name.endswith("thunk_sequence.txt"):
+            with open(os.path.join(dump_dir, name)) as f:
+                for m in _THUNK.finditer(f.read()):
+                    facts = out.setdefault(m.group(1), {})
+                    facts.update(grid=_ints(m.group(2)), threads=_ints(m.group(3)), shared_memory=int(m.group(4)))
+    return out
+
+
+def ptxas_info(ptx: str, target: str, entry: str | None = None) -> dict | None:
+    """{"registers", "spill_stores", "spill_loads", "stack"} (bytes but registers) of a PTX file's kernel `entry`
+    (the first when None) as NVIDIA's ptxas (on PATH) assembles it for `target` ("sm_90a"), with "ptxas" its
+    version line; None when there is no ptxas here. XLA assembles PTX itself: this only reads what a kernel needs."""
+    exe = shutil.which("ptxas")
+    if exe is None:
+        return None
+    p = subprocess.run([exe, f"-arch={target}", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
+                       timeout=120)
+    if p.returncode:
+        raise ValueError(f"ptxas {ptx}: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    version = [ln for ln in subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.splitlines()
+               if "release" in ln]
+    blocks = re.split(r"Compiling entry function '([\w$]+)'", p.stderr + p.stdout)
+    for name, body in zip(blocks[1::2], blocks[2::2]):
+        if entry is None or name == entry:
+            regs = re.search(r"Used (\d+) registers", body)
+            spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", body)
+            return {"registers": int(regs.group(1)) if regs else None,
+                    "stack": int(spill.group(1)) if spill else None,
+                    "spill_stores": int(spill.group(2)) if spill else None,
+                    "spill_loads": int(spill.group(3)) if spill else None,
+                    "ptxas": version[0].strip() if version else exe}
+    raise ValueError(f"ptxas {ptx}: no kernel {entry!r} in its report")

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .target import Gpu, target_gpu
 from ._common import affine_geometry, cdiv, nf4_lookup, pad_to, round_up, split_even_odd
 
 try:  # the Triton backend module moved between releases
@@ -24,6 +25,54 @@ except ImportError:  # pragma: no cover - pre-0.4.31 layout
 
 _HI = jax.lax.Precision.HIGHEST
 _TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200
+SMEM_SLACK = 4096  # bytes Triton may add beyond `smem_bytes`'s terms (barriers, alignment)
+
+
+def smem_bytes(fmt: str, bm: int, bn: int, bk: int, x_dtype, num_stages: int, gpu: Gpu) -> int:
+    """Shared memory one program of a dequant-matmul kernel takes, an upper bound on what Triton allocates.
+
+    Terms (read off the compiled kernels' allocations for H200 and A100, 78 tiles each: benchmarks/
+    gpu_aot_kernels.py, docs/kernels.md): (num_stages - 1) copies of one K step's loads (x, codes, a scale row) for
+    the software pipeline, the dequantized weight tile in the compute dtype (a dot operand), on sm_90 the 16-bit
+    x tile too, and SMEM_SLACK; at least the f32 accumulator tile, which the epilogue's layout conversion may stage
+    in shared memory."""
+    xb = jnp.dtype(x_dtype).itemsize
+    cb = _cdt(x_dtype).itemsize
+    if fmt == "int4":
+        step = bm * bk * xb + bk // 2 * bn + bn * (xb + 1)
+    elif fmt == "int8":
+        step = bm * bk * xb + bk * bn + bn * (xb + 1)
+    elif fmt == "nf4":
+        step = bm * bk * xb + bn * bk // 2 + bn * 4
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+    x_operand = bm * bk * cb if cb == 2 and gpu.capability >= (9, 0) else 0
+    return max((num_stages - 1) * step + bk * bn * cb + x_operand + SMEM_SLACK, bm * bn * 4)
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
+
+
+def check_tiles(fmt: str, bm: int, bn: int, bk: int, x_dtype, num_stages: int, num_warps: int | None,
+                gpu: Gpu) -> None:
+    """ValueError naming the rule a tile plan breaks, before Triton sees it: power-of-two blocks (Triton's
+    tensors), 1 <= num_warps <= 32 a power of two, num_stages >= 1, and `smem_bytes` within the GPU's per-block
+    shared memory (past it XLA fails with RESOURCE_EXHAUSTED: Shared memory size limit exceeded)."""
+    for name, v in (("block_m", bm), ("block_n", bn), ("block_k", bk)):
+        if not _pow2(v):
+            raise ValueError(f"{fmt} GPU kernel: {name}={v}: Triton tiles must be powers of two")
+    if num_warps is not None and not (_pow2(num_warps) and num_warps <= 32):
+        raise ValueError(f"{fmt} GPU kernel: num_warps={num_warps}: a power of two from 1 to 32")
+    if not (isinstance(num_stages, int) and num_stages >= 1):
+        raise ValueError(f"{fmt} GPU kernel: num_stages={num_stages}: at least 1")
+    need = smem_bytes(fmt, bm, bn, bk, x_dtype, num_stages, gpu)
+    if need > gpu.smem_per_block:
+        raise ValueError(
+            f"{fmt} GPU kernel: tile {bm}x{bn}x{bk} (block_m x block_n x block_k) with num_stages={num_stages} and "
+            f"{jnp.dtype(x_dtype).name} activations needs ~{need // 1024} KiB of shared memory per block, past the "
+            f"{gpu.name}'s {gpu.smem_per_block // 1024} KiB: take a smaller block_m / block_n / block_k or fewer "
+            f"num_stages")
 
 
 def _compiler_params(num_warps, num_stages):
@@ -47,14 +96,31 @@ def _pow2_floor(v: int) -> int:
 
 
 def choose_tiles(m: int, k: int, n: int, *, k_unit: int, block_m=None, block_n=None,
-                 block_k=None, splits=None) -> Tiles:
+                 block_k=None, splits=None, fmt: str | None = None, x_dtype=jnp.bfloat16, num_stages: int = 3,
+                 num_warps: int | None = None, gpu: Gpu | None = None) -> Tiles:
     """Triton tensors must have power-of-two shapes and tl.dot needs every dim >= 16.
 
     `k_unit` is the format's largest legal K step (the group / block size, so one scale row per
-    step); bk is a power of two dividing it."""
+    step); bk is a power of two dividing it. With `fmt`, the tiles are fitted to `gpu`'s shared memory
+    (`smem_bytes`; default `target_gpu()`): a default bk, then bn, is halved until they fit, and a plan that
+    still does not fit (or an override that breaks a rule) is refused by `check_tiles`."""
+    gpu = gpu or target_gpu()
     bm = block_m or max(16, min(128 if m >= 128 else 64, 1 << (max(m, 1) - 1).bit_length()))
     bn = block_n or (64 if m <= 16 else 128)
-    bk = block_k or min(_pow2_floor(k_unit), 128 if m > 64 else 256)
+    bk_cap = 128 if m > 64 else 256
+    if m > 64 and fmt in ("int4", "nf4") and gpu.capability < (9, 0):
+        # no wgmma before sm_90: a 128x128 tile's mma.sync operands, the two dequantized nibble planes and their
+        # int32 codes live in registers, and at bk=64 / 128 ptxas spills (A100: 76 B to 11 KB per thread,
+        # docs/kernels.md); bk=32 does not
+        bk_cap = 32
+    bk = block_k or min(_pow2_floor(k_unit), bk_cap)
+    if fmt is not None:
+        fits = lambda: smem_bytes(fmt, bm, bn, bk, x_dtype, num_stages, gpu) <= gpu.smem_per_block  # noqa: E731
+        while block_k is None and bk > 32 and not fits():
+            bk //= 2
+        while block_n is None and bn > 32 and not fits():
+            bn //= 2
+        check_tiles(fmt, bm, bn, bk, x_dtype, num_stages, num_warps, gpu)
     mp, np_ = round_up(m, bm), round_up(n, bn)
     kp = round_up(k, bk)
     nk = kp // bk
@@ -130,7 +196,8 @@ def int4_matmul_gpu(x, codes, scales, zeros, group_size, *, interpret=False, blo
     if not per_channel and (g & -g) < 32:
         raise NotImplementedError(f"int4 GPU kernel needs a group size divisible by 32, got {g}")
     t = choose_tiles(m, k, n, k_unit=256 if per_channel else (g & -g), block_m=block_m,
-                     block_n=block_n, block_k=block_k, splits=splits)
+                     block_n=block_n, block_k=block_k, splits=splits, fmt="int4", x_dtype=x.dtype,
+                     num_stages=num_stages, num_warps=num_warps)
     if not per_channel and g % t.bk:
         raise ValueError(f"int4: block_k={t.bk} must divide group_size={g}")
     xe, xo = split_even_odd(pad_to(x, (t.mp, t.kp)))
@@ -171,7 +238,8 @@ def int8_matmul_gpu(x, codes, scales, zeros, *, interpret=False, block_m=None, b
     if not per_channel and (g & -g) < 16:
         raise NotImplementedError(f"int8 GPU kernel needs a group size divisible by 16, got {g}")
     t = choose_tiles(m, k, n, k_unit=128 if per_channel else (g & -g), block_m=block_m,
-                     block_n=block_n, block_k=block_k, splits=splits)
+                     block_n=block_n, block_k=block_k, splits=splits, fmt="int8", x_dtype=x.dtype,
+                     num_stages=num_stages, num_warps=num_warps)
     if not per_channel and g % t.bk:
         raise ValueError(f"int8: block_k={t.bk} must divide group_size={g}")
     xp = pad_to(x, (t.mp, t.kp))
@@ -217,7 +285,8 @@ def nf4_matmul_gpu(x, codes, absmax, block_size: int = 64, *, interpret=False, b
     if (block_size & -block_size) < 32:
         raise NotImplementedError(f"nf4 GPU kernel needs block_size divisible by 32, got {block_size}")
     t = choose_tiles(m, k, n, k_unit=block_size & -block_size, block_m=block_m, block_n=block_n,
-                     block_k=block_k, splits=splits)
+                     block_k=block_k, splits=splits, fmt="nf4", x_dtype=x.dtype, num_stages=num_stages,
+                     num_warps=num_warps)
     if block_size % t.bk:
         raise ValueError(f"nf4: block_k={t.bk} must divide block_size={block_size}")
     xe, xo = split_even_odd(pad_to(x, (t.mp, t.kp)))

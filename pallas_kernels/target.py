@@ -110,3 +110,42 @@ def _implicit_target() -> Target:
 def current_target() -> Target:
     """The target kernels are compiled for right now (see the module docstring)."""
     return _EXPLICIT.get() or _implicit_target()
+
+
+# ------------------------------------------------------------------------------------ GPUs
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What a tile plan needs to know of a GPU: compute capability and the shared memory one block may take."""
+    name: str
+    capability: tuple[int, int]
+    smem_per_block: int  # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin (XLA's shared_memory_per_block_optin)
+
+
+# By a substring of jax's device_kind, first match wins. The figures are XLA's target specs
+# (lrmq/assets/gpu_targets: a100, h100, h200, b200) and NVIDIA's tuning guides for the rest.
+GPUS = (
+    (("B200", "B100"), Gpu("B200", (10, 0), 232448)),
+    (("H100", "H200", "H800", "H20"), Gpu("H100/H200", (9, 0), 232448)),
+    (("A100", "A800"), Gpu("A100", (8, 0), 166912)),
+    (("L4", "RTX 40", "Ada"), Gpu("Ada (sm_89)", (8, 9), 101376)),
+)
+# a GPU kind not above: the smallest shared memory of sm_86 / sm_89 parts (99 KiB), no sm_90 instructions
+UNKNOWN_GPU = Gpu("unknown GPU", (8, 6), 101376)
+REFERENCE_GPU = GPUS[1][1]  # the tile plan of a trace not compiled for a GPU (interpret mode): an H100/H200's
+
+
+def gpu_of(device_kind: str | None) -> Gpu:
+    """The `Gpu` of a jax device kind ("NVIDIA H200 141GB HBM3e"); REFERENCE_GPU for None (`target("gpu")` with no
+    kind: the GPU the kernels are planned for), UNKNOWN_GPU for a kind not in GPUS."""
+    if device_kind is None:
+        return REFERENCE_GPU
+    for keys, gpu in GPUS:
+        if any(k in device_kind for k in keys):
+            return gpu
+    return UNKNOWN_GPU
+
+
+def target_gpu() -> Gpu:
+    """The GPU a kernel traced now is compiled for (REFERENCE_GPU when the target is not a GPU)."""
+    t = current_target()
+    return gpu_of(t.device_kind) if t.platform == "gpu" else REFERENCE_GPU

@@ -48,6 +48,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
+from pallas_kernels.target import target_gpu
 from pallas_kernels.tpu_tiles import generation
 
 from lrmq.sharding import (DECODE_RULES, axes_size, dividing_axes, entry_axes, host_array, is_manual, logical_to_spec,
@@ -446,6 +447,13 @@ def decode_attention_tpu(q, pool, layer, page_table, lengths, window, *, block_p
 # ------------------------------------------------------------------------ GPU: paged attention (Triton)
 GPU_BLOCK_H = 16  # query heads per kernel block (the kernel's minimum; a KV head's fewer queries are padded)
 GPU_MAX_K_SPLITS = 16  # the kernel's default: partitions of a sequence's pages decoded in parallel
+# What one program of the kernel reads per step (pages_per_compute_block x page_size tokens x head_dim), at most
+# (benchmarks/gpu_aot_kernels.py, head_dim 128 on H200 / A100 / B200): 16-bit pages 128 tokens (no spill); f32
+# pages 16 (at 128 tokens Triton asked 264 KiB of shared memory, past every GPU's; ptxas spilled 250-360 B per
+# thread at 64 and 152 B at 32); int8 / fp8 pages, dequantized with their scale pages, 32 (spills of 3.7 KB per
+# thread at 128 tokens, 200 B at 64). A page past GPU_PAGE_BYTES is refused (`gpu_unsupported`): one page would not fit shared memory.
+GPU_BLOCK_ELEMENTS = {"16-bit": 128 * 128, "float32": 16 * 128, "scaled": 32 * 128}
+GPU_PAGE_BYTES = 32 * 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -468,11 +476,30 @@ def gpu_unsupported(q_heads: int, pool_shape, dtype, scaled: bool = False) -> st
     quant = (jnp.dtype(jnp.int8), *_FP8) if scaled else ()
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32), *quant):
         return f"{jnp.dtype(dtype).name} KV pages (the kernel takes f32 / bf16 / f16, int8 / fp8 with scale pages)"
+    why = gpu_fp8_unsupported(dtype)
+    if why:
+        return why
     for name, n in (("head_dim", d), ("page_size", page_size)):
         if n < 16 or n & (n - 1):  # Triton blocks: powers of two, at least 16 for its dots
             return f"{name} {n} (a power of two >= 16)"
+    if page_size * d * jnp.dtype(dtype).itemsize > GPU_PAGE_BYTES:
+        return (f"a page of {page_size} x {d} {jnp.dtype(dtype).name} (past {GPU_PAGE_BYTES // 1024} KiB: the "
+                f"kernel's blocks would not fit shared memory)")
     if q_heads % (pool_shape[3] // 2):
         return f"{q_heads} query heads over {pool_shape[3] // 2} KV heads"
+    return None
+
+
+def gpu_fp8_unsupported(dtype) -> str | None:
+    """Why fp8 pages cannot go to the GPU kernel of the compile target (None: they can): Triton converts fp8 only
+    on compute capability >= 8.9, and on an A100 (8.0) XLA's Triton compiler aborts the process ("LLVM Fatal Error
+    ... Conversion from/to f8e4m3nv is only supported on compute capability >= 89")."""
+    if jnp.dtype(dtype) not in _FP8 or pk.current_target().platform != "gpu":
+        return None
+    gpu = target_gpu()
+    if gpu.capability < (8, 9):
+        return (f"{jnp.dtype(dtype).name} KV pages on the {gpu.name} (compute capability "
+                f"{'.'.join(map(str, gpu.capability))}: Triton converts fp8 from 8.9 on)")
     return None
 
 
@@ -513,8 +540,17 @@ def decode_attention_gpu(q, pool, layer, page_table, lengths, window, *, block_p
     else:
         (k, v), q_dtype = pool, pool[0].dtype
     kvh, n_layers, pages = k.shape[:3]
+    if pk.current_target().platform == "gpu":  # compiled, not interpreted: refused here rather than by the compiler
+        # (which fails on shared memory, or for fp8 on an A100 aborts the process)
+        why = gpu_unsupported(q.shape[1], (n_layers, pages, k.shape[3], 2 * kvh, k.shape[4]), k.dtype,
+                              scaled=bool(scales))
+        if why:
+            raise ValueError(f"decode attention 'gpu' cannot take {why}; take impl 'xla'")
     flat = lambda x: x.reshape(kvh, n_layers * pages, *x.shape[3:])  # noqa: E731
-    per_block, splits = gpu_blocks(page_table.shape[1], block_pages)
+    page_size, d = k.shape[3], k.shape[4]
+    kind = "scaled" if scales else "float32" if k.dtype.itemsize == 4 else "16-bit"
+    tokens = GPU_BLOCK_ELEMENTS[kind] // d
+    per_block, splits = gpu_blocks(page_table.shape[1], max(1, min(block_pages, tokens // page_size)))
     with jax.default_matmul_precision("highest"):  # f32 pages: IEEE dots in Triton, not TF32 (the kernel's
         out = _gpu_kernel()(  # dots take the default precision; 16-bit pages are unaffected)
             (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q_dtype), flat(k), flat(v),
