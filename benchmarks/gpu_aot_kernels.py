@@ -3,7 +3,7 @@
 No GPU is used: JAX's CUDA plugin compiles for the target descriptions of lrmq/assets/gpu_targets
 (`lrmq.targets.gpu_topology_devices`), the program's XLA dump is read for its kernels (`lrmq.hlo.gpu_kernels`:
 PTX `.target`, tensor-core instructions, launch grid and shared memory) and, where NVIDIA's ptxas is on PATH,
-each kernel's registers and spills (`lrmq.hlo.ptxas_info`; XLA does not need it, this only reads the PTX).
+each kernel's registers and spills (`lrmq.hlo.ptxas_info`, optional: it only reads the PTX).
 
 Parts (each target and part in its own process, so a compiler that aborts loses one part, recorded as such):
   matmul  int4 / int8 / NF4 dequant-matmul (pallas_kernels, impl="auto" under a one-GPU mesh: the Triton kernel)

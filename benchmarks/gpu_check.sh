@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The pending GPU checks in one device call (benchmarks/gpu_check.py says what each part does). On the lent H200,
+# The pending GPU checks in one device call (benchmarks/gpu_check.py says what each part does): what only a GPU can
+# measure, numerics on the hardware and speed. That the kernels compile (PTX for sm_90a / sm_80 / sm_100a, tensor-core
+# instructions, shared memory, spills) is proven without a GPU by benchmarks/gpu_aot_kernels.py (docs/kernels.md).
+# On the lent H200,
 # from the repository root, with the image's python3 (its jax + CUDA plugin, torch, transformers, pytest):
 #   bash benchmarks/gpu_check.sh            # run tool: timeout_s 420; results come back from $OUT
 # Writes $OUT/log (this output), gpu_check.{json,md}, parts_log.txt, int4_h200.{json,md}.

@@ -220,7 +220,7 @@ def gpu_kernels(dump_dir: str) -> dict[str, dict]:
 def ptxas_info(ptx: str, target: str, entry: str | None = None) -> dict | None:
     """{"registers", "spill_stores", "spill_loads", "stack"} (bytes but registers) of a PTX file's kernel `entry`
     (the first when None) as NVIDIA's ptxas (on PATH) assembles it for `target` ("sm_90a"), with "ptxas" its
-    version line; None when there is no ptxas here. XLA assembles PTX itself: this only reads what a kernel needs."""
+    version line; None when there is no ptxas here (optional: this only reads what a kernel needs)."""
     exe = shutil.which("ptxas")
     if exe is None:
         return None

@@ -10,8 +10,8 @@
   fallback; shared prompts; a pool small enough to preempt).
 * The kernel is traced at "highest" precision (Triton would take TF32 for f32 dots otherwise).
 * Lowered for a CUDA target from this CPU host, the engine's decode program holds the Triton kernel call (one
-  per full-attention layer run): the kernel lowers to Triton IR for the engine's shapes. Compiling that IR to
-  PTX needs a GPU; no test here shows it does.
+  per full-attention layer run): the kernel lowers to Triton IR for the engine's shapes. The kernel compiled to
+  PTX for an H200 (JAX's CUDA plugin, no GPU): tests/test_gpu_aot_kernels.py.
 """
 
 from __future__ import annotations
