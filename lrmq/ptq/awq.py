@@ -43,7 +43,9 @@ import numpy as np
 from lrmq.ptq import layer_fn as lf
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.result import PTQResult
+from lrmq.ptq.stream import LayerOut
 from lrmq.ptq.rtn import quantize_linear
+from lrmq.ptq.shard import UnitRunner, ptq_mesh
 from lrmq.quant.quantizers import exact_div, fake_quant, resolve_group_size
 
 
@@ -97,14 +99,15 @@ def scale_groups(spec: lf.LayerSpec) -> list[ScaleGroup]:
 StatFn = Callable[[lw.LayerContext, ScaleGroup, jax.Array], "np.ndarray | None"]
 
 
-@jax.jit
-def _mean_abs(x):
-    return jnp.mean(jnp.abs(x.reshape(-1, x.shape[-1])), axis=0)
+def unit_abs_sum(x):
+    """One unit's per-input-channel sum over tokens of |x|."""
+    return jnp.sum(jnp.abs(x.reshape(-1, x.shape[-1])), axis=0)
 
 
 def activation_stat(ctx: lw.LayerContext, group: ScaleGroup, x) -> np.ndarray:
-    """llm-awq ``get_act_scale``: per input channel mean over tokens of |x|."""
-    return _mean_abs(x)
+    """llm-awq ``get_act_scale``: per input channel mean over tokens of |x| (unit sums added in unit order)."""
+    tokens = int(np.prod(np.shape(x)[:-1]))
+    return ctx.runner.sum(unit_abs_sum, (), (x,)) / np.float32(tokens)
 
 
 # ----------------------------------------------------------------------------- scale search
@@ -130,52 +133,51 @@ def grid_scales(stat, ratio, normalize):
     return s
 
 
-def chunk_size(n: int, batch_size: int) -> int:
-    """Largest divisor of n that is <= batch_size (the grid search scans equal chunks)."""
-    return max(d for d in range(1, max(1, min(batch_size, n)) + 1) if n % d == 0)
-
-
-@partial(jax.jit, static_argnames=("group", "spec", "n_grid", "normalize", "bits", "group_size", "symmetric", "bs"))
-def _grid_losses(p0, stat, x, pos, *, group, spec, n_grid, normalize, bits, group_size, symmetric, bs):
-    """Loss mean((f(X) - f_q(X))^2) for every alpha = i / n_grid (one compiled program per group kind)."""
-    n = x.shape[0]
-    xc = x.reshape(n // bs, bs, *x.shape[1:])
-    pc = pos.reshape(n // bs, bs, *pos.shape[1:])
-    ys = jax.lax.map(lambda a: _inspect(group.inspect, p0, spec, a[0], a[1]), (xc, pc))
-    count = ys.size
+def unit_grid_losses(p0, stat, x, pos, *, group, spec, n_grid, normalize, bits, group_size, symmetric):
+    """One unit's ``sum((f(X) - f_q(X))^2)`` for every alpha = i / n_grid: [n_grid] (one compiled program per group
+    kind; the fake-quant weights of one alpha at a time)."""
+    ys = _inspect(group.inspect, p0, spec, x, pos)
 
     def one(ratio):
         s = grid_scales(stat, ratio, normalize)
         p = dict(p0)
         for fc in group.linears:
             p[fc] = scaled_fake_quant(p0[fc], s, bits, group_size, symmetric)
-
-        def body(acc, a):
-            d = _inspect(group.inspect, p, spec, a[0], a[1]) - a[2]
-            return acc + jnp.sum(d * d), None
-
-        tot, _ = jax.lax.scan(body, jnp.float32(0), (xc, pc, ys))
-        return tot / count
+        d = _inspect(group.inspect, p, spec, x, pos) - ys
+        return jnp.sum(d * d)
 
     # llm-awq: ratio = i * 1 / n_grid as a python float, used as a float32 exponent
     ratios = np.asarray([i * 1 / n_grid for i in range(n_grid)], np.float32)
     return jax.lax.map(one, jnp.asarray(ratios))
 
 
+def grid_losses(ctx: lw.LayerContext, group: ScaleGroup, x, stat, opts: "AWQOptions", params=None) -> np.ndarray:
+    """Loss ``mean((f(X) - f_q(X))^2)`` per alpha: unit sums added in unit order, over the output size."""
+    p = ctx.on_chips(params)
+    tot = ctx.runner.sum(unit_grid_losses, (p, ctx.runner.replicate(np.asarray(stat, np.float32))),
+                         (x, ctx.positions), group=group, spec=ctx.spec, n_grid=opts.n_grid, normalize=opts.normalize,
+                         bits=opts.bits, group_size=opts.group_size, symmetric=opts.symmetric)
+    return tot / np.float32(_inspect_size(ctx, x))
+
+
+def _inspect_size(ctx: lw.LayerContext, x) -> int:
+    """Elements of the inspected part's output over all blocks: every part (attn, o_proj, mlp, down_proj)
+    writes the residual stream, [n, T, hidden]."""
+    n, t = np.shape(x)[:2]
+    return int(n) * int(t) * int(ctx.cfg.hidden_size)
+
+
 def search_scale(ctx: lw.LayerContext, group: ScaleGroup, x, stat, opts: AWQOptions):
     """Grid search of one group's scales; returns (best_scales [K], best_ratio, loss history)."""
-    stat = jnp.asarray(stat, jnp.float32)
-    bs = chunk_size(x.shape[0], ctx.batch_size)
-    losses = np.asarray(_grid_losses(ctx.params, stat, x, ctx.positions, group=group, spec=ctx.spec,
-                                     n_grid=opts.n_grid, normalize=opts.normalize, bits=opts.bits,
-                                     group_size=opts.group_size, symmetric=opts.symmetric, bs=bs))
+    stat = np.asarray(stat, np.float32)
+    losses = grid_losses(ctx, group, x, stat, opts)
     history = [float(v) for v in losses]
     finite = np.isfinite(losses)
     if not finite.any():
         raise FloatingPointError(f"layer {ctx.index} group {group.name}: no finite loss (losses {history})")
     best_i = int(np.argmin(np.where(finite, losses, np.inf)))  # first minimum, as llm-awq's strict '<'
     ratio = best_i * 1 / opts.n_grid
-    s = grid_scales(stat, jnp.float32(ratio), opts.normalize)
+    s = grid_scales(jnp.asarray(stat), jnp.float32(ratio), opts.normalize)
     if not np.all(np.isfinite(np.asarray(s))):
         raise FloatingPointError(f"layer {ctx.index} group {group.name}: non-finite scales at alpha={ratio}")
     return s, ratio, history
@@ -223,10 +225,10 @@ def apply_scale(p: dict, caps: dict, s_prev, s_fc, group: ScaleGroup):
 # ----------------------------------------------------------------------------- clipping
 
 
-@partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "n_grid", "n_shrink"))
-def _clip_search(w, x, bits, group_size, symmetric, n_grid, n_shrink):
+def clip_search(w, x, bits, group_size, symmetric, n_grid, n_shrink):
     """llm-awq ``auto_clip_layer`` on w [K, N] (groups along K) with sampled inputs x [t, K]:
-    best max_val per (group, column), [K/g, N]."""
+    best max_val per (group, column), [K/g, N]. Columns are independent: the search runs on equal column
+    chunks, one per chip."""
     K, N = w.shape
     G = K // group_size
     wg = w.reshape(G, group_size, N)
@@ -250,6 +252,9 @@ def _clip_search(w, x, bits, group_size, symmetric, n_grid, n_shrink):
     return best
 
 
+_clip_search = jax.jit(clip_search, static_argnames=("bits", "group_size", "symmetric", "n_grid", "n_shrink"))
+
+
 def sample_tokens(x, n_sample_token: int):
     """llm-awq: flatten to [tokens, K] and keep every (tokens // n_sample_token)-th token."""
     x = x.reshape(-1, x.shape[-1])
@@ -257,20 +262,37 @@ def sample_tokens(x, n_sample_token: int):
     return x[::max(step, 1)]
 
 
-def auto_clip(w, x, opts: AWQOptions):
-    xs = sample_tokens(x, opts.n_sample_token)
+def column_chunks(w: np.ndarray, width: int) -> np.ndarray:
+    """[K, N] -> [C, K, width] equal column chunks, the last one padded with zero columns."""
+    K, N = w.shape
+    c = -(-N // width)
+    padded = np.zeros((K, c * width), np.float32)
+    padded[:, :N] = w
+    return np.ascontiguousarray(padded.reshape(K, c, width).transpose(1, 0, 2))
+
+
+def auto_clip(w, x, opts: AWQOptions, runner=None):
+    """Best clipping max_val [K/g, N] of w [K, N] for its captured input x (host arrays). ``runner``: the
+    layer's :class:`lrmq.ptq.shard.UnitRunner` (column chunks over its chips); None: one device."""
+    w = np.asarray(w, np.float32)
+    xs = np.ascontiguousarray(sample_tokens(np.asarray(x), opts.n_sample_token), np.float32)
     N = w.shape[1]
-    n_shrink = int(opts.max_shrink * opts.n_grid)
-    parts = [_clip_search(w[:, s:s + opts.oc_batch], xs, opts.bits, opts.group_size, opts.symmetric, opts.n_grid,
-                          n_shrink) for s in range(0, N, opts.oc_batch)]
-    return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    width = min(opts.oc_batch, N)
+    runner = runner or UnitRunner(ptq_mesh(1), 1, 1)
+    parts = runner.map_items(_clip_chunk, (runner.replicate(xs),), (column_chunks(w, width),), bits=opts.bits,
+                             group_size=opts.group_size, symmetric=opts.symmetric, n_grid=opts.n_grid,
+                             n_shrink=int(opts.max_shrink * opts.n_grid))
+    return np.concatenate(list(parts), axis=1)[:, :N]
 
 
-@partial(jax.jit, static_argnames=("group_size",))
+def _clip_chunk(xs, w, **kw):
+    return clip_search(w, xs, **kw)
+
+
 def apply_clip(w, max_val, group_size):
     K, N = w.shape
-    wg = w.reshape(K // group_size, group_size, N)
-    return jnp.clip(wg, -max_val[:, None, :], max_val[:, None, :]).reshape(K, N)
+    wg = np.asarray(w).reshape(K // group_size, group_size, N)
+    return np.clip(wg, -max_val[:, None, :], max_val[:, None, :]).reshape(K, N)
 
 
 CLIP_SKIP = ("q_", "k_", "query", "key", "Wqkv")
@@ -279,8 +301,13 @@ CLIP_SKIP = ("q_", "k_", "query", "key", "Wqkv")
 # ----------------------------------------------------------------------------- per layer
 
 
-def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activation_stat, result: PTQResult = None):
-    """Scale search + fold + clip + quantize for one layer; returns the new float32 params."""
+_fold = jax.jit(fold_scale, static_argnames=("group",))
+
+
+def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activation_stat,
+              result: PTQResult | None = None) -> LayerOut:
+    """Scale search + fold + clip + quantize for one layer; returns its :class:`LayerOut` (new float32 params and
+    the packed weights); the searched scales and losses go to ``result``."""
     p = dict(ctx.params)
     caps = dict(ctx.inputs())
     layer_info = {"groups": {}}
@@ -307,7 +334,8 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
                 s_fc = upsample_vo(s_prev, ctx.spec)
             else:
                 s_prev = s_fc = s
-            p, caps = apply_scale(p, caps, s_prev, s_fc, group)
+            p = {k: np.asarray(v) for k, v in _fold(p, s_prev, s_fc, group).items()}
+            caps[group.inp] = caps[group.inp] / np.asarray(s_fc, np.float32)  # IEEE division, on the host
             if result is not None:
                 result.scales.setdefault(ctx.index, {})[group.name] = (np.asarray(s_prev), np.asarray(s_fc))
     if opts.clip:
@@ -315,25 +343,27 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
             if any(t in name for t in CLIP_SKIP):
                 continue
             g = resolve_group_size(p[name].shape, opts.group_size)
-            mv = auto_clip(p[name], caps[lf.INPUT_OF[name]], dataclasses.replace(opts, group_size=g))
+            mv = auto_clip(p[name], caps[lf.INPUT_OF[name]], dataclasses.replace(opts, group_size=g), ctx.runner)
             p[name] = apply_clip(p[name], mv, g)
+    packed = {}
     for name in lf.LINEARS:
-        fq, qw = quantize_linear(p[name], opts.bits, opts.group_size, opts.symmetric)
-        p[name] = fq
-        if result is not None:
-            result.packed[lw.linear_path(ctx.index, name)] = qw
+        fq, packed[name] = quantize_linear(p[name], opts.bits, opts.group_size, opts.symmetric)
+        p[name] = np.asarray(fq)
     if result is not None:
         result.info.setdefault("layers", {})[ctx.index] = layer_info
-    return p
+    return LayerOut(index=ctx.index, params=p, packed=packed)
 
 
-def awq_quantize_model(model, tokens, opts: AWQOptions = AWQOptions(), *, stat_fn: StatFn = activation_stat,
-                       method: str = "awq", progress: bool = True) -> PTQResult:
-    """Run AWQ (or QuantLRM with its ``stat_fn``) over ``model`` in place; ``tokens`` int [n_blocks, T]."""
+def awq_quantize_model(source, tokens, opts: AWQOptions = AWQOptions(), *, stat_fn: StatFn = activation_stat,
+                       method: str = "awq", progress: bool = True, emit=None, mesh=None) -> PTQResult:
+    """Run AWQ (or QuantLRM with its ``stat_fn``) over ``source`` (a model, quantized in place, or a
+    :mod:`lrmq.ptq.source` source whose layers go to ``emit``); ``tokens`` int [n_blocks, T]; ``mesh``: the PTQ
+    mesh (default: all local devices)."""
     result = PTQResult(method=method, packed={}, bits=opts.bits, group_size=opts.group_size,
                        symmetric=opts.symmetric)
     timings: list[float] = []
-    lw.run_layerwise(model, tokens, lambda ctx: awq_layer(ctx, opts, stat_fn, result), propagate=opts.propagate,
-                     batch_size=opts.batch_size, desc=method.upper(), progress=progress, timings=timings)
+    lw.run_layerwise(source, tokens, lambda ctx: awq_layer(ctx, opts, stat_fn, result), emit=result.collector(source, emit),
+                     propagate=opts.propagate, batch_size=opts.batch_size, mesh=mesh, desc=method.upper(),
+                     progress=progress, timings=timings)
     result.info["seconds_per_layer"] = timings
     return result

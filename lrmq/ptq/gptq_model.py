@@ -37,6 +37,8 @@ import numpy as np
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.layer_fn import INPUT_OF, UPSTREAM
 from lrmq.ptq.result import PTQResult
+from lrmq.ptq.shard import UnitRunner, ptq_mesh
+from lrmq.ptq.stream import LayerOut
 from lrmq.ptq.gptq import gptq_codes, gptq_quantize, prepare_hessian
 from lrmq.quant import packing
 from lrmq.quant.qweight import QuantizedWeight
@@ -58,16 +60,18 @@ class GPTQOptions:
     batch_size: int = 8
 
 
-@jax.jit
-def _xtx(x):
+def unit_xtx(x):
+    """One unit's ``X^T X`` over its tokens: [K, K] float32."""
     x = x.reshape(-1, x.shape[-1])
     return jnp.einsum("tk,tl->kl", x, x, preferred_element_type=jnp.float32)
 
 
-def hessian(x) -> np.ndarray:
-    """``2/n_seq * X^T X`` over all tokens of x [n_seq, T, K] (the reference's H after n_seq batches)."""
+def hessian(x, runner: UnitRunner | None = None) -> np.ndarray:
+    """``2/n_seq * X^T X`` over all tokens of x [n_seq, T, K] (the reference's H after n_seq batches): unit
+    products summed in unit order on the host (:mod:`lrmq.ptq.shard`); ``runner`` None: one device, one unit."""
     x = np.asarray(x, np.float32)
-    return np.asarray(_xtx(x)) * np.float32(2.0 / x.shape[0])
+    runner = runner or UnitRunner(ptq_mesh(1), x.shape[0], x.shape[0])
+    return runner.sum(unit_xtx, (), (x,)) * np.float32(2.0 / x.shape[0])
 
 
 def _packed_from_result(res, bits: int, group_size: int, symmetric: bool) -> QuantizedWeight | None:
@@ -81,10 +85,11 @@ def _packed_from_result(res, bits: int, group_size: int, symmetric: bool) -> Qua
                            shape=(K, N), dtype="float32", symmetric=bool(symmetric), double_quant=False)
 
 
-def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> dict:
+def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> LayerOut:
     p = dict(ctx.params)
     stages = TRUE_SEQUENTIAL if opts.true_sequential else (tuple(n for s in TRUE_SEQUENTIAL for n in s),)
     info = {}
+    packed, g_idx = {}, {}
     # captured inputs still exact for the current weights (none of their UPSTREAM Linears changed since),
     # handed back to later forwards so they skip the work before them (attn_in is left out: a norm)
     exact: dict[str, np.ndarray] = {}
@@ -93,7 +98,7 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> di
         # Hinv per input (q/k/v share attn_in, gate/up share mlp_in)
         need = {INPUT_OF[name] for name in stage}
         caps = ctx.inputs_only(need, p, given={k: v for k, v in exact.items() if k not in need})
-        h_of = {inp: prepare_hessian(hessian(x), percdamp=opts.percdamp, act_order=opts.act_order)
+        h_of = {inp: prepare_hessian(hessian(x, ctx.runner), percdamp=opts.percdamp, act_order=opts.act_order)
                 for inp, x in caps.items()}
         hs = {name: h_of[INPUT_OF[name]] for name in stage}
         exact.update((k, v) for k, v in caps.items() if k != "attn_in")
@@ -105,26 +110,29 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> di
                                 symmetric=opts.symmetric, block_size=opts.block_size, percdamp=opts.percdamp,
                                 act_order=opts.act_order, static_groups=opts.static_groups)
             # the same float32 values the packed weight dequantizes to
-            p[name] = jnp.asarray(res.w_q, jnp.float32)
-            path = lw.linear_path(ctx.index, name)
+            p[name] = np.asarray(res.w_q, np.float32)
             qw = _packed_from_result(res, opts.bits, opts.group_size, opts.symmetric)
             if qw is not None:
-                result.packed[path] = qw
+                packed[name] = qw
             else:
-                result.g_idx[path] = res.g_idx
+                g_idx[name] = res.g_idx
             info[name] = "packed" if qw is not None else "act-order g_idx (fake-quant only)"
     result.info.setdefault("layers", {})[ctx.index] = info
     if opts.propagate == "quantized":  # the next layer's input, from the exact inputs kept
         ctx.output = ctx.forward_given(p, exact)
-    return p
+    return LayerOut(index=ctx.index, params=p, packed=packed, g_idx=g_idx)
 
 
-def gptq_quantize_model(model, tokens, opts: GPTQOptions = GPTQOptions(), *, progress: bool = True) -> PTQResult:
-    """GPTQ the seven projections of every layer of ``model`` in place; ``tokens`` int [n_seq, T]."""
+def gptq_quantize_model(source, tokens, opts: GPTQOptions = GPTQOptions(), *, progress: bool = True, emit=None,
+                        mesh=None) -> PTQResult:
+    """GPTQ the seven projections of every layer of ``source`` (a model, in place, or a :mod:`lrmq.ptq.source`
+    source whose layers go to ``emit``); ``tokens`` int [n_seq, T]; ``mesh``: the PTQ mesh (default: all local
+    devices)."""
     result = PTQResult(method="gptq", packed={}, bits=opts.bits, group_size=opts.group_size,
                        symmetric=opts.symmetric)
     timings: list[float] = []
-    lw.run_layerwise(model, tokens, lambda ctx: gptq_layer(ctx, opts, result), propagate=opts.propagate,
-                     batch_size=opts.batch_size, desc="GPTQ", progress=progress, timings=timings)
+    lw.run_layerwise(source, tokens, lambda ctx: gptq_layer(ctx, opts, result), emit=result.collector(source, emit),
+                     propagate=opts.propagate, batch_size=opts.batch_size, mesh=mesh, desc="GPTQ", progress=progress,
+                     timings=timings)
     result.info["seconds_per_layer"] = timings
     return result

@@ -1,28 +1,28 @@
-"""Streaming layer-by-layer PTQ driver.
+"""Streaming layer-by-layer PTQ driver, sharded over the host's chips.
 
 Pipeline (llm-awq ``run_awq`` / GPTQ ``llama_sequential`` structure)::
 
-    x = embed(calibration tokens)                      # float32 [n_blocks, T, D]
+    x = embed(calibration tokens)                      # float32 [n_blocks, T, D], on the host
     for i in layers:                                   # tqdm bar with ETA
-        p   = float32 copy of layer i's weights        # one layer materialized
+        p   = layer i's float32 weights from the source  # read when its turn comes; i+1 prefetched meanwhile
         x'  = layer(p, x)                              # FP outputs, before any change (AWQ/QuantLRM)
-        p_q = method(LayerContext(i, p, x, ...))       # search + fold + clip + quantize this layer
-        write p_q back into the model (param dtype)
-        x   = x' (propagate="fp")  or  layer(p_q, x) (propagate="quantized", GPTQ reference)
+        out = method(LayerContext(i, p, x, ...))       # search + fold + clip + quantize this layer: a LayerOut
+        emit(out)                                      # into the model in place, or the streamed exports
+        x   = x' (propagate="fp")  or  layer(out.params, x) (propagate="quantized", GPTQ reference)
 
-``layer(p, x)`` is the model's own ``DecoderLayer`` run as a pure jitted function of the float32
-weights (:mod:`lrmq.ptq.layer_fn`), so methods call it with modified weights (scaled, fake-quantized)
-without touching the model; with ``capture=True`` it also returns each Linear's input, recorded
-through the linear seam (``attn_in``, ``o_in``, ``mlp_in``, ``down_in``: see ``layer_fn``).
+The **source** (:mod:`lrmq.ptq.source`) is an in-memory model or a checkpoint read layer by layer: the
+Decoder is then never built, and the host holds one layer (plus the next one, prefetched) besides the
+calibration activations. ``layer(p, x)`` is the model's own ``DecoderLayer`` run as a pure function of
+the float32 weights (:mod:`lrmq.ptq.layer_fn`), so methods call it with modified weights (scaled,
+fake-quantized); with ``capture=True`` it also returns each Linear's input, recorded through the
+linear seam (``attn_in``, ``o_in``, ``mlp_in``, ``down_in``: see ``layer_fn``).
+
+Every pass over the calibration blocks runs through :class:`lrmq.ptq.shard.UnitRunner`: units of a fixed
+number of blocks, one per chip per step, results concatenated or summed on the host in unit order, so
+1 and N chips give the same bytes. Activations (``x``, ``x'`` and the captures) live on the host; a chip
+holds the layer's weights and one unit's activations.
 
 Everything here computes in float32 whatever the model's compute dtype (llm-awq searches in fp16).
-
-Memory actually held: the model itself (one copy, in its param dtype: the quantized layers are
-written back in place, so there is never a second full float copy), the calibration hidden states
-``x`` and ``x'`` ([n_blocks, T, D] float32 each), one layer's float32 weights and that layer's
-captured inputs (``mlp_in``/``down_in`` are [n_blocks, T, D] and [n_blocks, T, intermediate]).
-Packed results are kept per Linear (small).  The layer forward runs over chunks of ``batch_size``
-blocks so the attention scores stay [batch_size, heads, T, T].
 """
 
 from __future__ import annotations
@@ -35,23 +35,27 @@ import jax
 import numpy as np
 
 from lrmq.model.config import ModelConfig
-from lrmq.ptq.layer_fn import (MODULE_OF, LayerSpec, get_layer_params, layer_forward_jit, layer_run_jit,
-                               layer_spec, set_layer_params)
-
-
-def chunked(fn: Callable, *arrays, batch_size: int):
-    """Apply ``fn`` to chunks of ``batch_size`` along axis 0 of every array and concatenate outputs
-    (pytrees of arrays)."""
-    arrays = [np.asarray(a) for a in arrays]  # host slicing: no per-shape XLA slice programs
-    n = arrays[0].shape[0]
-    outs = [fn(*(a[s:s + batch_size] for a in arrays)) for s in range(0, n, batch_size)]
-    if len(outs) == 1:
-        return jax.tree.map(np.asarray, outs[0])
-    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(v) for v in xs], axis=0), *outs)
+from lrmq.ptq import layer_fn as lf
+from lrmq.ptq.layer_fn import MODULE_OF, LayerSpec, layer_spec
+from lrmq.ptq.shard import UnitRunner, ptq_mesh
+from lrmq.ptq.source import as_source
+from lrmq.ptq.stream import LayerOut
 
 
 def positions_for(n: int, t: int) -> np.ndarray:
-    return np.broadcast_to(np.arange(t, dtype=np.int32), (n, t))
+    return np.ascontiguousarray(np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)))
+
+
+# ----------------------------------------------------------------------------- per-unit functions
+
+
+def unit_forward(p, x, pos, *, spec, capture):
+    """One unit's layer output (and captures): the body :class:`UnitRunner` runs on every chip."""
+    return lf.layer_forward(p, spec, x, pos, capture=capture)
+
+
+def unit_run(p, x, pos, *given, spec, names, keys):
+    return lf.layer_run(p, spec, x, pos, names=names, given=dict(zip(keys, given)))
 
 
 @dataclasses.dataclass
@@ -60,28 +64,49 @@ class LayerContext:
 
     index: int
     spec: LayerSpec
-    params: dict[str, jax.Array]  # float32, original (FP) weights of this layer
-    x: jax.Array  # [n, T, D] float32 layer input
-    positions: jax.Array  # [n, T]
-    batch_size: int
+    params: dict[str, np.ndarray]  # float32, original (FP) weights of this layer (host)
+    x: np.ndarray  # [n, T, D] float32 layer input (host)
+    positions: np.ndarray  # [n, T]
+    runner: UnitRunner
     cfg: ModelConfig
     _captures: dict | None = None
+    _fp_out: np.ndarray | None = None
+    _replicated: tuple | None = None  # (the params dict's arrays, their copy on every chip)
     # the layer's output with the params the method returns, when the method computed it (GPTQ, from
     # inputs it captured on the way): run_layerwise's propagate="quantized" then uses it
     output: np.ndarray | None = None
 
-    def forward(self, params=None, capture: bool = False):
-        p = self.params if params is None else params
-        return chunked(lambda x, pos: layer_forward_jit(p, self.spec, x, pos, capture=capture), self.x,
-                       self.positions, batch_size=self.batch_size)
+    @property
+    def batch_size(self) -> int:
+        return self.runner.size
 
-    def inputs(self, params=None) -> dict[str, jax.Array]:
-        """Captured Linear inputs; with ``params=None`` (the FP weights) computed once and cached."""
+    def on_chips(self, params=None):
+        """``params`` (default: the FP weights) replicated on the mesh, cached for the last dict given."""
+        p = self.params if params is None else params
+        held = self._replicated
+        if held is None or held[0].keys() != p.keys() or any(held[0][k] is not v for k, v in p.items()):
+            self._replicated = held = (dict(p), self.runner.replicate(p))  # keyed by the arrays (dicts get updated)
+        return held[1]
+
+    def forward(self, params=None, capture: bool = False):
+        out = self.runner.concat(unit_forward, (self.on_chips(params),), (self.x, self.positions), spec=self.spec,
+                                 capture=capture)
+        return out
+
+    def inputs(self, params=None) -> dict[str, np.ndarray]:
+        """Captured Linear inputs; with ``params=None`` (the FP weights) computed once and cached, with the
+        FP output (:meth:`fp_output`) from the same pass."""
         if params is None:
             if self._captures is None:
-                _, self._captures = self.forward(capture=True)
+                self._fp_out, self._captures = self.forward(capture=True)
             return self._captures
         return self.forward(params, capture=True)[1]
+
+    def fp_output(self) -> np.ndarray:
+        """The FP layer's output (from the capture pass when it ran)."""
+        if self._fp_out is None:
+            self._fp_out = self.forward()
+        return self._fp_out
 
     def inputs_only(self, names, params=None, given=None) -> dict[str, np.ndarray]:
         """The captured inputs ``names`` (``attn_in`` ...) only; the layer past them is not computed.
@@ -93,10 +118,10 @@ class LayerContext:
         return self._run(params, None, given)
 
     def _run(self, params, names, given):
-        p = self.params if params is None else params
         keys = tuple(sorted(given or {}))
-        return chunked(lambda x, pos, *g: layer_run_jit(p, self.spec, x, pos, names=names, given=dict(zip(keys, g))),
-                       self.x, self.positions, *[given[k] for k in keys], batch_size=self.batch_size)
+        return self.runner.concat(unit_run, (self.on_chips(params),),
+                                  (self.x, self.positions, *[given[k] for k in keys]), spec=self.spec, names=names,
+                                  keys=keys)
 
     @property
     def prefix(self) -> str:
@@ -107,44 +132,57 @@ def linear_path(i: int, name: str) -> str:
     return f"layers.{i}.{MODULE_OF[name]}.{name}"
 
 
-def embed_tokens(model, tokens) -> jax.Array:
-    emb = np.asarray(model.embed.embedding[...])
-    return emb[np.asarray(tokens)].astype(np.float32)
+def embed_tokens(source, tokens) -> np.ndarray:
+    emb = as_source(source).embedding()
+    return np.asarray(emb)[np.asarray(tokens)].astype(np.float32)
 
 
-def run_layerwise(model, tokens, process_layer: Callable[[LayerContext], dict[str, jax.Array]], *,
-                  propagate: str = "fp", batch_size: int = 8, desc: str = "PTQ", progress: bool = True,
-                  timings: list | None = None) -> None:
-    """Drive ``process_layer`` over every decoder layer (see module doc). ``tokens``: int [n, T].
-
-    ``process_layer(ctx)`` returns the layer's new float32 params (dict as ``get_layer_params``);
-    they are written back into ``model`` in place. ``timings`` (a list) receives seconds per layer.
-    """
-    if propagate not in ("fp", "quantized"):
-        raise ValueError(f"propagate must be 'fp' or 'quantized', got {propagate!r}")
+def check_tokens(tokens, vocab_size: int) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.size == 0:
         raise ValueError(f"calibration tokens must be a non-empty [n_blocks, T] array, got shape {tokens.shape}")
-    if tokens.max() >= model.cfg.vocab_size:
-        raise ValueError(f"calibration token id {int(tokens.max())} >= vocab_size {model.cfg.vocab_size}")
-    cfg = model.cfg
-    x = embed_tokens(model, tokens)
+    if tokens.max() >= vocab_size:
+        raise ValueError(f"calibration token id {int(tokens.max())} >= vocab_size {vocab_size}")
+    return tokens
+
+
+def run_layerwise(source, tokens, process_layer: Callable[[LayerContext], "LayerOut | dict"], *,
+                  emit: Callable[[LayerOut], None] | None = None, propagate: str = "fp", batch_size: int = 8,
+                  mesh=None, desc: str = "PTQ", progress: bool = True, timings: list | None = None) -> None:
+    """Drive ``process_layer`` over every decoder layer of ``source`` (a model, or a
+    :mod:`lrmq.ptq.source` source; see module doc). ``tokens``: int [n, T]; ``mesh``: the PTQ mesh
+    (default: all local devices, :func:`lrmq.ptq.shard.ptq_mesh`).
+
+    ``process_layer(ctx)`` returns the layer's :class:`LayerOut` (or a dict of its new float32 params). Each
+    is handed to ``emit``; the default (a model source) writes the params back into the model in place.
+    ``timings`` (a list) receives seconds per layer.
+    """
+    if propagate not in ("fp", "quantized"):
+        raise ValueError(f"propagate must be 'fp' or 'quantized', got {propagate!r}")
+    src = as_source(source)
+    cfg = src.cfg
+    tokens = check_tokens(tokens, cfg.vocab_size)
+    emit = emit or src.write_back
+    x = embed_tokens(src, tokens)
     pos = positions_for(*tokens.shape)
+    runner = UnitRunner.for_blocks(mesh if mesh is not None else ptq_mesh(), tokens.shape[0], batch_size)
     from tqdm.auto import tqdm
 
     bar = tqdm(range(cfg.num_layers), desc=desc, unit="layer", disable=not progress)
+    layers = src.layers()
     for i in bar:
         t0 = time.perf_counter()
-        layer = model.layers[i]
-        ctx = LayerContext(index=i, spec=layer_spec(cfg, i), params=get_layer_params(layer), x=x, positions=pos,
-                           batch_size=batch_size, cfg=cfg)
-        x_fp = ctx.forward() if propagate == "fp" else None
-        new_p = process_layer(ctx)
-        set_layer_params(layer, new_p)
+        ctx = LayerContext(index=i, spec=layer_spec(cfg, i), params=next(layers), x=x, positions=pos, runner=runner,
+                           cfg=cfg)
+        out = process_layer(ctx)
+        if not isinstance(out, LayerOut):
+            out = LayerOut(index=i, params=dict(out), packed={})
+        emit(out)
         if propagate == "fp":
-            x = x_fp
+            x = ctx.fp_output()
         else:
-            x = ctx.output if ctx.output is not None else ctx.forward(new_p)
-        del ctx
+            x = ctx.output if ctx.output is not None else ctx.forward(out.params)
+        del ctx, out
         if timings is not None:
             timings.append(time.perf_counter() - t0)
+    layers.close()

@@ -211,9 +211,11 @@ def quantlrm_awq_options(base: AWQOptions) -> AWQOptions:
     return dataclasses.replace(base, normalize=False, gqa_vo="downsample")
 
 
-def quantlrm_quantize_model(model, tokens, importances, opts: AWQOptions, *, progress: bool = True) -> PTQResult:
-    return awq_quantize_model(model, tokens, opts, stat_fn=importance_stat_fn(importances), method="quantlrm",
-                              progress=progress)
+def quantlrm_quantize_model(source, tokens, importances, opts: AWQOptions, *, progress: bool = True, emit=None,
+                            mesh=None) -> PTQResult:
+    """AWQ with the fine-tuning importance as the statistic (``awq_quantize_model``'s source / emit / mesh)."""
+    return awq_quantize_model(source, tokens, opts, stat_fn=importance_stat_fn(importances), method="quantlrm",
+                              progress=progress, emit=emit, mesh=mesh)
 
 
 def importance_artifacts(ft: TensorSource, base: TensorSource, importances, stats, mapping: str, R: float,

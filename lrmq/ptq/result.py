@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
+from lrmq.ptq.layerwise import linear_path
+from lrmq.ptq.source import as_source
 from lrmq.quant.formats import WeightFormat, formats_of
 from lrmq.quant.qweight import QuantizedWeight
 
@@ -29,11 +31,37 @@ class PTQResult:
     # None: `WeightFormat.of_weight` of the packed weights with `method` as the scheme (`weight_format()`)
     weight_format: Optional[WeightFormat] = None
 
+    # a streamed run (the layers went to an export, not into `packed`): the formats and act-order Linears seen
+    streamed_formats: list = dataclasses.field(default_factory=list)
+
     def formats(self) -> list[WeightFormat]:
         """The result's weight format(s): one for every model lrmq writes."""
         if self.weight_format is not None:
             return [self.weight_format]
+        if not self.packed and self.streamed_formats:
+            return list(self.streamed_formats)
         return formats_of(self.packed, self.method, group_size=self.group_size)
+
+    def collector(self, source, emit: Optional[Callable] = None) -> Callable:
+        """What the layerwise driver calls with each finished layer (:class:`lrmq.ptq.stream.LayerOut`). Without
+        ``emit`` (an in-memory model): the layer's weights are written back into the model and its packed
+        weights kept in ``packed`` / ``g_idx``. With ``emit`` (a streamed run): the layer goes to ``emit`` and
+        only its formats are kept."""
+        def collect(out):
+            paths = {name: linear_path(out.index, name) for name in (*out.packed, *out.g_idx)}
+            if emit is None:
+                as_source(source).write_back(out)
+                self.packed.update((paths[n], qw) for n, qw in out.packed.items())
+                self.g_idx.update((paths[n], g) for n, g in out.g_idx.items())
+                return
+            emit(out)
+            for f in formats_of({paths[n]: qw for n, qw in out.packed.items()}, self.method,
+                                group_size=self.group_size):
+                if f not in self.streamed_formats:
+                    self.streamed_formats.append(f)
+            self.g_idx.update((paths[n], np.asarray(g)) for n, g in out.g_idx.items())
+
+        return collect
 
     def describe_format(self) -> str:
         return ", ".join(f.describe() for f in self.formats()) or "no quantized weights"

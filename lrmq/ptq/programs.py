@@ -1,0 +1,191 @@
+"""Every program a layer-by-layer PTQ run compiles, at a model's real shapes, for ahead-of-time compiling.
+
+:func:`layer_programs` lists, for one decoder layer of each distinct layer type, the programs the driver
+(:mod:`lrmq.ptq.layerwise`) and the method (AWQ / QuantLRM / GPTQ) run on the PTQ mesh: the very functions
+and shardings of a real run (:func:`lrmq.ptq.shard.unit_program`), with abstract arguments
+(``jax.ShapeDtypeStruct`` placed on ``mesh``). ``prog.fn.lower(*prog.args).compile()`` compiles one for the
+mesh's devices (a TPU topology through libtpu, a GPU one through the CUDA plugin: ``lrmq.quantize
+--compile-only``), and ``calls`` says how many times a layer runs it (for time estimates).
+
+:func:`host_bytes` is what the host holds during the run (the driver's accounting: activations stay on the
+host, one layer's weights plus the prefetched next one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from lrmq.model.config import ModelConfig
+from lrmq.model.decoder import DecoderLayer
+from lrmq.ptq import layer_fn as lf
+from lrmq.ptq import layerwise as lw
+from lrmq.ptq.awq import _clip_chunk, _fold, _vo_shapes_match, scale_groups, unit_abs_sum, unit_grid_losses
+from lrmq.ptq.gptq_model import TRUE_SEQUENTIAL, unit_xtx
+from lrmq.ptq.rtn import _quantize_jit
+from lrmq.ptq.shard import AXIS, unit_program, unit_size
+from lrmq.quant.quantizers import resolve_group_size
+
+F32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass
+class Program:
+    name: str  # e.g. "awq grid losses mlp_in (layer type full_attention)"
+    fn: Callable  # jitted: fn.lower(*args).compile()
+    args: tuple  # ShapeDtypeStructs with shardings on the mesh
+    calls: int = 1  # times one layer runs it
+
+
+def abstract_layer_params(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of layer i's float32 weights, keyed as ``layer_fn.get_layer_params``."""
+    cfg32 = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
+    state = nnx.state(nnx.eval_shape(lambda: DecoderLayer(cfg32, cfg.layer_types[i], nnx.Rngs(0))), nnx.Param)
+    return {lf.param_key(tuple(p)): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(state)}
+
+
+def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def capture_widths(cfg: ModelConfig) -> dict[str, int]:
+    """Last-axis width of each captured Linear input."""
+    return {"attn_in": cfg.hidden_size, "o_in": cfg.num_heads * cfg.head_dim, "mlp_in": cfg.hidden_size,
+            "down_in": cfg.intermediate_size}
+
+
+def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int) -> list[Program]:
+    """The per-layer programs of ``qcfg.method`` (awq, quantlrm, gptq) on ``mesh`` for ``n_blocks`` calibration
+    blocks of ``block_size`` tokens (module doc). One set per distinct layer type."""
+    method = qcfg.method
+    if method not in ("awq", "quantlrm", "gptq"):
+        raise ValueError(f"method {method}: only the calibrated layer-by-layer methods (awq, quantlrm, gptq) run "
+                         "programs over the calibration blocks")
+    d = mesh.devices.size
+    u = unit_size(n_blocks, qcfg.calibration.batch_size)
+    units = n_blocks // u
+    steps = -(-units // d)
+    rep, shd = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    one = NamedSharding(mesh, P())  # single-device programs (fold, quantize) take replicated inputs here
+    x_of = lambda width: _sds((d, u, block_size, width), F32, shd)  # noqa: E731 one unit per chip
+    pos = _sds((d, u, block_size), np.dtype(np.int32), shd)
+    widths = capture_widths(cfg)
+    out: list[Program] = []
+    for lt in dict.fromkeys(cfg.layer_types):
+        i = cfg.layer_types.index(lt)
+        spec = lf.layer_spec(cfg, i)
+        shapes = abstract_layer_params(cfg, i)
+        p = {k: _sds(s, F32, rep) for k, s in shapes.items()}
+        tag = f"(layer type {lt})"
+        if method in ("awq", "quantlrm"):
+            out.append(Program(f"forward + captures {tag}", unit_program(lw.unit_forward, mesh, 1, 2, spec=spec,
+                                                                         capture=True),
+                               (p, x_of(cfg.hidden_size), pos), steps))
+            a = qcfg.awq
+            bits, g, sym = qcfg.bits, qcfg.group_size, qcfg.symmetric
+            gqa_vo = qcfg.quantlrm.gqa_vo if method == "quantlrm" else a.gqa_vo
+            normalize = qcfg.quantlrm.normalize if method == "quantlrm" else a.normalize
+            for group in scale_groups(spec) if a.scale else ():
+                if group.name == "attn_out" and not _vo_shapes_match(p) and gqa_vo == "skip":
+                    continue
+                k = widths[group.inp]
+                if method == "awq":
+                    out.append(Program(f"activation statistic {group.name} {tag}",
+                                       unit_program(unit_abs_sum, mesh, 0, 1), (x_of(k),), steps))
+                fn = unit_program(unit_grid_losses, mesh, 2, 2, group=group, spec=spec, n_grid=a.n_grid,
+                                  normalize=normalize, bits=bits, group_size=g, symmetric=sym)
+                out.append(Program(f"grid losses {group.name} {tag}", fn,
+                                   (p, _sds((k,), F32, rep), x_of(k), pos), steps))
+                # fold: a one-device program on the layer's weights (GQA v -> o: v's scales are downsampled)
+                s_fc = _sds((k,), F32, one)
+                s_prev = _sds((shapes[group.prev][-1],), F32, one) if group.prev in lf.LINEARS else s_fc
+                out.append(Program(f"fold scales {group.name} {tag}", _bind(_fold, group=group),
+                                   ({kk: _sds(v, F32, one) for kk, v in shapes.items()}, s_prev, s_fc), 1))
+            if a.clip:
+                seen = set()
+                for name in lf.LINEARS:
+                    if name in ("q_proj", "k_proj"):
+                        continue
+                    K, N = shapes[name]
+                    gs = resolve_group_size((K, N), g)
+                    if (K, N, gs) in seen:
+                        continue
+                    seen.add((K, N, gs))
+                    width = min(a.oc_batch, N)
+                    chunks = -(-N // width)
+                    n_tok = min(a.n_sample_token, n_blocks * block_size)
+                    fn = unit_program(_clip_chunk, mesh, 1, 1, bits=bits, group_size=gs, symmetric=sym,
+                                      n_grid=a.n_grid, n_shrink=int(a.max_shrink * a.n_grid))
+                    out.append(Program(f"clip search {name} [{K}, {N}] {tag}", fn,
+                                       (_sds((n_tok, K), F32, rep), _sds((d, K, width), F32, shd)),
+                                       -(-chunks // d)))
+            if a.propagate == "quantized":
+                out.append(Program(f"forward {tag}", unit_program(lw.unit_forward, mesh, 1, 2, spec=spec,
+                                                                  capture=False),
+                                   (p, x_of(cfg.hidden_size), pos), steps))
+        else:
+            gq = qcfg.gptq
+            stages = TRUE_SEQUENTIAL if gq.true_sequential else (tuple(n for s in TRUE_SEQUENTIAL for n in s),)
+            exact: set[str] = set()
+            for k, stage in enumerate(stages):
+                need = tuple(sorted({lf.INPUT_OF[n] for n in stage}))
+                keys = tuple(sorted(exact - set(need)))
+                fn = unit_program(lw.unit_run, mesh, 1, 2 + len(keys), spec=spec, names=need, keys=keys)
+                out.append(Program(f"stage {k} inputs {'/'.join(need)} {tag}", fn,
+                                   (p, x_of(cfg.hidden_size), pos, *[x_of(widths[kk]) for kk in keys]), steps))
+                exact |= {n for n in need if n != "attn_in"}
+                exact = {kk for kk in exact if not set(stage) & set(lf.UPSTREAM[kk])}
+            for inp in dict.fromkeys(lf.INPUT_OF.values()):
+                out.append(Program(f"X^T X {inp} [{widths[inp]}] {tag}", unit_program(unit_xtx, mesh, 0, 1),
+                                   (x_of(widths[inp]),), steps))
+            if gq.propagate == "quantized":
+                keys = tuple(sorted(exact))
+                fn = unit_program(lw.unit_run, mesh, 1, 2 + len(keys), spec=spec, names=None, keys=keys)
+                out.append(Program(f"forward {tag}", fn,
+                                   (p, x_of(cfg.hidden_size), pos, *[x_of(widths[kk]) for kk in keys]), steps))
+        if method in ("awq", "quantlrm"):
+            for name in dict.fromkeys(lf.LINEARS):
+                K, N = shapes[name]
+                gs = resolve_group_size((K, N), qcfg.group_size)
+                out.append(Program(f"quantize {name} [{K}, {N}] {tag}",
+                                   _bind(_quantize_jit, bits=qcfg.bits, group_size=gs, symmetric=qcfg.symmetric),
+                                   (_sds((K, N), F32, one),), 1))
+    return out
+
+
+class _bind:
+    """A jitted function with some static keyword arguments fixed: ``lower(*args)`` as the program's own."""
+
+    def __init__(self, fn, **static):
+        self.fn, self.static = fn, static
+
+    def lower(self, *args):
+        return self.fn.lower(*args, **self.static)
+
+    def __call__(self, *args):
+        return self.fn(*args, **self.static)
+
+
+def host_bytes(cfg: ModelConfig, qcfg, n_blocks: int, block_size: int, *, prefetch: bool = True) -> dict[str, int]:
+    """What the host holds at the peak of a streamed run, by part (bytes): the calibration activations (layer
+    input and FP output, the four captures, float32), the layer's float32 weights (current, working copy and the
+    prefetched next one), the embedding in the param dtype, and for GPTQ the float64 Hessian work."""
+    tokens = n_blocks * block_size
+    w = capture_widths(cfg)
+    layer = sum(int(np.prod(s)) for s in abstract_layer_params(cfg, 0).values()) * 4
+    itemsize = 2 if cfg.param_dtype in ("bfloat16", "float16") else 4
+    parts = {
+        "activations (input, output, 4 captures; float32)": tokens * (2 * cfg.hidden_size + sum(w.values())) * 4,
+        "layer weights (float32: current, quantized copy" + (", next prefetched)" if prefetch else ")"):
+            layer * (3 if prefetch else 2),
+        "embedding": cfg.vocab_size * cfg.hidden_size * itemsize,
+    }
+    if qcfg.method == "gptq":
+        k = max(w.values())
+        parts["GPTQ Hessian work (float64 Cholesky, float32 H / Hinv of the widest input)"] = k * k * (8 * 2 + 4 * 2)
+    return parts

@@ -1,0 +1,61 @@
+"""Where the PTQ driver's weights come from: an in-memory model, or a checkpoint read layer by layer.
+
+A source gives the model config, the token embedding (read once), the other non-layer tensors, and an
+iterator over the decoder layers' float32 weights (keyed as :func:`lrmq.ptq.layer_fn.get_layer_params`),
+each layer read when its turn comes:
+
+* :class:`ModelSource` -- a ``Decoder`` in memory (today's small-model path); ``write_back`` puts a
+  processed layer's weights into it, cast to each variable's dtype.
+* :class:`CheckpointSource` -- a float HF (local or ``gs://``) or lrmq checkpoint through
+  :func:`lrmq.checkpoint.tensors.open_tensors`: one tensor at a time, memory-mapped or range-read; the
+  ``Decoder`` is never built. Layer i+1 is read on a background thread while layer i is processed, so the
+  host holds at most two layers' float32 weights. Each tensor is cast to the model's ``param_dtype`` and
+  then to float32 -- the values ``load_model`` + ``get_layer_params`` give, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from lrmq.model.config import ModelConfig
+from lrmq.ptq import layer_fn as lf
+from lrmq.ptq.stream import LayerOut
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+class ModelSource:
+    """An in-memory model as a PTQ source (module doc)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cfg: ModelConfig = model.cfg
+        self.path = None
+
+    def embedding(self) -> np.ndarray:
+        return np.asarray(self.model.embed.embedding[...])
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v, np.float32) for k, v in lf.get_layer_params(self.model.layers[i]).items()}
+
+    def layers(self) -> Iterator[dict[str, np.ndarray]]:
+        return (self.layer(i) for i in range(self.cfg.num_layers))
+
+    def write_back(self, out: LayerOut) -> None:
+        lf.set_layer_params(self.model.layers[out.index], {k: jnp.asarray(v) for k, v in out.params.items()})
+
+
+def as_source(obj):
+    """A source for ``obj``: a model (``ModelSource``), a checkpoint path (``CheckpointSource``) or a source."""
+    if isinstance(obj, ModelSource) or hasattr(obj, "layers") and hasattr(obj, "embedding") and not isinstance(obj, nnx.Module):
+        return obj
+    if isinstance(obj, nnx.Module):
+        return ModelSource(obj)
+    raise TypeError(f"not a PTQ source: {type(obj).__name__}")
