@@ -14,7 +14,7 @@ from lrmq.ptq.shard import UnitRunner, ordered_sum, ptq_mesh, unit_size
 
 def test_units_are_a_fixed_cut_of_the_blocks():
     assert [unit_size(n, 8) for n in (128, 12, 7, 3, 1)] == [8, 6, 7, 3, 1]
-    with pytest.raises(ValueError, match="ptq.devices=2: this host has 1 local cpu device"):
+    with pytest.raises(ValueError, match="mesh.devices=2: this host has 1 local cpu device"):
         ptq_mesh(2)
 
 

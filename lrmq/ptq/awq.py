@@ -335,7 +335,8 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
             else:
                 s_prev = s_fc = s
             p = {k: np.asarray(v) for k, v in _fold(p, s_prev, s_fc, group).items()}
-            caps[group.inp] = caps[group.inp] / np.asarray(s_fc, np.float32)  # IEEE division, on the host
+            # IEEE division on the host, in place: the FP captures are not read again (no second copy held)
+            np.divide(caps[group.inp], np.asarray(s_fc, np.float32), out=caps[group.inp])
             if result is not None:
                 result.scales.setdefault(ctx.index, {})[group.name] = (np.asarray(s_prev), np.asarray(s_fc))
     if opts.clip:

@@ -122,6 +122,13 @@ class OutputsSection:
 
 
 @dataclasses.dataclass
+class MeshSection:
+    devices: Optional[int] = opt(None, "local devices (chips) the calibration passes are spread over, one unit of "
+                                       "calibration.batch_size blocks per chip per step (null: all of this host's); "
+                                       "the result is the same bytes for any count", ge=1)
+
+
+@dataclasses.dataclass
 class QuantizeConfig:
     model: Optional[str] = opt(None, 'checkpoint to quantize (HF or lrmq directory; "tiny" = the shipped tiny '
                                      "model); quantlrm: the fine-tuned one")
@@ -140,6 +147,7 @@ class QuantizeConfig:
     gptq: GPTQSection = opt(help="GPTQ", factory=GPTQSection)
     quantlrm: QuantLRMSection = opt(help="QuantLRM: the fine-tuning pair and its importance", factory=QuantLRMSection)
     outputs: OutputsSection = opt(help="what is written", factory=OutputsSection)
+    mesh: MeshSection = opt(help="the PTQ mesh: awq, gptq and quantlrm run over the host's chips", factory=MeshSection)
 
     def validate(self):
         try:

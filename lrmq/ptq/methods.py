@@ -26,6 +26,7 @@ from lrmq.ptq.awq import AWQOptions, awq_quantize_model
 from lrmq.ptq.gptq_model import GPTQOptions, gptq_quantize_model
 from lrmq.ptq.quantlrm import quantlrm_quantize_model
 from lrmq.ptq.rtn import nf4_quantize_model, rtn_quantize_model
+from lrmq.ptq.shard import ptq_mesh
 from lrmq.quant.transforms import DEFAULT_TARGETS
 from lrmq.registry import Registry
 
@@ -78,6 +79,14 @@ def check_method_config(cfg) -> None:
         if int_only:
             raise ValueError(f"method nf4 cannot be exported as outputs.formats {int_only} (int formats); use packed or "
                              "fake_quant")
+    if cfg.mesh.devices is not None and cfg.method not in LAYERWISE_METHODS:
+        raise ValueError(f"mesh.devices is for the calibrated layer-by-layer methods {list(LAYERWISE_METHODS)}; "
+                         f"method {cfg.method} runs on one device")
+    if (cfg.method == "gptq" and cfg.gptq.act_order and not cfg.gptq.static_groups
+            and any(f != "fake_quant" for f in cfg.outputs.formats)):
+        raise ValueError("gptq.act_order without gptq.static_groups gives non-monotone groups (g_idx) that packed, "
+                         "autoawq and compressed_tensors outputs cannot hold: set gptq.static_groups=true or export "
+                         "outputs.formats=[fake_quant]")
     if cfg.method in LAYERWISE_METHODS and cfg.targets != DEFAULT_TARGETS:
         raise ValueError(f"method {cfg.method} quantizes every projection of every layer; targets applies to "
                          "rtn, int8 and nf4 only")
@@ -122,19 +131,30 @@ def nf4(model, cfg, inputs: MethodInputs):
     return nf4_quantize_model(model, block_size=cfg.group_size, targets=cfg.targets)
 
 
+# the layer-by-layer methods take a source (an in-memory model, quantized in place, or a checkpoint read layer by
+# layer, lrmq.ptq.source) and an ``emit`` receiving each finished layer (None: back into the model)
+
+
+def ptq_mesh_of(cfg):
+    return ptq_mesh(cfg.mesh.devices)
+
+
 @register("awq", calibrated=True)
-def awq(model, cfg, inputs: MethodInputs):
-    return awq_quantize_model(model, inputs.tokens, awq_options(cfg), progress=cfg.progress)
+def awq(source, cfg, inputs: MethodInputs, emit=None):
+    return awq_quantize_model(source, inputs.tokens, awq_options(cfg), progress=cfg.progress, emit=emit,
+                              mesh=ptq_mesh_of(cfg))
 
 
 @register("gptq", calibrated=True)
-def gptq(model, cfg, inputs: MethodInputs):
-    return gptq_quantize_model(model, inputs.tokens, gptq_options(cfg), progress=cfg.progress)
+def gptq(source, cfg, inputs: MethodInputs, emit=None):
+    return gptq_quantize_model(source, inputs.tokens, gptq_options(cfg), progress=cfg.progress, emit=emit,
+                               mesh=ptq_mesh_of(cfg))
 
 
 @register("quantlrm", calibrated=True)
-def quantlrm(model, cfg, inputs: MethodInputs):
+def quantlrm(source, cfg, inputs: MethodInputs, emit=None):
     if inputs.importances is None:
         raise ValueError("method quantlrm needs the importance pass (lrmq.ptq.pipeline.prepare runs it)")
     opts = dataclasses.replace(awq_options(cfg), normalize=cfg.quantlrm.normalize, gqa_vo=cfg.quantlrm.gqa_vo)
-    return quantlrm_quantize_model(model, inputs.tokens, inputs.importances, opts, progress=cfg.progress)
+    return quantlrm_quantize_model(source, inputs.tokens, inputs.importances, opts, progress=cfg.progress, emit=emit,
+                                   mesh=ptq_mesh_of(cfg))

@@ -39,7 +39,7 @@ def ptq_mesh(devices: int | Sequence | None = None) -> Mesh:
         devs = local
     elif isinstance(devices, int):
         if devices < 1 or devices > len(local):
-            raise ValueError(f"ptq.devices={devices}: this host has {len(local)} local "
+            raise ValueError(f"mesh.devices={devices}: this host has {len(local)} local "
                              f"{local[0].platform} device(s)")
         devs = local[:devices]
     else:
