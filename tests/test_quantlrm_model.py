@@ -134,3 +134,35 @@ def test_pseudo_ft_pair(setup, tmp_path):
                                                             "quantlrm.quantize": "base", "quantlrm.plot": "false",
                                                             "outputs.formats": "[fake_quant]"}))
     assert rep["model"] == r["before"]
+
+
+def test_importance_of_lrmq_and_mixed_pairs(setup):
+    """The importance pass reads an lrmq (orbax) pair tensor by tensor, as an HF pair: the same vectors and stats
+    as the HF pair's, which are today's (the importance module on the weights load_model gives)."""
+    from lrmq.checkpoint.load import load_model
+    from lrmq.checkpoint.orbax_io import save_lrmq
+    from lrmq.ptq.importance import global_stats, importance_for_model
+    from lrmq.ptq.quantlrm import QuantLRMOptions, TensorSource, check_pair, compute_importance
+    from lrmq.quant.transforms import iter_linears, module_at
+
+    b, f = load_model(setup["base"]), load_model(setup["ft"])
+    lrmq = {k: os.path.join(setup["root"], f"{k}_lrmq") for k in ("base", "ft")}
+    for k, m in (("base", b), ("ft", f)):
+        if not os.path.exists(lrmq[k]):
+            save_lrmq(m, lrmq[k])
+    pairs = [(p, np.asarray(lin.kernel.get_value()), np.asarray(module_at(b, p).kernel.get_value()))
+             for p, lin in iter_linears(f)]
+    opts = QuantLRMOptions()
+    targets, stats_targets = opts.resolved(f.cfg)
+    direct_stats = global_stats(pairs, stats_targets=stats_targets)
+    direct = importance_for_model(pairs, targets, stats=direct_stats)
+    for ft, base in ((setup["ft"], setup["base"]), (lrmq["ft"], lrmq["base"]), (setup["ft"], lrmq["base"])):
+        a, c = TensorSource(ft), TensorSource(base)
+        assert a._model is None and c._model is None  # read tensor by tensor, never loaded whole
+        check_pair(a, c)
+        imps, stats, _, _ = compute_importance(a, c, opts)
+        assert stats == direct_stats and sorted(imps) == sorted(direct), (ft, base)
+        for k in imps:
+            np.testing.assert_array_equal(imps[k], direct[k], err_msg=f"{ft} vs {base}: {k}")
+    src = TensorSource(lrmq["ft"])
+    assert src.shapes()["layers.0.attn.q_proj"] == ("layers.0.attn.q_proj.kernel", src.kn_shape("layers.0.attn.q_proj"))

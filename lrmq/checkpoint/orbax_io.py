@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lrmq import paths
@@ -228,6 +229,62 @@ def _install_quantized(abstract: Decoder, path: str, entry: dict[str, Any]) -> N
     setattr(module, attr, QuantizedKernel(QuantizedWeight(**arrays, **static), **meta))
 
 
+def _check_manifest(path: str, manifest: dict[str, dict[str, Any]], variables: dict[str, nnx.Variable],
+                    problems: list[str]) -> None:
+    """The manifest's variables are the model's (`variables`: flat path -> abstract Variable of the config), with
+    the config's shapes; one CheckpointError lists every problem (with `problems` found before)."""
+    problems = list(problems)
+    problems += [f"missing variable {p}" for p in sorted(set(variables) - set(manifest))]
+    problems += [f"unexpected variable {p}" for p in sorted(set(manifest) - set(variables))]
+    for p in sorted(set(variables) & set(manifest)):
+        entry = manifest[p]
+        if entry.get("type") == "Param":
+            want = tuple(variables[p].get_value().shape)
+            if tuple(entry["array"][0]) != want:
+                problems.append(f"wrong shape for {p}: the config needs {want}, the checkpoint has "
+                                f"{tuple(entry['array'][0])}")
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
+
+
+def _params_location(path: str) -> str:
+    """Where orbax reads the arrays: params/ of the directory, or of the bucket URL a local view stands for."""
+    url = remote.remote_url(path)
+    return paths.join(url, PARAMS_DIR) if url else os.path.abspath(os.path.join(path, PARAMS_DIR))
+
+
+def _restore_error(path: str, e: Exception) -> CheckpointError:
+    """An orbax / tensorstore failure as one line naming the checkpoint's params/ and the cause (tensorstore
+    appends its whole multi-line spec)."""
+    first = (str(e).strip().splitlines() or [""])[0].removesuffix(" See full TensorStore details.")
+    return CheckpointError(f"{os.path.join(path, PARAMS_DIR)}: cannot restore ({type(e).__name__}: {first}); "
+                           "the checkpoint's arrays are missing or damaged")
+
+
+def restore_array(path: str, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """One array of the lrmq checkpoint `path` (a flat name of its manifest, 'layers.3.attn.q_proj.kernel'),
+    restored onto the host as numpy with its stored dtype. An orbax partial restore: only this array's chunks
+    (and the tree's metadata) are read, never the other arrays. `shape` / `dtype` (the manifest's) are checked
+    against what was read (CheckpointError naming the tensor)."""
+    import orbax.checkpoint as ocp
+
+    item, args = _nest({name: np.zeros((), dtype)}), _nest({name: ocp.RestoreArgs(restore_type=np.ndarray)})
+    ckptr = ocp.PyTreeCheckpointer()
+    try:
+        restored = ckptr.restore(_params_location(path),
+                                 args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True))
+        arr = _lookup(restored, name)
+    except Exception as e:  # orbax/tensorstore raise many types (a name not in the tree: a KeyError / ValueError)
+        raise _restore_error(path, e) from e
+    finally:
+        ckptr.close()
+    arr = np.asarray(arr)
+    if arr.shape != tuple(shape) or arr.dtype != np.dtype(dtype):
+        raise CheckpointError(f"{os.path.join(path, PARAMS_DIR)}: tensor {name} is {arr.dtype}{list(arr.shape)}, "
+                              f"{STATE_FILE} says {np.dtype(dtype)}{list(shape)}")
+    return arr
+
+
 def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None) -> Decoder:
     """Restore an lrmq checkpoint; with `mesh`, every array lands directly on its logical-axis sharding.
 
@@ -248,17 +305,7 @@ def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: st
                 problems.append(f"{p}: cannot rebuild the packed weight ({e})")
     state = nnx.state(abstract, nnx.Not(nnx.RngState))
     variables = {_path_str(p): v for p, v in nnx.to_flat_state(state)}
-    problems += [f"missing variable {p}" for p in sorted(set(variables) - set(manifest))]
-    problems += [f"unexpected variable {p}" for p in sorted(set(manifest) - set(variables))]
-    for p in sorted(set(variables) & set(manifest)):
-        entry = manifest[p]
-        if entry.get("type") == "Param":
-            want = tuple(variables[p].get_value().shape)
-            if tuple(entry["array"][0]) != want:
-                problems.append(f"wrong shape for {p}: the config needs {want}, the checkpoint has "
-                                f"{tuple(entry['array'][0])}")
-    if problems:
-        raise CheckpointError(f"{path}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
+    _check_manifest(path, manifest, variables, problems)
 
     if mesh is not None:
         shardings = state_shardings(state, mesh)
@@ -278,14 +325,9 @@ def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: st
 
     ckptr = ocp.StandardCheckpointer()
     try:
-        url = remote.remote_url(path)  # a bucket checkpoint's local view: orbax reads the arrays from the bucket
-        where = paths.join(url, PARAMS_DIR) if url else os.path.abspath(os.path.join(path, PARAMS_DIR))
-        restored = ckptr.restore(where, _nest({p: target(p) for p in variables}))
-    except Exception as e:  # orbax/tensorstore raise many types; name the checkpoint and the cause (one line:
-        # tensorstore appends its whole multi-line spec)
-        first = (str(e).strip().splitlines() or [""])[0].removesuffix(" See full TensorStore details.")
-        raise CheckpointError(f"{os.path.join(path, PARAMS_DIR)}: cannot restore ({type(e).__name__}: {first}); "
-                              "the checkpoint's arrays are missing or damaged") from e
+        restored = ckptr.restore(_params_location(path), _nest({p: target(p) for p in variables}))
+    except Exception as e:  # orbax/tensorstore raise many types
+        raise _restore_error(path, e) from e
     finally:
         ckptr.close()
 

@@ -125,6 +125,9 @@ class RemoteSafetensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
 
+    def dtype(self, name: str) -> np.dtype:
+        return self.entries[name][0]
+
     def tensor(self, name: str, rows: slice | None = None) -> np.ndarray:
         """The tensor, or only `rows` of its first axis (one contiguous byte range)."""
         dtype, shape, offset, nbytes = self.entries[name]

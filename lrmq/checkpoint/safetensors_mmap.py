@@ -59,7 +59,8 @@ def header_entries(header: dict, base: int, size: int, where: str) -> dict[str, 
 
 
 class MappedSafetensors:
-    """``f = MappedSafetensors(path)``; ``f.keys()``, ``f.shape(name)``, ``f[name]`` (read-only view)."""
+    """``f = MappedSafetensors(path)``; ``f.keys()``, ``f.shape(name)``, ``f.dtype(name)``, ``f[name]`` (read-only
+    view)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -95,6 +96,9 @@ class MappedSafetensors:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name)[1]
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._entry(name)[0]
 
     def __getitem__(self, name: str) -> np.ndarray:
         dtype, shape, start, nbytes = self._entry(name)

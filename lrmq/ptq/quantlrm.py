@@ -1,8 +1,8 @@
 """QuantLRM end to end (psunlpgroup/QuantLRM = llm-awq + fine-tuning-update importance).
 
 1. Inputs: the fine-tuned checkpoint and its pre-fine-tuning checkpoint -- any pair ``load_model``
-   reads (HF directories are streamed tensor by tensor with safetensors; lrmq checkpoints are loaded)
-   -- or a GRPO run directory (``final_policy/`` = after, ``initial_policy/`` = before).
+   reads, read tensor by tensor (`TensorSource`: Hugging Face or lrmq, local or ``gs://``; only a quantized
+   base is loaded whole) -- or a GRPO run directory (``final_policy/`` = after, ``initial_policy/`` = before).
 2. The two are checked first: same architecture fields and, tensor by tensor, the same shapes
    (the error names the tensor and both shapes); identical weights (|dW| == 0 everywhere) are an error.
 3. Importance (:mod:`lrmq.ptq.importance`): global positive-only min / exact median / max of |dW| over
@@ -30,13 +30,10 @@ from typing import Callable
 
 import numpy as np
 
-from lrmq.checkpoint.hf import flat_params, tensor_index
-from lrmq.checkpoint.hf_names import expand
-from lrmq.checkpoint.load import checkpoint_kind, load_model, resolve_checkpoint
-from lrmq.checkpoint.quantized import hf_quantization
-from lrmq.checkpoint.safetensors_mmap import MappedSafetensors
-from lrmq.model.config import ModelConfig
-from lrmq.model.decoder import Decoder
+from lrmq import paths
+from lrmq.checkpoint.load import load_model, resolve_checkpoint
+from lrmq.checkpoint.quantized import quantized_format
+from lrmq.checkpoint.tensors import open_tensors
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.awq import AWQOptions, ScaleGroup, awq_quantize_model
 from lrmq.ptq.importance import ALL_PROJ, global_stats, importance_for_model
@@ -72,20 +69,23 @@ class QuantLRMOptions:
 
 
 def resolve_pair(finetuned: str | None = None, base: str | None = None, run_dir: str | None = None) -> tuple[str, str]:
-    """(fine-tuned dir, base dir) from explicit paths or a GRPO run dir."""
+    """(fine-tuned dir, base dir) from explicit paths or a GRPO run dir; a bucket URL (``gs://``, a run dir or a
+    checkpoint) becomes its checkpoints' local views (`lrmq.checkpoint.remote`), the weights left in the bucket."""
     if run_dir:
-        if not os.path.isdir(run_dir):
+        root = paths.epath_of(run_dir)
+        if not root.is_dir():
             raise FileNotFoundError(f"GRPO run directory not found: {run_dir}")
-        ft, b = os.path.join(run_dir, "final_policy"), os.path.join(run_dir, "initial_policy")
-        missing = [p for p in (ft, b) if not os.path.isdir(p)]
+        ft, b = paths.join(run_dir, "final_policy"), paths.join(run_dir, "initial_policy")
+        missing = [p for p in (ft, b) if not paths.epath_of(p).is_dir()]
         if missing:
             raise QuantLRMError(f"{run_dir}: not a finished GRPO run directory, missing {missing} "
                                 "(the trainer writes initial_policy/ at start and final_policy/ at the end)")
-        return ft, b
+        return resolve_checkpoint(ft), resolve_checkpoint(b)
     if not finetuned or not base:
         raise QuantLRMError("QuantLRM needs the fine-tuned checkpoint and the pre-fine-tuning (base) checkpoint, "
                             "or a GRPO run directory (final_policy + initial_policy); for a model without a base "
                             "checkpoint make one with lrmq.ptq.pseudo_ft")
+    finetuned, base = resolve_checkpoint(finetuned), resolve_checkpoint(base)
     for p in (finetuned, base):
         if not os.path.exists(p):
             raise FileNotFoundError(f"checkpoint not found: {p}")
@@ -96,59 +96,47 @@ def resolve_pair(finetuned: str | None = None, base: str | None = None, run_dir:
 
 
 class TensorSource:
-    """Linear weights of a checkpoint in lrmq orientation [K, N], keyed by module path
-    ('layers.3.attn.q_proj'). HF directories are read lazily with safetensors; lrmq checkpoints are loaded."""
+    """Linear weights of a checkpoint in lrmq orientation [K, N], keyed by module path ('layers.3.attn.q_proj').
+
+    A float checkpoint -- a Hugging Face directory (local: memory-mapped; ``gs://``: range reads) or an lrmq
+    checkpoint (local or ``gs://``: one orbax partial restore per tensor) -- is read tensor by tensor through
+    `lrmq.checkpoint.tensors.open_tensors`: nothing is loaded whole, nothing goes to an accelerator, and host
+    memory holds the pair's current weights. A quantized checkpoint (compressed-tensors, AutoAWQ, an lrmq
+    ``packed`` one: a base that exists only quantized) is loaded whole and its Linears dequantized."""
 
     def __init__(self, path: str):
-        from flax import nnx
-
         self.path = path
-        self.kind = checkpoint_kind(path)
         self._model = None
-        self._files: dict = {}  # safetensors path -> MappedSafetensors (parsed header)
-        if self.kind == "hf" and hf_quantization(resolve_checkpoint(path)) is None:
-            self.cfg = ModelConfig.from_hf_file(path)
-            index = tensor_index(path)
-            abstract = nnx.eval_shape(lambda: Decoder(self.cfg, nnx.Rngs(0)))
-            self.entries = {}
-            for hf, (ours, tr) in expand(set(flat_params(abstract)), self.cfg).items():
-                if ours.endswith(".kernel") and any(f".{p}." in ours for p in ALL_PROJ):
-                    if hf not in index:
-                        raise QuantLRMError(f"{path}: tensor {hf} is missing")
-                    self.entries[ours[: -len(".kernel")]] = (hf, index[hf])
-        else:  # an lrmq checkpoint or a quantized HF one (compressed-tensors, AutoAWQ): its Linears dequantized
-            self.kind = "model"
+        self._reader = None
+        if quantized_format(resolve_checkpoint(path)) is None:
+            self._reader = open_tensors(path)
+            self.cfg = self._reader.cfg
+            names = set(self._reader.names())
+            self.entries = {p: p + ".kernel" for p in (lw.linear_path(i, n) for i in range(self.cfg.num_layers)
+                                                       for n in LINEARS) if p + ".kernel" in names}
+        else:
             self._model = load_model(path)
             self.cfg = self._model.cfg
-            self.entries = {p: (p + ".kernel", None) for p in
+            self.entries = {p: p + ".kernel" for p in
                             (lw.linear_path(i, n) for i in range(self.cfg.num_layers) for n in LINEARS)}
 
-    def _mapped(self, path: str):
-        if path not in self._files:  # headers only; every tensor is mapped on its own when read
-            self._files[path] = MappedSafetensors(path)
-        return self._files[path]
-
     def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """module path -> (tensor name in the checkpoint, shape as stored)."""
-        out = {}
-        if self.kind == "hf":
-            for p, (hf, f) in self.entries.items():
-                out[p] = (hf, self._mapped(f).shape(hf))  # the header `get` reads through, parsed once
-        else:
-            for p, (name, _) in self.entries.items():
-                out[p] = (name, tuple(module_at(self._model, p).float_weight().shape))
-        return out
+        """module path -> (tensor name in the checkpoint, shape as stored: an HF weight's [N, K])."""
+        if self._reader is not None:
+            return {p: self._reader.stored(name) for p, name in self.entries.items()}
+        return {p: (name, tuple(module_at(self._model, p).float_weight().shape)) for p, name in self.entries.items()}
 
-    def kn_shape(self, stored: tuple) -> tuple:
-        """A shape of `shapes()` in lrmq orientation [K, N], as `get` returns the weight."""
-        return tuple(stored)[::-1] if self.kind == "hf" else tuple(stored)
+    def kn_shape(self, path: str) -> tuple:
+        """The weight at module `path` in lrmq orientation [K, N], as `get` returns it."""
+        if self._reader is not None:
+            return self._reader.shape(self.entries[path])
+        return tuple(module_at(self._model, path).float_weight().shape)
 
     def get(self, path: str) -> np.ndarray:
-        hf, f = self.entries[path]
-        if self.kind == "hf":
-            # zero-copy view into the file's mmap (the importance pass reads each weight once)
-            return self._mapped(f)[hf].T
-
+        """The weight at module `path`, [K, N], its stored dtype (an HF file's: a zero-copy view of the mapped
+        file; the importance pass reads each weight once)."""
+        if self._reader is not None:
+            return self._reader.get(self.entries[path])
         return np.asarray(module_at(self._model, path).float_weight())
 
 
@@ -161,7 +149,7 @@ def check_pair(ft: TensorSource, base: TensorSource) -> None:
             problems.append(f"tensor {sf[p][0]} is in the fine-tuned checkpoint but not in the base")
         elif p not in sf:
             problems.append(f"tensor {sb[p][0]} is in the base checkpoint but not in the fine-tuned one")
-        elif ft.kn_shape(sf[p][1]) != base.kn_shape(sb[p][1]):  # an HF checkpoint stores [N, K], a model [K, N]
+        elif ft.kn_shape(p) != base.kn_shape(p):  # an HF checkpoint stores [N, K], a model [K, N]
             problems.append(f"tensor {sf[p][0]}: fine-tuned shape {sf[p][1]} != base shape {sb[p][1]}")
     for f in ARCH_FIELDS:
         a, b = getattr(ft.cfg, f), getattr(base.cfg, f)
