@@ -89,15 +89,10 @@ def programs(timeout: float) -> dict:
 
 
 def peak_bf16_flops(kind: str = "h200") -> float:
-    """Dense BF16 FLOP/s of a kept GPU target: 2 (an FMA) x the matrix units' BF16 rate (PrimitiveType BF16 = 16)
-    x cores: 989 TFLOP/s for H100 / H200, NVIDIA's dense figure."""
-    from lrmq.targets import gpu_target_config
+    """Dense BF16 FLOP/s of a kept GPU target (`lrmq.targets.gpu_peak_flops`): 989 TFLOP/s for H100 / H200."""
+    from lrmq.targets import gpu_peak_flops
 
-    text = gpu_target_config(kind)
-    matrix = text[text.index("matrix_unit_description"):]
-    m = re.search(r"key: 16\s*value {\s*clock_rate_ghz: ([\d.]+)\s*units_per_core: (\d+)\s*ops_per_clock: (\d+)", matrix)
-    cores = int(re.search(r"core_count: (\d+)", text).group(1))
-    return 2 * float(m.group(1)) * 1e9 * int(m.group(2)) * int(m.group(3)) * cores
+    return gpu_peak_flops(kind, "bf16")
 
 
 def estimates() -> dict:

@@ -264,8 +264,9 @@ def refusal(e: BaseException) -> str | None:
 
 
 def program_row(name: str, compile_fn) -> dict:
-    """A report row {name, memory, flops, seconds} of `compile_fn() -> (compiled, seconds)`. A program the compiler
-    refuses for memory is a row too (memory None, "refused": the compiler's line), never a traceback."""
+    """A report row {name, memory, flops, bytes, seconds} of `compile_fn() -> (compiled, seconds)` (flops and bytes
+    accessed: `compiled_cost`). A program the compiler refuses for memory is a row too (memory None, "refused": the
+    compiler's line), never a traceback."""
     t0 = time.perf_counter()
     try:
         compiled, secs = compile_fn()
@@ -273,8 +274,11 @@ def program_row(name: str, compile_fn) -> dict:
         why = refusal(e)
         if why is None:
             raise
-        return {"name": name, "memory": None, "refused": why, "flops": 0.0, "seconds": time.perf_counter() - t0}
-    return {"name": name, "memory": memory_report(compiled), "flops": _flops(compiled), "seconds": secs}
+        return {"name": name, "memory": None, "refused": why, "flops": 0.0, "bytes": 0.0,
+                "seconds": time.perf_counter() - t0}
+    cost = compiled_cost(compiled)
+    return {"name": name, "memory": memory_report(compiled), "flops": float(cost.get("flops", 0.0)),
+            "bytes": float(cost.get("bytes accessed", 0.0)), "seconds": secs}
 
 
 _UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}

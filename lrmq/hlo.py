@@ -171,6 +171,100 @@ def decode_loop(module: Module) -> Instruction:
     return max(loops, key=lambda w: len(module.reachable(w.attr("body"))))
 
 
+# ------------------------------------------------------------------------------------ loops in a cost analysis
+# instructions that move no data of their own (views, tuples, constants, the loop's own plumbing)
+_NO_TRAFFIC = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "after-all",
+               "opt-barrier", "partition-id", "replica-id")
+
+
+def _operands(ins: Instruction) -> list[str]:
+    inside = ins.line.split(f" {ins.op}(", 1)[1] if f" {ins.op}(" in ins.line else ""
+    depth, args = 1, []
+    for i, ch in enumerate(inside):  # up to the parenthesis that closes the operand list
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            args = re.findall(r"%([\w.\-]+)", inside[:i])
+            break
+    return args
+
+
+def dot_flops(ins: Instruction, types: dict[str, str]) -> int:
+    """2 x output elements x contracted size of a `dot` or `convolution` (a dot_general XLA:TPU prints as a
+    convolution: the lhs feature dimension `f` of its dim_labels, times the window); 0 for other ops. `types`: the
+    computation's instruction name -> printed type, for the lhs operand's shape."""
+    if ins.op not in ("dot", "convolution"):
+        return 0
+    out = array_shapes(ins.type)
+    ops = _operands(ins)
+    lhs = array_shapes(types.get(ops[0], "")) if ops else []
+    if not out or not lhs:
+        return 0
+    lhs = lhs[0]
+    if ins.op == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line)
+        k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
+    else:
+        m = re.search(r"dim_labels=(\w+)_", ins.line)
+        k = lhs[m.group(1).index("f")] if m and "f" in m.group(1) and m.group(1).index("f") < len(lhs) else 1
+        w = re.search(r"window=\{size=([\dx]+)", ins.line)
+        k *= math.prod(int(v) for v in w.group(1).split("x")) if w else 1
+    return 2 * math.prod(out[0]) * k
+
+
+def _once(module: Module, comp: str, seen: set) -> tuple[int, int]:
+    """(dot flops, bytes) of one run of `comp` as XLA's cost analysis counts a loop body: every callee once
+    (nested loops' bodies too); bytes: the result and operands of each instruction that moves data, at the
+    computation's own level (what a fusion reads and writes, not its inside)."""
+    instrs = module.computations.get(comp, [])
+    types = {i.name: i.type for i in instrs}
+    flops = nbytes = 0
+    for ins in instrs:
+        flops += dot_flops(ins, types)
+        if ins.op not in _NO_TRAFFIC:
+            nbytes += sum(array_bytes(ins.type)) + sum(sum(array_bytes(types.get(o, ""))) for o in _operands(ins))
+        for callee in ins.callees:
+            if callee in seen:
+                continue
+            seen.add(callee)
+            f, _ = _once(module, callee, seen)  # a fusion's inside: its dots; its traffic is the fusion's own
+            flops += f
+            if ins.op in ("while", "call", "conditional"):
+                nbytes += _once(module, callee, set(seen))[1]
+    return flops, nbytes
+
+
+def loop_extra_cost(text: str) -> dict:
+    """What XLA's cost analysis leaves out of a compiled program (`compiled.as_text()`): it counts a while loop's
+    body once, so a lax.map / scan of n steps is short by n - 1 bodies. Returns {"flops", "bytes", "loops"}: the
+    dot flops and the data traffic (`_once`: results and operands of the body's instructions, an approximation of
+    its memory traffic) of the missing iterations of every loop with a known trip count (`Module.trip_count`;
+    nested loops multiply), and [(loop, trips)]; a loop whose count is unknown is listed with trips None and
+    adds nothing."""
+    module = Module(text)
+    out = {"flops": 0, "bytes": 0, "loops": []}
+
+    def walk(comp: str, mult: int, seen: set):
+        for ins in module.computations.get(comp, []):
+            if ins.op == "while":
+                trips = module.trip_count(ins)
+                body = ins.attr("body")
+                out["loops"].append((ins.name, trips))
+                if trips and body:
+                    f, b = _once(module, body, set())
+                    out["flops"] += mult * (trips - 1) * f
+                    out["bytes"] += mult * (trips - 1) * b
+                if body:
+                    walk(body, mult * (trips or 1), seen)
+            elif ins.op in ("call", "conditional"):
+                for callee in ins.callees:
+                    if callee not in seen:
+                        seen.add(callee)
+                        walk(callee, mult, seen)
+
+    walk(module.entry, 1, set())
+    return out
+
+
 # ------------------------------------------------------------------------------------ GPU kernels of an XLA dump
 # what XLA writes with the compile option xla_dump_to (or XLA_FLAGS=--xla_dump_to=DIR) when it compiles for a GPU:
 # one .ptx file per LLVM module (a Triton kernel's is its own), and the thunk sequence: each kernel's launch

@@ -5,6 +5,9 @@
         --out OUT [--format packed|fake_quant|compressed_tensors|autoawq] [--export-hf-fake OUT2] [--overwrite]
     python -m lrmq.quantize --run-dir RUN --method quantlrm --calibration FILE --out OUT [...]
     python -m lrmq.quantize --config configs/ptq/NAME.yaml [dotted.key=value ...]
+    python -m lrmq.quantize --compile-only --shapes NAME --method awq|gptq|quantlrm [--bits B] [--group-size G]
+        [--topology v5p:2x2x1 | --platform gpu --topology h200:1] [--calibration-blocks N] [--block-size T]
+        [--batch-size U] [--host-memory-gib GIB] [--report FILE.json]
 
 Both forms build one `lrmq.ptq.config.QuantizeConfig` and run one pipeline (`lrmq.ptq.pipeline`:
 inputs checked and read first, then the method of the one registry `PTQ_METHODS`). The flag form
@@ -20,6 +23,10 @@ documents (.txt, or .jsonl/.json/.parquet with a `text` field) or a prompt datas
 data JSONL (a `problem` field: the flag form detects it and renders each problem with the model's chat
 template, the QuantLRM paper's recipe; `--calibration-source` forces a recipe).
 
+`--compile-only` quantizes nothing: it compiles the run's per-layer programs at a preset's shapes for a TPU
+topology (libtpu) or GPUs (JAX's CUDA plugin) and prints per-chip memory, host RSS and an estimated time
+(`lrmq.ptq_aot`); exit 0 when it fits, 3 when it does not (the verdict names the setting that makes it fit).
+
 Exit status 2 with one line `lrmq.quantize: error: ...` naming the flag, key or file on bad input
 (numbers out of range, options that conflict or that the method ignores, an output that is, contains
 or lies inside an input, a full disk); nothing is written then.
@@ -33,13 +40,17 @@ import os
 import re
 import sys
 
+import jax
+
+from lrmq import aot, ptq_aot
+from lrmq.atomic import atomic_write_text
 from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import check_checkpoint
 from lrmq.checkpoint.orbax_io import save_lrmq
 from lrmq.cli import (USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main, select_platforms,
                       tune_gc)
 from lrmq.configlib import add_config_args, dump_config
-from lrmq.paths import check_dir_path
+from lrmq.paths import check_dir_path, check_file_path
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
 from lrmq.ptq.exports import FORMATS, packed_kernels, save_format
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
@@ -64,7 +75,9 @@ def parse_args(argv=None):
     ap = ArgumentParser("quantize", description=__doc__.splitlines()[0],
                                  epilog="Or: python -m lrmq.quantize --config configs/ptq/NAME.yaml [key=value ...] "
                                         "for the full PTQ pipeline (calibration, AWQ/GPTQ/QuantLRM, exports); "
-                                        "--help-config lists its options.")
+                                        "--help-config lists its options. Or: python -m lrmq.quantize --compile-only "
+                                        "--shapes NAME --method M [--topology T] to check a run against a TPU or GPU "
+                                        "target without weights (--compile-only --help lists its flags).")
     ap.add_argument("--checkpoint", default=None,
                     help="float HF or lrmq checkpoint directory ('tiny' = the shipped model; required unless "
                          "--run-dir gives it: RUN/final_policy)")
@@ -275,9 +288,104 @@ def config_main(argv) -> int:
     return run_main("quantize", body, INPUT_ERRORS)
 
 
+# ----------------------------------------------------------------------------- --compile-only
+def compile_only_args(argv):
+    ap = ArgumentParser("quantize", description="Compile a PTQ run's per-layer programs for a TPU topology or GPUs "
+                                                "without a weight or a chip; exit 0 when it fits, 3 when it does not")
+    ap.add_argument("--compile-only", action="store_true", required=True,
+                    help="compile, print per-chip memory, host RSS and an estimated time, quantize nothing")
+    ap.add_argument("--shapes", required=True,
+                    help=f"the architecture: a preset of lrmq.model.presets (the papers' models: "
+                         f"{', '.join(ptq_aot.PAPER_SHAPES)}) or a checkpoint directory (its config.json)")
+    ap.add_argument("--method", required=True, help=f"one of {', '.join(ptq_aot.COMPILE_METHODS)}")
+    ap.add_argument("--bits", type=int, default=4, help="weight bits, 2..8 (default 4)")
+    ap.add_argument("--group-size", type=number(int, ge=1, also=(-1,)), default=128,
+                    help="input rows per scale group (default 128; -1 = per output channel)")
+    ap.add_argument("--symmetric", action="store_true", help="symmetric quantization (no zero point)")
+    ap.add_argument("--topology", default=None, help=aot.TOPOLOGY_HELP + " (default: this machine's devices)")
+    ap.add_argument("--platform", choices=["tpu", "gpu"], default="tpu", help=aot.PLATFORM_HELP)
+    ap.add_argument("--calibration-blocks", type=number(int, ge=1), default=128,
+                    help="calibration blocks (default 128, the AWQ recipe's; calibration.max_blocks caps a run's)")
+    ap.add_argument("--block-size", type=number(int, ge=2), default=None,
+                    help="tokens per calibration block (calibration.block_size; default 512, or the model's "
+                         "max_position_embeddings when shorter, as the flag form of a run)")
+    ap.add_argument("--batch-size", type=number(int, ge=1), default=8,
+                    help="calibration blocks per chip step (calibration.batch_size, default 8)")
+    ap.add_argument("--host-memory-gib", type=number(float, gt=0), default=None,
+                    help="the target host's memory: compare the host RSS with it (default: RSS stated only)")
+    ap.add_argument("--report", default=None, help="also write the report as JSON here")
+    return ap.parse_args(argv)
+
+
+def compile_only_config(args) -> QuantizeConfig:
+    """The QuantizeConfig a --compile-only check compiles (the flags; every other option its default)."""
+    if args.method not in ptq_aot.COMPILE_METHODS:
+        raise UsageError(f"--method {args.method!r}: --compile-only covers {', '.join(ptq_aot.COMPILE_METHODS)}")
+    try:
+        check_bits(args.bits)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--bits {args.bits}: {e}") from None
+    cfg = QuantizeConfig(model=args.shapes, method=args.method, bits=args.bits, group_size=args.group_size,
+                         symmetric=args.symmetric)
+    return dataclasses.replace(cfg, calibration=dataclasses.replace(cfg.calibration, batch_size=args.batch_size))
+
+
+def compile_only_model(shapes: str):
+    """The architecture --shapes names: a preset (`lrmq.model.presets`), or a checkpoint directory (its config.json;
+    "tiny" = the shipped model); UsageError naming both kinds otherwise."""
+    if shapes in ptq_aot.PRESETS:
+        return ptq_aot.preset_config(shapes)
+    path = resolve_model_path(shapes)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return model_config(path)
+    raise UsageError(f"--shapes {shapes!r} is neither a known architecture ({', '.join(sorted(ptq_aot.PRESETS))}) "
+                     "nor a checkpoint directory with a config.json")
+
+
+def compile_only_main(argv) -> int:
+    """`--compile-only`: 0 when the run fits the target's chips (and --host-memory-gib), 3 when it does not, 2 on
+    bad input (one line)."""
+    args = compile_only_args(argv)
+    log = lambda m: print(m, file=sys.stderr, flush=True)
+
+    def body() -> int:
+        qcfg = compile_only_config(args)
+        mcfg = compile_only_model(args.shapes)
+        n, t = args.calibration_blocks, args.block_size or min(512, mcfg.max_position_embeddings)
+        if t > mcfg.max_position_embeddings:
+            raise UsageError(f"--block-size {t} is longer than {args.shapes}'s max_position_embeddings "
+                             f"{mcfg.max_position_embeddings}")
+        qcfg = dataclasses.replace(qcfg, calibration=dataclasses.replace(qcfg.calibration, block_size=t))
+        if args.report:
+            check_file_path(args.report, "--report")
+        devices = aot.target_devices(args.topology, args.platform) or jax.devices()
+        host_limit = int(args.host_memory_gib * 2 ** 30) if args.host_memory_gib else None
+        target = args.topology or "local devices"
+        fit = ptq_aot.check(mcfg, qcfg, devices, n_blocks=n, block_size=t, target=target, host_limit=host_limit,
+                            log=log)
+        print(f"target: {target} ({len(devices)} x {fit.device_kind}); {args.shapes}: {mcfg.num_layers} layers; "
+              f"{args.method} W{qcfg.bits} g{qcfg.group_size}; calibration {n} blocks x {t} tokens, "
+              f"{ptq_aot.unit_size(n, qcfg.calibration.batch_size)} per chip step (calibration.batch_size)")
+        print(ptq_aot.table(fit))
+        note = aot.gpu_memory_line(fit.device_kind, fit.peak, aot.HEADROOM)
+        if note:
+            print(note)
+        print(ptq_aot.host_line(fit))
+        print(ptq_aot.estimate_line(fit, mcfg))
+        print(ptq_aot.verdict(fit))
+        if args.report:
+            rep = ptq_aot.report_dict(fit, mcfg, qcfg, args.shapes, n, t)
+            atomic_write_text(args.report, json.dumps(rep, indent=1) + "\n")
+        return 0 if fit.fits else 3
+
+    return run_main("quantize", body, INPUT_ERRORS)
+
+
 def main(argv=None) -> int:
     select_platforms()  # before JAX starts a backend (lrmq.cli)
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--compile-only" in argv:  # compiles for a target, quantizes nothing (lrmq.ptq_aot)
+        return compile_only_main(argv)
     if "--config" in argv or "--help-config" in argv:  # the full pipeline (calibration, AWQ/GPTQ/QuantLRM, exports)
         return config_main(argv)
     args = parse_args(argv)

@@ -136,6 +136,43 @@ def gpu_specs() -> dict[str, dict]:
     return out
 
 
+# XLA's PrimitiveType numbers of the dtypes whose matrix-unit rates a target description lists (its
+# matrix_unit_description.rate_infos keys): BF16 = 16, F32 = 11 (the TF32 rate: what an f32 dot at JAX's default
+# precision runs at on Hopper)
+PRIMITIVE_TYPES = {"bf16": 16, "f32": 11}
+
+
+def gpu_peak_flops(kind: str, dtype: str = "bf16") -> float:
+    """Dense FLOP/s of GPU `kind` ("h200") for `dtype` (bf16, or f32 at TF32) from its kept target description:
+    2 (an FMA) x the matrix units' rate x cores. H100 / H200: 989 TFLOP/s bf16, 495 f32 (NVIDIA's dense figures)."""
+    text = gpu_target_config(kind)
+    matrix = text[text.index("matrix_unit_description"):]
+    key = PRIMITIVE_TYPES[dtype]
+    m = re.search(rf"key: {key}\s*value {{\s*clock_rate_ghz: ([\d.]+)\s*units_per_core: (\d+)\s*ops_per_clock: (\d+)",
+                  matrix)
+    if m is None:
+        raise ConfigError(f"{GPU_TARGET_DIR / (kind + '.txtpb')}: no matrix-unit rate for {dtype}")
+    cores = int(re.search(r"core_count: (\d+)", text).group(1))
+    return 2 * float(m.group(1)) * 1e9 * int(m.group(2)) * int(m.group(3)) * cores
+
+
+# One TPU chip's dense bf16 FLOP/s and HBM bandwidth (bytes/s), Google Cloud's published figures
+# (cloud.google.com/tpu/docs/v5e, /v5p, /v6e): an f32 dot at JAX's default precision is one bf16 pass on a TPU
+TPU_PEAKS = {"TPU v5 lite": (197e12, 819e9), "TPU v5": (459e12, 2765e9), "TPU v6 lite": (918e12, 1640e9)}
+
+
+def chip_peaks(device_kind: str, dtype: str = "bf16") -> tuple[float, float] | None:
+    """(FLOP/s, HBM bytes/s) of one chip of `device_kind` (a TPU of TPU_PEAKS; a GPU with a kept target
+    description: `gpu_peak_flops` at `dtype` and its memory bandwidth); None for other devices. A TPU's f32 dot runs
+    at the bf16 rate (JAX's default precision: one bf16 pass)."""
+    if device_kind in TPU_PEAKS:
+        return TPU_PEAKS[device_kind]
+    spec = gpu_specs().get(device_kind)
+    if spec is None:
+        return None
+    return gpu_peak_flops(spec["name"], dtype), spec["bandwidth"]
+
+
 def gpu_mem_fraction() -> float:
     """The share of a GPU's memory JAX's allocator takes: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75."""
     raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")

@@ -8,9 +8,10 @@ import importlib
 
 import pytest
 
-# (module, argv that reaches its parser's --help): the flag form and the config form of lrmq.quantize
+# (module, argv that reaches its parser's --help): the flag form, the config form and --compile-only of lrmq.quantize
 COMMANDS = [("lrmq.train", []), ("lrmq.generate", []), ("lrmq.convert", []), ("lrmq.quantize", []),
-            ("lrmq.quantize", ["--config", "x.yaml"]), ("lrmq.perplexity", []), ("lrmq.evaluate", []),
+            ("lrmq.quantize", ["--config", "x.yaml"]), ("lrmq.quantize", ["--compile-only"]),
+            ("lrmq.perplexity", []), ("lrmq.evaluate", []),
             ("lrmq.study", []), ("lrmq.data.synthetic", []), ("lrmq.ptq.pseudo_ft", []),
             ("lrmq.studies.heldout", [])]
 
@@ -31,7 +32,7 @@ def _parser_of(monkeypatch, module: str, argv: list[str]) -> argparse.ArgumentPa
     return seen[0]
 
 
-@pytest.mark.parametrize("module,argv", COMMANDS, ids=[m + (" --config" if a else "") for m, a in COMMANDS])
+@pytest.mark.parametrize("module,argv", COMMANDS, ids=[m + (f" {a[0]}" if a else "") for m, a in COMMANDS])
 def test_every_flag_has_help(monkeypatch, module, argv):
     parser = _parser_of(monkeypatch, module, argv)
     empty = [a.option_strings[0] if a.option_strings else a.dest for a in parser._actions

@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("evaluation", ("lrmq.evals", "lrmq.evals.")),
     ("algorithms", ("lrmq.rl", "lrmq.rl.", "lrmq.ptq", "lrmq.ptq.")),
     ("drivers", ("lrmq.rl.trainer", "lrmq.rl.evaluation", "lrmq.perplexity", "lrmq.studies", "lrmq.studies.")),
-    ("preflight", ("lrmq.aot",)),
+    ("preflight", ("lrmq.aot", "lrmq.ptq_aot")),
     ("commands", ("lrmq.train", "lrmq.quantize", "lrmq.generate", "lrmq.convert", "lrmq.evaluate", "lrmq.study")),
 ]
 FIRST_PARTY = ("lrmq", "pallas_kernels")

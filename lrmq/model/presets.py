@@ -1,8 +1,11 @@
 """Architectures of the models the paper recipes train, as their Hugging Face `config.json` fields.
 
 Used where the shapes are needed but the weights are not: `--compile-only` on a machine that has no
-copy of the checkpoint (`model.shapes: qwen3-8b` in a recipe). Values are the public config.json files
-of the named repositories (Qwen/Qwen3-*-Base, meta-llama/Llama-3.1-8B); only fields lrmq reads are kept.
+copy of the checkpoint (`model.shapes: qwen3-8b` in a recipe, `lrmq.quantize --compile-only --shapes`). Values
+are the public config.json files of the named repositories (Qwen/Qwen3-*-Base, meta-llama/Llama-3.1-8B; the
+QuantLRM paper's models: deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (Qwen2.5-32B's shapes),
+deepseek-ai/DeepSeek-R1-Distill-Llama-70B (Llama-3.3-70B's), allenai/Olmo-3-7B-Think; DeepSeek-R1-0528-Qwen3-8B
+has qwen3-8b's); only fields lrmq reads are kept.
 """
 
 from __future__ import annotations
@@ -31,6 +34,24 @@ PRESETS: dict[str, dict[str, Any]] = {
                         tie_word_embeddings=False, torch_dtype="bfloat16",
                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "r1-distill-qwen-32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                                num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                                rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072,
+                                hidden_act="silu", use_sliding_window=False, tie_word_embeddings=False,
+                                torch_dtype="bfloat16"),
+    "r1-distill-llama-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                 num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                 rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                                 hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16",
+                                 rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                   high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    # post-norm, q/k norms over all heads, 3 sliding-window layers then 1 full-attention layer
+    "olmo-3-7b": dict(model_type="olmo3", vocab_size=100278, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6,
+                      rope_theta=500000, max_position_embeddings=65536, hidden_act="silu", sliding_window=4096,
+                      tie_word_embeddings=False, torch_dtype="bfloat16",
+                      rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8192,
+                                        attention_factor=1.2079441541679836, beta_fast=32, beta_slow=1)),
 }
 
 
