@@ -337,6 +337,52 @@ def test_model_and_data_read_from_the_bucket(gcs, tmp_path):
         load_prompt_dataset([gcs + "/data/missing.jsonl"], option="data.train_files")
 
 
+def test_tensors_and_quantlrm_pair_read_from_the_bucket(gcs, tmp_path):
+    """open_tensors on gs:// HF and lrmq checkpoints gives load_model's tensors, an HF tensor reading its own byte
+    range only; QuantLRM's importance pass on a gs:// GRPO run dir (an HF final_policy, an lrmq initial_policy) reads
+    the pair tensor by tensor and equals the local pair's; no weight file lands on local disk."""
+    from test_quantlrm_model import make_pair
+
+    from lrmq import paths
+    from lrmq.checkpoint import remote
+    from lrmq.checkpoint.hf import flat_params
+    from lrmq.checkpoint.load import load_model
+    from lrmq.checkpoint.orbax_io import save_lrmq
+    from lrmq.checkpoint.tensors import open_tensors
+    from lrmq.ptq.quantlrm import QuantLRMOptions, TensorSource, compute_importance, resolve_pair
+
+    urls = _bucket_inputs(gcs, tmp_path)
+    tiny = load_model(TINY)
+    local = {k: np.asarray(v.get_value()) for k, v in flat_params(tiny).items()}
+    ft = make_pair(TINY, str(tmp_path / "ft"))
+    save_lrmq(tiny, str(tmp_path / "base"))
+    run = gcs + "/runs/quantlrm_pair"
+    paths.publish_dir(ft, run + "/final_policy")
+    paths.publish_dir(str(tmp_path / "base"), run + "/initial_policy")
+    for url in (urls["model"], run + "/initial_policy"):
+        r = open_tensors(url)
+        assert r.names() == list(local), url
+        for name, w in local.items():
+            got = r.get(name)
+            assert got.dtype == w.dtype == r.dtype(name) and got.shape == r.shape(name), (url, name)
+            np.testing.assert_array_equal(got, w, err_msg=f"{url} {name}")
+    f = remote.open_safetensors(urls["model"] + "/model.safetensors")
+    before = f.bytes_read
+    q = open_tensors(urls["model"]).get("layers.1.attn.q_proj.kernel")
+    assert f.bytes_read - before == q.nbytes
+    ft_view, base_view = resolve_pair(run_dir=run)
+    assert (remote.remote_url(ft_view), remote.remote_url(base_view)) == (run + "/final_policy", run + "/initial_policy")
+    pair = TensorSource(ft_view), TensorSource(base_view)
+    assert all(s._model is None for s in pair)  # tensor by tensor, not loaded
+    imps, stats, _, _ = compute_importance(*pair, QuantLRMOptions())
+    want, want_stats, _, _ = compute_importance(TensorSource(ft), TensorSource(TINY), QuantLRMOptions())
+    assert stats == want_stats and sorted(imps) == sorted(want)
+    for k in imps:
+        np.testing.assert_array_equal(imps[k], want[k], err_msg=k)
+    assert not [n for n in os.listdir(ft_view) if n.endswith(".safetensors")]
+    assert os.listdir(os.path.join(base_view, "params")) == []  # orbax read the arrays from the bucket
+
+
 def test_quantized_checkpoint_read_from_the_bucket(gcs):
     """A compressed-tensors checkpoint in the bucket (llmcompressor's W4A16 fixture) loads as the packed model the
     local copy gives: its packed tensors and the float ones streamed, no weight file on local disk."""
