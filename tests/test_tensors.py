@@ -76,7 +76,7 @@ def test_readers_equal_load_model(ckpts):
 
 
 def test_lrmq_reads_one_array_only(ckpts):
-    """One orbax partial restore per tensor: reading a norm scale (256 bytes) reads a few KiB of tree metadata, not
+    """One orbax partial restore per tensor: reading a norm scale (64 bytes) reads under 1 KiB (with tree metadata), not
     the checkpoint's ~930 KiB of arrays (a whole-tree restore reads every byte); the largest tensor reads its own."""
     from lrmq.checkpoint.tensors import open_tensors
 
