@@ -17,9 +17,10 @@ import pytest
 def ckpts(tmp_path_factory):
     """A tiny Qwen3 with an untied (transposed) lm_head: HF bf16 in 5 shards with an index, and the lrmq checkpoint
     load_model + save_lrmq make of it."""
+    import jax.numpy as jnp
     from flax import nnx
 
-    from lrmq.checkpoint.hf import save_hf_model
+    from lrmq.checkpoint.hf import flat_params, save_hf_model
     from lrmq.checkpoint.load import TINY_MODEL_DIR, load_model
     from lrmq.checkpoint.orbax_io import save_lrmq
     from lrmq.model.config import ModelConfig
@@ -29,8 +30,12 @@ def ckpts(tmp_path_factory):
     with open(os.path.join(TINY_MODEL_DIR, "config.json")) as f:
         hf = json.load(f)
     hf["tie_word_embeddings"] = False
-    hf_dir = save_hf_model(Decoder(ModelConfig.from_hf_dict(hf, source="tiny"), nnx.Rngs(1)), str(root / "hf"),
-                           dtype="bfloat16", max_shard_bytes=200_000)
+    untied = nnx.eval_shape(lambda: Decoder(ModelConfig.from_hf_dict(hf, source="tiny"), nnx.Rngs(1)))
+    tiny, rng = flat_params(load_model("tiny")), np.random.default_rng(0)
+    for k, v in flat_params(untied).items():  # the shipped weights, and a random head (a random init costs 2 s)
+        v.set_value(tiny[k].get_value() if k in tiny else
+                    jnp.asarray(rng.standard_normal(v.get_value().shape, np.float32) * 0.05))
+    hf_dir = save_hf_model(untied, str(root / "hf"), dtype="bfloat16", max_shard_bytes=200_000)
     model = load_model(hf_dir)
     lrmq_dir = save_lrmq(model, str(root / "lrmq"))
     return {"hf": hf_dir, "lrmq": lrmq_dir, "model": model, "root": root}
