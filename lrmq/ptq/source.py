@@ -15,6 +15,8 @@ each layer read when its turn comes:
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 from typing import Iterator
 
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from lrmq.checkpoint.tensors import open_tensors
 from lrmq.model.config import ModelConfig
 from lrmq.ptq import layer_fn as lf
 from lrmq.ptq.stream import LayerOut
@@ -52,10 +55,56 @@ class ModelSource:
         lf.set_layer_params(self.model.layers[out.index], {k: jnp.asarray(v) for k, v in out.params.items()})
 
 
+class CheckpointSource:
+    """A float checkpoint read layer by layer (module doc)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.reader = open_tensors(path)
+        self.cfg: ModelConfig = self.reader.cfg
+        self._dtype = _np_dtype(self.cfg.param_dtype)
+
+    def _get(self, name: str) -> np.ndarray:
+        return np.asarray(self.reader.get(name)).astype(self._dtype, copy=False)
+
+    def embedding(self) -> np.ndarray:
+        return self._get("embed.embedding")
+
+    def others(self) -> dict[str, np.ndarray]:
+        """Every non-layer tensor (embedding, final norm, untied head), in the model's param dtype."""
+        return {n: self._get(n) for n in self.reader.names() if not n.startswith("layers.")}
+
+    @functools.lru_cache(maxsize=None)
+    def _paths(self, layer_type: str) -> tuple:
+        return lf.layer_spec(self.cfg, self.cfg.layer_types.index(layer_type)).param_paths
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        paths = self._paths(self.cfg.layer_types[i])
+        return {key: self._get(f"layers.{i}." + ".".join(map(str, path))).astype(np.float32)
+                for key, path in paths}
+
+    def layers(self) -> Iterator[dict[str, np.ndarray]]:
+        """Layer weights in order, the next one read on a background thread meanwhile."""
+        n = self.cfg.num_layers
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ptq-prefetch") as pool:
+            nxt = pool.submit(self.layer, 0)
+            for i in range(n):
+                cur = nxt.result()
+                if i + 1 < n:
+                    nxt = pool.submit(self.layer, i + 1)
+                yield cur
+                del cur
+
+    def write_back(self, out: LayerOut) -> None:
+        raise TypeError(f"{self.path}: a checkpoint source is read only; stream the quantized layers into an export")
+
+
 def as_source(obj):
     """A source for ``obj``: a model (``ModelSource``), a checkpoint path (``CheckpointSource``) or a source."""
-    if isinstance(obj, ModelSource) or hasattr(obj, "layers") and hasattr(obj, "embedding") and not isinstance(obj, nnx.Module):
+    if isinstance(obj, (ModelSource, CheckpointSource)):
         return obj
+    if isinstance(obj, str):
+        return CheckpointSource(obj)
     if isinstance(obj, nnx.Module):
         return ModelSource(obj)
     raise TypeError(f"not a PTQ source: {type(obj).__name__}")
