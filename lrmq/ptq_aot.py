@@ -114,12 +114,12 @@ def gptq_host_rate() -> dict:
 def gptq_host_seconds(cfg: ModelConfig, qcfg: QuantizeConfig) -> float:
     """Estimated host seconds of one layer's GPTQ quantization at `gptq_host_rate`: each Linear's block loop
     (K N elements) and updates of the later rows (~K^2 N float32 flops), one Hessian inverse per captured input
-    (~K^3 float64 flops: Cholesky and triangular inverse)."""
+    (~2/3 K^3 float64 flops: Cholesky and triangular inverse, K^3 / 3 each)."""
     rate = gptq_host_rate()
     shapes = abstract_layer_params(cfg, 0)
     secs = sum(rate["kn"] * k * n + k * k * n / rate["f32_flops"] for k, n in (shapes[name] for name in lf.LINEARS))
     ks = {lf.INPUT_OF[name]: shapes[name][0] for name in lf.LINEARS}
-    return secs + sum(k ** 3 / rate["f64_flops"] for k in ks.values())
+    return secs + sum(2 * k ** 3 / 3 / rate["f64_flops"] for k in ks.values())
 
 
 # ----------------------------------------------------------------------------- the check
