@@ -62,6 +62,9 @@ def test_readers_equal_load_model(ckpts):
             got = r.get(name)
             assert got.shape == r.shape(name) == w.shape and got.dtype == r.dtype(name) == w.dtype, (kind, name)
             np.testing.assert_array_equal(got, w, err_msg=f"{kind} {name}")
+        layer = [n for n in want if n.startswith("layers.1.")]
+        many = r.get_many(layer)  # (lrmq: one restore for the layer)
+        assert list(many) == layer and all(np.array_equal(many[n], want[n]) for n in layer), kind
     hf = open_tensors(ckpts["hf"])
     assert hf.stored("lm_head.kernel") == ("lm_head.weight", want["lm_head.kernel"].shape[::-1])
     # a local HF tensor is a view of a mapping of its own pages only, not of its file

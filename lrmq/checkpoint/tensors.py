@@ -9,7 +9,8 @@ each tensor when it needs it; nothing else of the checkpoint is read, nothing go
 * a Hugging Face directory in a bucket (``gs://...``, `lrmq.checkpoint.remote`): the headers are read once, then
   each tensor's one byte range (`remote.RemoteSafetensors`); no weight file lands on local disk;
 * an lrmq checkpoint (``save_lrmq``: manifest + orbax ``params/``, local or in a bucket): each tensor is an orbax
-  partial restore of that one array onto the host (`orbax_io.restore_array`), never the whole tree.
+  partial restore of that one array onto the host (`orbax_io.restore_arrays`), never the whole tree;
+  `get_many` restores several (a layer's) in one read.
 
 Names are lrmq's flat parameter names (``layers.3.attn.q_proj.kernel``), kernels in lrmq orientation ``[K, N]``
 (an HF ``[out, in]`` weight comes back transposed, as a view), dtypes as stored. Opening checks every tensor
@@ -37,7 +38,7 @@ from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf import CheckpointError, _remote, flat_params, match_names, tensor_index
 from lrmq.checkpoint.load import checkpoint_kind, resolve_checkpoint
 from lrmq.checkpoint.orbax_io import (STATE_FILE, _check_manifest, _read_manifest, _savable_vars, read_lrmq_config,
-                                      restore_array)
+                                      restore_arrays)
 from lrmq.checkpoint.quantized import refuse_quantized
 from lrmq.checkpoint.safetensors_mmap import MappedSafetensors, SafetensorsError
 from lrmq.model.config import ModelConfig
@@ -80,6 +81,11 @@ class TensorReader(abc.ABC):
     @abc.abstractmethod
     def get(self, name: str) -> np.ndarray:
         """One tensor: lrmq orientation, stored dtype; only its bytes are read."""
+
+    def get_many(self, names: list[str]) -> dict[str, np.ndarray]:
+        """{name: `get(name)`}: the same arrays, in one read where the format has a per-read cost (an lrmq
+        checkpoint: one orbax restore, whose metadata parse is per call, for e.g. a whole layer)."""
+        return {n: self.get(n) for n in names}
 
 
 class _HFTensors(TensorReader):
@@ -143,8 +149,10 @@ class _LrmqTensors(TensorReader):
         super().__init__(path, cfg, entries)
 
     def get(self, name: str) -> np.ndarray:
-        shape, dtype = self._entry(name)
-        return restore_array(self._view, name, shape, dtype)
+        return self.get_many([name])[name]
+
+    def get_many(self, names: list[str]) -> dict[str, np.ndarray]:
+        return restore_arrays(self._view, {n: self._entry(n) for n in names})
 
 
 def _np_dtype(name: str):
