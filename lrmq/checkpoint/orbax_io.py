@@ -265,7 +265,8 @@ def restore_arrays(path: str, arrays: dict[str, tuple[tuple[int, ...], Any]]) ->
     """Some arrays of the lrmq checkpoint `path` ({flat name of its manifest, 'layers.3.attn.q_proj.kernel':
     (shape, dtype)}), restored onto the host as numpy with their stored dtypes. One orbax partial restore: only
     these arrays' chunks (and the tree's metadata) are read, never the other arrays; orbax parses the whole tree's
-    metadata once per call (~65 ms for an 80-layer checkpoint), so a layer's arrays are best asked for together.
+    metadata once per call (a cost that grows with the layers), so a layer's arrays are best asked for
+    together.
     The shapes / dtypes (the manifest's) are checked against what was read (CheckpointError naming the tensor)."""
     import orbax.checkpoint as ocp
 
