@@ -136,7 +136,7 @@ class _LrmqTensors(TensorReader):
         cfg = read_lrmq_config(view)
         manifest = _read_manifest(view)
         abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
-        _check_manifest(view, manifest, _savable_vars(abstract), [])
+        _check_manifest(remote.remote_url(view) or path, manifest, _savable_vars(abstract), [])
         entries = {}
         for name in flat_params(abstract):
             try:
