@@ -79,9 +79,9 @@ class CheckpointSource:
         return lf.layer_spec(self.cfg, self.cfg.layer_types.index(layer_type)).param_paths
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
-        paths = self._paths(self.cfg.layer_types[i])
-        return {key: self._get(f"layers.{i}." + ".".join(map(str, path))).astype(np.float32)
-                for key, path in paths}
+        names = {key: f"layers.{i}." + ".".join(map(str, path)) for key, path in self._paths(self.cfg.layer_types[i])}
+        arrays = self.reader.get_many(list(names.values()))  # one read of the layer where reads have a cost (orbax)
+        return {key: np.asarray(arrays[n]).astype(self._dtype, copy=False).astype(np.float32) for key, n in names.items()}
 
     def layers(self) -> Iterator[dict[str, np.ndarray]]:
         """Layer weights in order, the next one read on a background thread meanwhile."""
