@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import os
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -141,7 +142,7 @@ class _LrmqTensors(TensorReader):
         for name in flat_params(abstract):
             try:
                 shape, dt = manifest[name]["array"]
-                entries[name] = (tuple(int(d) for d in shape), np.dtype(_np_dtype(dt)))
+                entries[name] = (tuple(int(d) for d in shape), np.dtype(jnp.dtype(dt))  # (jnp.dtype knows 'bfloat16'))
             except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{os.path.join(view, STATE_FILE)}: {name}: bad entry "
                                       f"{manifest.get(name)!r} ({e!r})") from None
@@ -153,12 +154,6 @@ class _LrmqTensors(TensorReader):
 
     def get_many(self, names: list[str]) -> dict[str, np.ndarray]:
         return restore_arrays(self._view, {n: self._entry(n) for n in names})
-
-
-def _np_dtype(name: str):
-    import jax.numpy as jnp  # jnp.dtype knows bfloat16 / float8 names
-
-    return jnp.dtype(name)
 
 
 def open_tensors(path: str) -> TensorReader:
