@@ -142,7 +142,7 @@ class _LrmqTensors(TensorReader):
         for name in flat_params(abstract):
             try:
                 shape, dt = manifest[name]["array"]
-                entries[name] = (tuple(int(d) for d in shape), np.dtype(jnp.dtype(dt))  # (jnp.dtype knows 'bfloat16'))
+                entries[name] = (tuple(int(d) for d in shape), np.dtype(jnp.dtype(dt)))  # (jnp.dtype knows bfloat16)
             except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{os.path.join(view, STATE_FILE)}: {name}: bad entry "
                                       f"{manifest.get(name)!r} ({e!r})") from None
