@@ -85,3 +85,15 @@ def test_compile_only_gptq_and_quantlrm(cli):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "activation statistic" not in r.stdout and "| grid losses attn_out (layer type full_attention) |" in r.stdout
     assert "QuantLRM's importance pass before them: " in r.stdout
+
+
+def test_chip_peaks():
+    """The peaks the estimates divide by: Google Cloud's TPU figures; an H200's from XLA's target description (bf16:
+    NVIDIA's dense 989 TFLOP/s; f32 at TF32, half of it), with its 4.8 TB/s."""
+    from lrmq.targets import chip_peaks, gpu_peak_flops
+
+    assert chip_peaks("TPU v5") == (459e12, 2765e9) and chip_peaks("TPU v5 lite") == (197e12, 819e9)
+    assert abs(gpu_peak_flops("h200") / 1e12 - 989.2) < 0.5
+    flops, bandwidth = chip_peaks("NVIDIA H200 141GB HBM3e", "f32")
+    assert abs(flops / 1e12 - 494.6) < 0.5 and bandwidth == 4.8e12
+    assert chip_peaks("cpu") is None
