@@ -24,12 +24,12 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from lrmq import paths
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf_names import expand
+from lrmq.checkpoint.shards import ShardWriter
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.sharding import LOGICAL_AXES_KEY, host_array, logical_to_spec
@@ -305,6 +305,18 @@ def hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, 
         yield hf_name, np.ascontiguousarray(arr.astype(out_dtype))
 
 
+def hf_config_dict(cfg: ModelConfig, dtype: str | None = None) -> tuple[dict, str]:
+    """(config.json dict, export dtype) of an HF checkpoint of ``cfg`` written in ``dtype`` (default: the config's
+    torch_dtype, else the param dtype); the dtype field names the stored dtype."""
+    hf_cfg = cfg.to_hf_dict()
+    export_dtype = dtype or _hf_dtype(hf_cfg) or cfg.param_dtype
+    if "torch_dtype" in hf_cfg and "dtype" not in hf_cfg:
+        hf_cfg["torch_dtype"] = export_dtype
+    else:
+        hf_cfg["dtype"] = export_dtype
+    return hf_cfg, export_dtype
+
+
 def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tokenizer_from: str | None = None,
                   max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> str:
     """Write model.safetensors (sharded with an index past max_shard_bytes) + config.json, atomically.
@@ -312,49 +324,18 @@ def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tok
     `out_dir` may be a URL. Multi-host: call on every process (see the module docstring); it returns
     once process 0 has finished writing."""
     _check_float_model(model)
-    cfg = model.cfg
-    hf_cfg = cfg.to_hf_dict()
-    export_dtype = dtype or _hf_dtype(hf_cfg) or cfg.param_dtype
-    if "torch_dtype" in hf_cfg and "dtype" not in hf_cfg:
-        hf_cfg["torch_dtype"] = export_dtype
-    else:
-        hf_cfg["dtype"] = export_dtype
+    hf_cfg, export_dtype = hf_config_dict(model.cfg, dtype)
     if jax.process_index() != 0:
         for _ in hf_tensors(model, export_dtype):  # join each tensor's gather; process 0 writes
             pass
         _sync_processes(f"lrmq.save_hf_model:{out_dir}")
         return out_dir
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        # Each shard goes to disk as soon as it is full (host memory: one shard, not the model); the
-        # "-of-N" names are only known at the end, so shards are renamed then.
-        meta = {"format": "pt"}
-        written: list[tuple[str, list[str], int]] = []  # (temp file, tensor names, bytes)
-        shard: dict[str, np.ndarray] = {}
-        size = 0
-
-        def flush():
-            part = os.path.join(tmp, f".shard-{len(written):05d}.part")
-            save_file(shard, part, metadata=meta)
-            written.append((part, list(shard), size))
-
+        # each shard goes to disk as soon as it is full (host memory: one shard, not the model)
+        shards = ShardWriter(tmp, max_shard_bytes)
         for name, arr in hf_tensors(model, export_dtype):
-            if size and size + arr.nbytes > max_shard_bytes:
-                flush()
-                shard, size = {}, 0
-            shard[name] = arr
-            size += arr.nbytes
-        flush()
-        if len(written) == 1:
-            os.rename(written[0][0], os.path.join(tmp, "model.safetensors"))
-        else:
-            weight_map, total = {}, 0
-            for i, (part, names, nbytes) in enumerate(written):
-                fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-                os.rename(part, os.path.join(tmp, fname))
-                weight_map.update((n, fname) for n in names)
-                total += nbytes
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            shards.add(name, arr)
+        shards.close()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
         if tokenizer_from:

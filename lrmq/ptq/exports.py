@@ -31,14 +31,18 @@ import os
 
 import ml_dtypes
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
 from lrmq.atomic import atomic_dir
-from lrmq.checkpoint.hf import copy_tokenizer_files, flat_params, save_hf_model
+from lrmq.checkpoint.hf import copy_tokenizer_files, flat_params, hf_config_dict, save_hf_model
 from lrmq.checkpoint.hf_names import expand
 from lrmq.checkpoint.orbax_io import save_lrmq
+from lrmq.checkpoint.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter
+from lrmq.model.decoder import Decoder
 from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.ptq import export_formats as ef
+from lrmq.ptq import layer_fn as lf
 from lrmq.quant import packing
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.transforms import module_at
@@ -121,18 +125,23 @@ def _unpacked(qw):
     return packing.unpack(np.asarray(qw.codes), qw.bits, qw.K), np.asarray(qw.scales), np.asarray(qw.zeros)
 
 
+def _write_config(directory: str, cfg, quant_config: dict, dtype: str, tokenizer_from: str | None) -> None:
+    """config.json of a quantized HF export (its dtype field and ``quantization_config``), tokenizer files."""
+    hf = cfg.to_hf_dict()
+    key = "torch_dtype" if "torch_dtype" in hf and "dtype" not in hf else "dtype"
+    hf[key] = dtype
+    hf["quantization_config"] = quant_config
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    if tokenizer_from:
+        copy_tokenizer_files(tokenizer_from, directory)
+
+
 def _write(tmp: str, tensors: dict, model, quant_config: dict, dtype: str, tokenizer_from: str | None):
     # safetensors writes a numpy array's buffer: transposed views must be made contiguous first
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    hf = model.cfg.to_hf_dict()
-    key = "torch_dtype" if "torch_dtype" in hf and "dtype" not in hf else "dtype"
-    hf[key] = dtype
-    hf["quantization_config"] = quant_config
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    if tokenizer_from:
-        copy_tokenizer_files(tokenizer_from, tmp)
+    _write_config(tmp, model.cfg, quant_config, dtype, tokenizer_from)
 
 
 def save_autoawq(model, result, out_dir: str, *, tokenizer_from: str | None = None, overwrite: bool = False) -> str:
@@ -235,3 +244,152 @@ def write_outputs(model, result, out_dir: str, *, formats=("fake_quant",), dtype
         if before_rename is not None:
             before_rename(tmp)
     return out_dir
+
+
+# ----------------------------------------------------------------------------- streamed, layer by layer
+
+
+class _HFWriter:
+    """One Hugging Face format directory (fake_quant, compressed_tensors, autoawq) written layer by layer into
+    shards (``lrmq.checkpoint.shards.ShardWriter``): each tensor as the whole-model writers above make it."""
+
+    def __init__(self, fmt: str, directory: str, cfg, names: dict, dtype: str, max_shard_bytes: int):
+        self.fmt, self.directory, self.cfg, self.names = fmt, directory, cfg, names
+        self.param_dtype = _np_dtype(cfg.param_dtype)
+        # the dtype of the plain (float) tensors: fake_quant's --dtype, AutoAWQ's float16, compressed-tensors' dtype
+        self.dtype = {"fake_quant": dtype, "autoawq": "float16",
+                      "compressed_tensors": dtype if dtype != "float32" else "bfloat16"}[fmt]
+        self.shards = ShardWriter(directory, max_shard_bytes)
+        self.groups: set = set()
+        self.bits: set = set()
+        self.sym: set = set()
+        self.per_channel = True
+        self.unquantized: list[str] = []  # HF prefixes of Linears left float
+
+    def plain(self, flat: str, value) -> None:
+        """A float tensor: through the model's param dtype (as a model written back holds it), then the export
+        dtype, in HF orientation."""
+        hf, tr = self.names[flat]
+        arr = np.asarray(value).astype(self.param_dtype, copy=False).astype(_np_dtype(self.dtype))
+        self.shards.add(hf, arr.T if tr == "T" else arr)
+        if flat.endswith(".kernel") and hf.endswith(".weight") and hf != "lm_head.weight":
+            self.unquantized.append(hf[: -len(".weight")])
+
+    def quantized(self, flat_kernel: str, qw) -> None:
+        prefix = self.names[flat_kernel][0][: -len(".weight")]
+        codes, scales, zeros = _unpacked(qw)
+        if self.fmt == "autoawq":
+            out = ef.awq_gemm_export(codes, scales, zeros)
+        else:
+            out = ef.ct_pack_quantized_export(codes, scales, zeros, bits=qw.bits, symmetric=qw.symmetric,
+                                              dtype=self.dtype)
+        for k, v in out.items():
+            self.shards.add(f"{prefix}.{k}", v)
+        self.groups.add(qw.group_size)
+        self.bits.add(qw.bits)
+        self.sym.add(bool(qw.symmetric))
+        self.per_channel &= np.shape(qw.scales)[0] == 1
+
+    def finish(self, tokenizer_from: str | None) -> None:
+        self.shards.close()
+        if self.fmt == "fake_quant":
+            hf, _ = hf_config_dict(self.cfg, self.dtype)
+            with open(os.path.join(self.directory, "config.json"), "w") as f:
+                json.dump(hf, f, indent=2)
+            if tokenizer_from:
+                copy_tokenizer_files(tokenizer_from, self.directory)
+            return
+        if self.fmt == "autoawq":
+            qc = ef.awq_quantization_config(4, next(iter(self.groups)))
+        else:
+            groups = {-1} if self.per_channel else self.groups
+            if len(groups) != 1:
+                raise ExportError(f"compressed-tensors export needs one group size, found {sorted(groups)}")
+            if len(self.bits) != 1 or len(self.sym) != 1:
+                raise ExportError(f"compressed-tensors export writes one config group: found bits {sorted(self.bits)}, "
+                                  f"symmetric {sorted(self.sym)}")
+            qc = ef.ct_quantization_config(next(iter(self.bits)), groups.pop(), next(iter(self.sym)),
+                                           ignore=["lm_head", *sorted(self.unquantized)])
+        _write_config(self.directory, self.cfg, qc, self.dtype, tokenizer_from)
+
+
+class StreamedExport:
+    """Every requested format of a PTQ run, written layer by layer as the driver finishes each layer, into
+    ``out_dir`` atomically (a temporary sibling renamed at the end; an exception removes it)::
+
+        with StreamedExport(out_dir, cfg, ["compressed_tensors"]) as export:
+            export.write_other(source.others())          # embedding, final norm, untied head
+            result = method(source, qcfg, inputs, emit=export.write_layer)
+            export.finish(result, extra_files={...})
+
+    Each format is a subdirectory (as ``write_outputs``), its tensors in shards of at most ``max_shard_bytes``
+    with an index, the same tensors as the whole-model writers (``save_compressed_tensors`` ...) write for the
+    same result. Host memory: one shard per format and the layer being written."""
+
+    def __init__(self, out_dir: str, cfg, formats, *, dtype: str = "float16", tokenizer_from: str | None = None,
+                 overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown:
+            raise ExportError(f"unknown output formats {unknown}; known: {list(FORMATS)}")
+        if "packed" in formats:
+            raise ExportError("outputs.formats packed is not written layer by layer yet; the streamed run writes "
+                              "compressed_tensors (read back by every lrmq command), autoawq or fake_quant")
+        self.out_dir, self.cfg, self.formats = out_dir, cfg, list(formats)
+        self.dtype, self.tokenizer_from, self.overwrite = dtype, tokenizer_from, overwrite
+        self.max_shard_bytes = max_shard_bytes
+        self.names = {ours: (hf, tr) for hf, (ours, tr) in expand(set(flat_params(
+            nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))), cfg).items()}
+        self._ctx = None
+        self._writers: dict[str, _HFWriter] = {}
+        self._finished = False
+
+    def __enter__(self):
+        self._ctx = atomic_dir(self.out_dir, overwrite=self.overwrite)
+        tmp = self._ctx.__enter__()
+        self.tmp = tmp
+        for f in self.formats:
+            os.mkdir(os.path.join(tmp, f))
+            self._writers[f] = _HFWriter(f, os.path.join(tmp, f), self.cfg, self.names, self.dtype,
+                                         self.max_shard_bytes)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and not self._finished:
+            exc_type, exc = RuntimeError, RuntimeError("StreamedExport left without finish(): nothing written")
+            try:
+                return self._ctx.__exit__(exc_type, exc, tb)
+            finally:
+                raise exc
+        return self._ctx.__exit__(exc_type, exc, tb)
+
+    def write_other(self, tensors: dict) -> None:
+        """The non-layer tensors ({flat lrmq name: array in the param dtype}): embedding, final norm, head."""
+        for flat, arr in tensors.items():
+            for w in self._writers.values():
+                w.plain(flat, arr)
+
+    def write_layer(self, out) -> None:
+        """One finished decoder layer (``lrmq.ptq.stream.LayerOut``)."""
+        if out.g_idx and any(f != "fake_quant" for f in self.formats):
+            raise ExportError(f"layer {out.index}: {sorted(out.g_idx)} were GPTQ-quantized with act_order and dynamic "
+                              "groups (non-monotone g_idx); rerun with gptq.static_groups=true or export fake_quant")
+        if "autoawq" in self.formats and any(qw.bits != 4 for qw in out.packed.values()):
+            raise ExportError("AutoAWQ GEMM export is 4-bit only (use compressed_tensors for W3)")
+        paths = dict(lf.layer_spec(self.cfg, out.index).param_paths)
+        for key, value in out.params.items():
+            flat = f"layers.{out.index}." + ".".join(map(str, paths[key]))
+            for fmt, w in self._writers.items():
+                if key in out.packed and fmt != "fake_quant":
+                    w.quantized(flat, out.packed[key])
+                else:
+                    w.plain(flat, value)
+
+    def finish(self, result=None, extra_files: dict | None = None) -> None:
+        """Close every format (last shards, indexes, config.json with its quantization_config, tokenizer files)
+        and add ``extra_files`` ({name: bytes | str}) at the top; the rename happens when the ``with`` exits."""
+        for w in self._writers.values():
+            w.finish(self.tokenizer_from)
+        for name, data in (extra_files or {}).items():
+            with open(os.path.join(self.tmp, name), "wb" if isinstance(data, bytes) else "w") as fh:
+                fh.write(data)
+        self._finished = True

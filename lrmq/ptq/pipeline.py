@@ -26,8 +26,8 @@ from lrmq.configlib import dump_config
 from lrmq.ptq.calibration import calibration_blocks
 from lrmq.model.config import ModelConfig, check_position_limit
 from lrmq.ptq.config import QuantizeConfig
-from lrmq.ptq.exports import write_outputs
-from lrmq.ptq.methods import PTQ_METHODS, MethodInputs, needs_calibration
+from lrmq.ptq.exports import StreamedExport, write_outputs
+from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, MethodInputs, needs_calibration
 from lrmq.ptq.quantlrm import (
     QuantLRMOptions,
     TensorSource,
@@ -36,6 +36,7 @@ from lrmq.ptq.quantlrm import (
     importance_artifacts,
     resolve_pair,
 )
+from lrmq.ptq.source import CheckpointSource
 from lrmq.quant.transforms import iter_linears
 
 
@@ -140,28 +141,58 @@ def load_float_model(path: str):
 
 
 def run_quantize(cfg: QuantizeConfig) -> dict:
-    """Prepare, quantize, export (atomically into ``cfg.outputs.dir``). Returns the report dict."""
+    """Prepare, quantize, export (atomically into ``cfg.outputs.dir``). Returns the report dict.
+
+    The layer-by-layer methods (awq, gptq, quantlrm) are streamed: the checkpoint is read layer by layer
+    (:class:`lrmq.ptq.source.CheckpointSource`) and each finished layer goes straight into the exports
+    (:class:`lrmq.ptq.exports.StreamedExport`), so neither the model nor its quantized copy is ever held whole.
+    rtn, int8 and nf4 quantize the loaded model in place."""
     out_dir = cfg.outputs.dir
     paths.check_dir_path(out_dir, "outputs.dir")  # a file there: a sentence, before any work
     if os.path.exists(out_dir) and not cfg.outputs.overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(out_dir)} already exists (outputs.overwrite=true)")
     prep = prepare(cfg)
-    model = load_float_model(prep.model_path)
-    result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
+    tok_from = prep.tokenizer_dir if os.path.isdir(prep.tokenizer_dir) else None
+    if cfg.method in LAYERWISE_METHODS and "packed" not in cfg.outputs.formats:
+        source = open_float_source(prep.model_path)
+        with StreamedExport(out_dir, source.cfg, cfg.outputs.formats, dtype=cfg.outputs.dtype,
+                            tokenizer_from=tok_from, overwrite=cfg.outputs.overwrite,
+                            max_shard_bytes=cfg.outputs.max_shard_bytes) as export:
+            export.write_other(source.others())
+            result = PTQ_METHODS.get(cfg.method)(source, cfg, prep.inputs, emit=export.write_layer)
+            report = _report(cfg, prep, result)
+            export.finish(result, extra_files=_extra_files(cfg, prep, report))
+    else:
+        model = load_float_model(prep.model_path)
+        result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
+        report = _report(cfg, prep, result)
+        write_outputs(model, result, out_dir, formats=cfg.outputs.formats, dtype=cfg.outputs.dtype,
+                      tokenizer_from=tok_from, overwrite=cfg.outputs.overwrite,
+                      extra_files=_extra_files(cfg, prep, report))
+    report["out_dir"] = out_dir
+    return report
+
+
+def open_float_source(path: str) -> CheckpointSource:
+    """The checkpoint at ``path`` read layer by layer; a quantized one is refused in one line naming its format."""
+    refuse_quantized(resolve_checkpoint(path), "PTQ", "quantize its float checkpoint")
+    return CheckpointSource(path)
+
+
+def _report(cfg: QuantizeConfig, prep: Prepared, result) -> dict:
     tokens = prep.inputs.tokens
-    report = {"method": cfg.method, "model": prep.model_path, "bits": cfg.bits, "group_size": cfg.group_size,
-              "symmetric": cfg.symmetric, "weight_format": result.describe_format(),
-              "weight_formats": [f.to_dict() for f in result.formats()],
-              "calibration_blocks": None if tokens is None else list(tokens.shape),
-              "formats": list(cfg.outputs.formats), "info": _jsonable(result.info), **prep.report}
+    return {"method": cfg.method, "model": prep.model_path, "bits": cfg.bits, "group_size": cfg.group_size,
+            "symmetric": cfg.symmetric, "weight_format": result.describe_format(),
+            "weight_formats": [f.to_dict() for f in result.formats()],
+            "calibration_blocks": None if tokens is None else list(tokens.shape),
+            "formats": list(cfg.outputs.formats), "info": _jsonable(result.info), **prep.report}
+
+
+def _extra_files(cfg: QuantizeConfig, prep: Prepared, report: dict) -> dict:
     extra = dict(prep.files)
     extra["report.json"] = json.dumps(report, indent=2)
     extra["quantize_config.yaml"] = dump_config(cfg)
-    tok_from = prep.tokenizer_dir if os.path.isdir(prep.tokenizer_dir) else None
-    write_outputs(model, result, out_dir, formats=cfg.outputs.formats, dtype=cfg.outputs.dtype,
-                  tokenizer_from=tok_from, overwrite=cfg.outputs.overwrite, extra_files=extra)
-    report["out_dir"] = out_dir
-    return report
+    return extra
 
 
 def _jsonable(x):
