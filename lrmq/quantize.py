@@ -34,6 +34,7 @@ or lies inside an input, a full disk); nothing is written then.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -41,10 +42,12 @@ import re
 import sys
 
 import jax
+import ml_dtypes
+import numpy as np
 
 from lrmq import aot, ptq_aot
 from lrmq.atomic import atomic_write_text
-from lrmq.checkpoint.hf import save_hf_model
+from lrmq.checkpoint.hf import hf_config_dict, save_hf_model
 from lrmq.checkpoint.load import check_checkpoint
 from lrmq.checkpoint.orbax_io import save_lrmq
 from lrmq.cli import (USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main, select_platforms,
@@ -52,9 +55,10 @@ from lrmq.cli import (USER_ERRORS, ArgumentParser, UsageError, check_disjoint, n
 from lrmq.configlib import add_config_args, dump_config
 from lrmq.paths import check_dir_path, check_file_path
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
-from lrmq.ptq.exports import FORMATS, packed_kernels, save_format
+from lrmq.ptq.exports import FORMATS, StreamedExport, packed_kernels, save_format
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
-from lrmq.ptq.pipeline import load_float_model, model_config, prepare, resolve_model_path, run_quantize
+from lrmq.ptq.pipeline import (load_float_model, model_config, open_float_source, prepare, resolve_model_path,
+                               run_quantize)
 from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.quant.quantizers import check_bits
 from lrmq.quant.training import param_bytes
@@ -109,6 +113,9 @@ def parse_args(argv=None):
                          "'text' field, else text)")
     ap.add_argument("--base", default=None, help="quantlrm: the pre-fine-tuning checkpoint")
     ap.add_argument("--run-dir", default=None, help="quantlrm: a GRPO run dir (final_policy + initial_policy)")
+    ap.add_argument("--devices", type=number(int, ge=1), default=None,
+                    help="awq/gptq/quantlrm: local devices (chips) the calibration passes run over (default: all; "
+                         "the result is the same bytes for any count; mesh.devices)")
     return ap.parse_args(argv)
 
 
@@ -123,7 +130,8 @@ def config_from_flags(args):
                                 source=args.calibration_source or sniff_calibration_source(args.calibration))
     qlrm = dataclasses.replace(cfg.quantlrm, base=args.base, run_dir=args.run_dir, plot=False)
     outputs = dataclasses.replace(cfg.outputs, formats=[args.format])
-    return dataclasses.replace(cfg, calibration=calib, quantlrm=qlrm, outputs=outputs)
+    mesh = dataclasses.replace(cfg.mesh, devices=args.devices)
+    return dataclasses.replace(cfg, calibration=calib, quantlrm=qlrm, outputs=outputs, mesh=mesh)
 
 
 def sniff_calibration_source(path: str | None) -> str:
@@ -196,7 +204,7 @@ def check_flags(args, cfg) -> None:
     try:
         check_method_config(cfg)
     except ValueError as e:
-        raise UsageError(str(e).replace("outputs.formats", "--format")) from None
+        raise UsageError(str(e).replace("outputs.formats", "--format").replace("mesh.devices", "--devices")) from None
     if args.format == "autoawq" and cfg.bits != 4:
         raise UsageError(f"--format autoawq is 4-bit only (AutoAWQ GEMM), --bits is {cfg.bits}; use --format "
                          "compressed_tensors for other widths")
@@ -259,6 +267,8 @@ def run(args) -> dict:
     cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(
         c, block_size=min(c.block_size, limit), max_doc_tokens=min(c.max_doc_tokens, limit)))
     prep = prepare(cfg, FLAG_NAMES)
+    if cfg.method in LAYERWISE_METHODS and args.format != "packed":
+        return run_streamed(args, cfg, prep)
     model = load_float_model(prep.model_path)
     check_targets(model, cfg)
     result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
@@ -266,6 +276,39 @@ def run(args) -> dict:
     return {"method": args.method, "quantized": len(result.packed), "weight_format": result.describe_format(),
             "bytes_before": before, "bytes_after": after,
             "out": args.out, "format": args.format, "hf_fake": args.export_hf_fake}
+
+
+def run_streamed(args, cfg, prep) -> dict:
+    """awq / gptq / quantlrm: the checkpoint read layer by layer, each finished layer written straight into OUT (and
+    OUT2); neither the model nor its quantized copy is held whole (lrmq.ptq.pipeline, lrmq.ptq.exports)."""
+    source = open_float_source(prep.model_path)
+    itemsize = np.dtype(ml_dtypes.bfloat16 if source.cfg.param_dtype == "bfloat16" else source.cfg.param_dtype).itemsize
+    before = sum(int(np.prod(source.reader.shape(n))) * itemsize for n in source.reader.names())
+    kw = dict(tokenizer_from=prep.model_path, overwrite=args.overwrite, root=True)
+    exports = [StreamedExport(args.out, source.cfg, [args.format], **kw)]
+    if args.export_hf_fake:  # the fake-quant weights in the checkpoint's own dtype, as save_hf_model writes them
+        exports.append(StreamedExport(args.export_hf_fake, source.cfg, ["fake_quant"],
+                                      dtype=hf_config_dict(source.cfg)[1], **kw))
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(e) for e in exports]
+        others = source.others()
+        for e in opened:
+            e.write_other(others)
+        del others
+        packed = []
+
+        def emit(out):
+            packed.extend(out.packed)
+            for e in opened:
+                e.write_layer(out)
+
+        result = PTQ_METHODS.get(cfg.method)(source, cfg, prep.inputs, emit=emit)
+        for e in opened:
+            e.finish(result)
+    after = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out) if f.endswith(".safetensors"))
+    return {"method": args.method, "quantized": len(packed), "weight_format": result.describe_format(),
+            "bytes_before": before, "bytes_after": after, "out": args.out, "format": args.format,
+            "hf_fake": args.export_hf_fake}
 
 
 def config_main(argv) -> int:

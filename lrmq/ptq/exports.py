@@ -43,6 +43,7 @@ from lrmq.model.decoder import Decoder
 from lrmq.model.params import LOGICAL_AXES_KEY
 from lrmq.ptq import export_formats as ef
 from lrmq.ptq import layer_fn as lf
+from lrmq.ptq.stream import LayerOut
 from lrmq.quant import packing
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.transforms import module_at
@@ -322,15 +323,18 @@ class StreamedExport:
             result = method(source, qcfg, inputs, emit=export.write_layer)
             export.finish(result, extra_files={...})
 
-    Each format is a subdirectory (as ``write_outputs``), its tensors in shards of at most ``max_shard_bytes``
+    Each format is a subdirectory (as ``write_outputs``; ``root``: the one format at the top), its tensors in shards of at most ``max_shard_bytes``
     with an index, the same tensors as the whole-model writers (``save_compressed_tensors`` ...) write for the
     same result. Host memory: one shard per format and the layer being written."""
 
     def __init__(self, out_dir: str, cfg, formats, *, dtype: str = "float16", tokenizer_from: str | None = None,
-                 overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+                 overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, root: bool = False):
         unknown = [f for f in formats if f not in FORMATS]
         if unknown:
             raise ExportError(f"unknown output formats {unknown}; known: {list(FORMATS)}")
+        if root and len(formats) != 1:
+            raise ExportError(f"one format is written at the top of {out_dir}, got {list(formats)}")
+        self.root = root  # the one format at the top of out_dir (lrmq.quantize's --out), not in a subdirectory
         if "packed" in formats:
             raise ExportError("outputs.formats packed is not written layer by layer yet; the streamed run writes "
                               "compressed_tensors (read back by every lrmq command), autoawq or fake_quant")
@@ -348,9 +352,9 @@ class StreamedExport:
         tmp = self._ctx.__enter__()
         self.tmp = tmp
         for f in self.formats:
-            os.mkdir(os.path.join(tmp, f))
-            self._writers[f] = _HFWriter(f, os.path.join(tmp, f), self.cfg, self.names, self.dtype,
-                                         self.max_shard_bytes)
+            d = tmp if self.root else os.path.join(tmp, f)
+            os.makedirs(d, exist_ok=True)
+            self._writers[f] = _HFWriter(f, d, self.cfg, self.names, self.dtype, self.max_shard_bytes)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -393,3 +397,15 @@ class StreamedExport:
             with open(os.path.join(self.tmp, name), "wb" if isinstance(data, bytes) else "w") as fh:
                 fh.write(data)
         self._finished = True
+
+
+def stream_model(model, result, export: StreamedExport) -> None:
+    """Feed an in-memory quantized model (and its ``result``) into ``export`` layer by layer, as the streamed
+    driver does: the non-layer tensors, then each layer's weights and packed Linears."""
+    params = flat_params(model)
+    export.write_other({n: np.asarray(v.get_value()) for n, v in params.items() if not n.startswith("layers.")})
+    for i, layer in enumerate(model.layers):
+        packed = {name: qw for name in lf.LINEARS
+                  if (qw := result.packed.get(f"layers.{i}.{lf.MODULE_OF[name]}.{name}")) is not None}
+        export.write_layer(LayerOut(index=i, params={k: np.asarray(v) for k, v in lf.get_layer_params(layer).items()},
+                                    packed=packed))
