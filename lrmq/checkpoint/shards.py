@@ -4,7 +4,8 @@
 pass ``max_shard_bytes`` (host memory: one shard, not the model). The "-of-N" names are only known at the
 end: :meth:`ShardWriter.close` renames the shards to ``model.safetensors`` (one shard) or
 ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json`` (``metadata.total_size``,
-``weight_map``), the layout `transformers`, compressed-tensors and vLLM load.
+``weight_map``), the layout `transformers`, compressed-tensors and vLLM load. ``prefix`` replaces "model" in
+those names (an lrmq checkpoint's ``params.safetensors`` ..., `lrmq.checkpoint.lrmq_shards`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,20 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def index_file(prefix: str = "model") -> str:
+    return f"{prefix}.safetensors.index.json"
+
+
 class ShardWriter:
     """Tensors into ``directory`` (an existing, empty temporary directory), one shard at a time (module doc)."""
 
-    def __init__(self, directory: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, metadata=None):
+    def __init__(self, directory: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, metadata=None, *,
+                 prefix: str = "model"):
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-        self.directory, self.max_shard_bytes = directory, int(max_shard_bytes)
+        if not prefix or "/" in prefix or prefix.startswith("."):
+            raise ValueError(f"shard file prefix must be a plain file name, got {prefix!r}")
+        self.directory, self.max_shard_bytes, self.prefix = directory, int(max_shard_bytes), prefix
         self.metadata = dict(metadata or {"format": "pt"})
         self._written: list[tuple[str, list[str], int]] = []  # (temporary file, tensor names, bytes)
         self._shard: dict[str, np.ndarray] = {}
@@ -47,7 +55,7 @@ class ShardWriter:
         """Write the current shard (if any) to disk now."""
         if not self._shard:
             return
-        part = os.path.join(self.directory, f".shard-{len(self._written):05d}.part")
+        part = os.path.join(self.directory, f".{self.prefix}-shard-{len(self._written):05d}.part")
         save_file(self._shard, part, metadata=self.metadata)
         self._written.append((part, list(self._shard), self._size))
         self._shard, self._size = {}, 0
@@ -57,16 +65,17 @@ class ShardWriter:
         self.flush()
         if not self._written:
             raise ValueError(f"{self.directory}: no tensors were written")
+        single, index = f"{self.prefix}.safetensors", f"{self.prefix}.safetensors.index.json"
         if len(self._written) == 1:
-            os.rename(self._written[0][0], os.path.join(self.directory, "model.safetensors"))
-            return ["model.safetensors"]
+            os.rename(self._written[0][0], os.path.join(self.directory, single))
+            return [single]
         weight_map, total, names = {}, 0, []
         for i, (part, tensors, nbytes) in enumerate(self._written):
-            fname = f"model-{i + 1:05d}-of-{len(self._written):05d}.safetensors"
+            fname = f"{self.prefix}-{i + 1:05d}-of-{len(self._written):05d}.safetensors"
             os.rename(part, os.path.join(self.directory, fname))
             weight_map.update((n, fname) for n in tensors)
             total += nbytes
             names.append(fname)
-        with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
+        with open(os.path.join(self.directory, index), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        return [*names, INDEX_FILE]
+        return [*names, index]
