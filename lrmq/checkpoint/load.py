@@ -14,7 +14,8 @@ from lrmq import paths
 from lrmq.checkpoint import remote
 from lrmq.checkpoint.hf import CheckpointError, load_hf_model
 from lrmq.checkpoint.quantized import hf_quantization, load_quantized_hf
-from lrmq.checkpoint.orbax_io import (CONFIG_FILE, PARAMS_DIR, STATE_FILE, is_lrmq_checkpoint, load_lrmq,
+from lrmq.checkpoint.lrmq_shards import PARAMS_FILE, PARAMS_INDEX
+from lrmq.checkpoint.orbax_io import (CONFIG_FILE, PARAMS_DIR, STATE_FILE, has_params, is_lrmq_checkpoint, load_lrmq,
                                       read_lrmq_config)
 from lrmq.cli import UsageError, error_message
 from lrmq.model.config import ModelConfig
@@ -65,13 +66,14 @@ def checkpoint_kind(path: str) -> str:
     # lrmq first: its config.json is also a valid HF config, but it has no safetensors.
     if is_lrmq_checkpoint(path):
         return "lrmq"
-    if os.path.exists(os.path.join(path, STATE_FILE)) or os.path.isdir(os.path.join(path, PARAMS_DIR)):
+    if os.path.exists(os.path.join(path, STATE_FILE)) or has_params(path):
         # looks like an lrmq checkpoint: say which of its files is missing or broken
         missing = [n + (" (a directory is there)" if os.path.isdir(os.path.join(path, n)) else "")
                    for n in (CONFIG_FILE, STATE_FILE) if not os.path.isfile(os.path.join(path, n))]
         params = os.path.join(path, PARAMS_DIR)
-        if not os.path.isdir(params):
-            missing.append(PARAMS_DIR + "/" + (" (a file is there)" if os.path.exists(params) else ""))
+        if not has_params(path):
+            missing.append(PARAMS_DIR + "/" + (" (a file is there)" if os.path.exists(params) else "")
+                           + f" or {PARAMS_FILE} / {PARAMS_INDEX}")
         if missing:
             raise CheckpointError(f"{path}: incomplete lrmq checkpoint, missing {', '.join(missing)}")
         read_lrmq_config(path)  # raises naming config.json and what is wrong with it
@@ -84,7 +86,7 @@ def checkpoint_kind(path: str) -> str:
     raise CheckpointError(
         f"{path}: not a model checkpoint; expected either a Hugging Face directory (config.json + "
         f"model.safetensors or model.safetensors.index.json) or an lrmq checkpoint (config.json with an "
-        f"'lrmq' section, lrmq_state.json and params/)")
+        f"'lrmq' section, lrmq_state.json and params/ or {PARAMS_FILE})")
 
 
 def check_checkpoint(path: str, option: str = "--checkpoint") -> str:

@@ -4,12 +4,16 @@
                       {"format_version", "dtype", "param_dtype"} for what HF has no field for
     lrmq_state.json   one entry per saved variable: type, shape/dtype of each array, logical axes and,
                       for packed weights, the QuantizedWeight static fields
-    params/           an orbax StandardCheckpointer tree: every non-RNG variable of the model
+    params/           an orbax StandardCheckpointer tree: every non-RNG variable of the model; or, in the
+                      safetensors storage layout (lrmq_state.json "storage": "safetensors"),
+                      params.safetensors / params-0000i-of-0000N.safetensors + params.safetensors.index.json
+                      (`lrmq.checkpoint.lrmq_shards`: written variable by variable, e.g. by a streamed PTQ)
     tokenizer files   copied from `tokenizer_from` when present
 
 The manifest (not orbax metadata, whose layout changes between orbax releases) is what `load_lrmq`
 builds its abstract target from: shapes are checked before any byte is read, and every array is
-restored directly with its `NamedSharding` on the requested mesh (any mesh shape, not the saving one).
+restored directly with its `NamedSharding` on the requested mesh (any mesh shape, not the saving one),
+whichever the storage layout.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 STATE_FILE = "lrmq_state.json"
 PARAMS_DIR = "params"
+STORAGES = ("orbax", "safetensors")  # lrmq_state.json "storage" (absent: orbax)
 
 
 # ----------------------------------------------------------------------------- state <-> flat paths
@@ -122,11 +127,28 @@ def _hf_config_for(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, overwrite: bool = False,
-              weight_formats=None) -> str:
+              weight_formats=None, storage: str = "orbax", max_shard_bytes: int | None = None) -> str:
     """Write an lrmq checkpoint atomically (nothing at `path` unless every file was written). `weight_formats`
     (`lrmq.quant.formats.WeightFormat`s of its packed weights) are recorded in lrmq_state.json
-    (`read_weight_formats`)."""
+    (`read_weight_formats`). `storage`: "orbax" (a params/ tree) or "safetensors" (`lrmq_shards.LrmqWriter`:
+    shards of at most `max_shard_bytes`, default 5 * 10**9, with an index)."""
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {list(STORAGES)}, got {storage!r}")
+    if max_shard_bytes is not None and storage != "safetensors":
+        raise ValueError("max_shard_bytes applies to storage='safetensors' only")
     manifest = _manifest(model)
+    if storage == "safetensors":
+        from lrmq.checkpoint.lrmq_shards import DEFAULT_MAX_SHARD_BYTES, LrmqWriter
+
+        with atomic_dir(path, overwrite=overwrite) as tmp:
+            writer = LrmqWriter(tmp, model.cfg, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+            for p, var in _savable_vars(model).items():
+                if manifest[p]["type"] == "QuantizedKernel":
+                    writer.add_packed(p, var.get_value())
+                else:
+                    writer.add_param(p, var.get_value())
+            writer.close(weight_formats=weight_formats, tokenizer_from=tokenizer_from)
+        return path
     flat = {p: v.get_value() for p, v in _savable_vars(model).items()}
     hf = _hf_config_for(model.cfg)
     import orbax.checkpoint as ocp  # here, not at import: orbax costs ~0.9 s of every CLI start
@@ -157,10 +179,17 @@ def _all_finite(tree) -> bool:
                if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating))
 
 
+def has_params(path: str) -> bool:
+    """The directory holds an lrmq checkpoint's arrays in either storage layout (params/, or params.safetensors /
+    its index: `lrmq_shards`)."""
+    from lrmq.checkpoint import lrmq_shards
+
+    return os.path.isdir(os.path.join(path, PARAMS_DIR)) or lrmq_shards.has_params(path)
+
+
 def is_lrmq_checkpoint(path: str) -> bool:
     cfg_path = os.path.join(path, CONFIG_FILE)
-    if not (os.path.isfile(cfg_path) and os.path.isdir(os.path.join(path, PARAMS_DIR))
-            and os.path.isfile(os.path.join(path, STATE_FILE))):
+    if not (os.path.isfile(cfg_path) and has_params(path) and os.path.isfile(os.path.join(path, STATE_FILE))):
         return False
     try:
         with open(cfg_path) as f:
@@ -202,17 +231,35 @@ def read_weight_formats(path: str) -> list:
         raise CheckpointError(str(e)) from None
 
 
-def _read_manifest(path: str) -> dict[str, dict[str, Any]]:
+def _read_state(path: str) -> dict[str, Any]:
     p = os.path.join(path, STATE_FILE)
     if not os.path.exists(p):
         raise CheckpointError(f"{p}: missing; {path} is not a complete lrmq checkpoint")
     try:
-        variables = paths.read_json(p, what="lrmq state manifest").get("variables")
+        state = paths.read_json(p, what="lrmq state manifest")
     except paths.FileFormatError as e:
         raise CheckpointError(str(e)) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{p}: not a valid lrmq state manifest (a JSON object expected)")
+    return state
+
+
+def _read_manifest(path: str) -> dict[str, dict[str, Any]]:
+    variables = _read_state(path).get("variables")
     if not isinstance(variables, dict) or not all(isinstance(v, dict) for v in variables.values()):
-        raise CheckpointError(f"{p}: not a valid lrmq state manifest (no 'variables' mapping of entries)")
+        raise CheckpointError(f"{os.path.join(path, STATE_FILE)}: not a valid lrmq state manifest (no 'variables' "
+                              "mapping of entries)")
     return variables
+
+
+def read_storage(path: str) -> str:
+    """The storage layout of the lrmq checkpoint `path`: "orbax" (params/; lrmq_state.json has no "storage" key)
+    or "safetensors" (`lrmq_shards`)."""
+    storage = _read_state(path).get("storage", "orbax")
+    if storage not in STORAGES:
+        raise CheckpointError(f"{os.path.join(path, STATE_FILE)}: storage {storage!r} is not one of "
+                              f"{list(STORAGES)}")
+    return storage
 
 
 def _install_quantized(abstract: Decoder, path: str, entry: dict[str, Any]) -> None:
@@ -267,7 +314,14 @@ def restore_arrays(path: str, arrays: dict[str, tuple[tuple[int, ...], Any]]) ->
     these arrays' chunks (and the tree's metadata) are read, never the other arrays; orbax parses the whole tree's
     metadata once per call (a cost that grows with the layers), so a layer's arrays are best asked for
     together.
-    The shapes / dtypes (the manifest's) are checked against what was read (CheckpointError naming the tensor)."""
+    The shapes / dtypes (the manifest's) are checked against what was read (CheckpointError naming the tensor).
+    The safetensors layout: `lrmq_shards.restore_arrays` (read-only views of the memory-mapped files, or a bucket's
+    byte ranges; the headers checked first); a packed weight's arrays are named '<flat>.<field>' there
+    ('layers.0.attn.q_proj.kernel.codes')."""
+    if read_storage(path) == "safetensors":
+        from lrmq.checkpoint import lrmq_shards
+
+        return lrmq_shards.restore_arrays(path, arrays)
     import orbax.checkpoint as ocp
 
     item = _nest({n: np.zeros((), dt) for n, (_, dt) in arrays.items()})
@@ -298,6 +352,7 @@ def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: st
         raise FileNotFoundError(f"no lrmq checkpoint at {path}")
     cfg = read_lrmq_config(path, dtype=dtype)  # build with the saved param dtype; cast after the restore
     manifest = _read_manifest(path)
+    storage = read_storage(path)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     problems = []
     for p, entry in manifest.items():
@@ -324,23 +379,30 @@ def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: st
             return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt), sharding=sharding_of(p))
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), value, sharding_of(p))
 
-    import orbax.checkpoint as ocp
+    if storage == "safetensors":
+        from lrmq.checkpoint import lrmq_shards
 
-    ckptr = ocp.StandardCheckpointer()
-    try:
-        restored = ckptr.restore(_params_location(path), _nest({p: target(p) for p in variables}))
-    except Exception as e:  # orbax/tensorstore raise many types
-        raise _restore_error(path, e) from e
-    finally:
-        ckptr.close()
+        restored = lrmq_shards.restore_model(path, manifest, {p: target(p) for p in variables})
+        where = remote.remote_url(path) or path
+    else:
+        import orbax.checkpoint as ocp
+
+        ckptr = ocp.StandardCheckpointer()
+        try:
+            tree = ckptr.restore(_params_location(path), _nest({p: target(p) for p in variables}))
+        except Exception as e:  # orbax/tensorstore raise many types
+            raise _restore_error(path, e) from e
+        finally:
+            ckptr.close()
+        restored = {p: _lookup(tree, p) for p in variables}
+        where = os.path.join(path, PARAMS_DIR)
 
     cast = jnp.dtype(param_dtype) if param_dtype else None
-    bad = [p for p in sorted(variables) if not _all_finite(_lookup(restored, p))]
+    bad = [p for p in sorted(variables) if not _all_finite(restored[p])]
     if bad:
-        raise CheckpointError(f"{os.path.join(path, PARAMS_DIR)}: non-finite values (NaN or Inf) in "
-                              + ", ".join(bad))
+        raise CheckpointError(f"{where}: non-finite values (NaN or Inf) in " + ", ".join(bad))
     for p, var in variables.items():
-        value = _lookup(restored, p)
+        value = restored[p]
         if cast is not None and manifest[p]["type"] == "Param" and jnp.issubdtype(value.dtype, jnp.floating):
             value = value.astype(cast)  # elementwise: keeps the sharding
         var.set_value(value)
