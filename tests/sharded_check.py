@@ -73,6 +73,18 @@ def check(work: str, hf_dir: str) -> None:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=f"{name} {k}")
     err2 = np.abs(np.asarray(logits2) - ref_logits)[real].max()
     assert err2 <= 1e-5, (name, "(1,8,1) logits differ", err2)
+
+    # The safetensors layout of the same checkpoint (several shards), saved from the (2,2,2) mesh and placed on
+    # (1,8,1) shard by shard: the orbax restore's arrays, with the same shardings.
+    st = os.path.join(work, f"lrmq_st_{name}")
+    save_lrmq(model, st, storage="safetensors", max_shard_bytes=200_000)
+    assert os.path.exists(os.path.join(st, "params.safetensors.index.json")), os.listdir(st)
+    with jax.set_mesh(mesh2):
+        st_flat = flat(load_lrmq(st, mesh=mesh2))
+    assert sorted(st_flat) == sorted(got), name
+    for k, v in st_flat.items():
+        assert v.sharding == got[k].sharding and v.dtype == got[k].dtype, (name, k, v.sharding, got[k].sharding)
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(got[k]), err_msg=f"{name} safetensors {k}")
     print(f"{name}: (2,2,2) err {err:.2e}, (1,8,1) err {err2:.2e}")
 
 

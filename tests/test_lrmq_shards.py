@@ -142,7 +142,7 @@ def test_damaged_safetensors_layout_errors(layouts, tmp_path):
 
     from lrmq.checkpoint.hf import CheckpointError
     from lrmq.checkpoint.load import load_model
-    from lrmq.checkpoint.lrmq_shards import LrmqWriter
+    from lrmq.checkpoint.orbax_io import LrmqWriter
     from lrmq.checkpoint.orbax_io import read_lrmq_config
 
     st = layouts["packed", "safetensors"]

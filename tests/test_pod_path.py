@@ -306,6 +306,7 @@ def test_model_and_data_read_from_the_bucket(gcs, tmp_path):
     from lrmq.checkpoint import remote
     from lrmq.checkpoint.hf import flat_params
     from lrmq.checkpoint.load import check_checkpoint, checkpoint_kind, load_model, resolve_checkpoint
+    from lrmq.checkpoint.tensors import open_tensors
     from lrmq.cli import UsageError
     from lrmq.data.prompts import load_prompt_dataset
 
@@ -327,6 +328,16 @@ def test_model_and_data_read_from_the_bucket(gcs, tmp_path):
     assert checkpoint_kind(gcs + "/models/tiny_lrmq") == "lrmq"
     for k, v in flat_params(load_model(gcs + "/models/tiny_lrmq")).items():
         np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(local[k].get_value()), err_msg=k)
+    # its safetensors layout (lrmq_shards) too: the shards stay in the bucket, each array read as byte ranges
+    save_lrmq(load_model(TINY), str(tmp_path / "lrmq_st"), storage="safetensors", max_shard_bytes=300_000)
+    paths.publish_dir(str(tmp_path / "lrmq_st"), gcs + "/models/tiny_lrmq_st")
+    assert checkpoint_kind(gcs + "/models/tiny_lrmq_st") == "lrmq"
+    st_view = resolve_checkpoint(gcs + "/models/tiny_lrmq_st")
+    assert not [f for f in os.listdir(st_view) if f.endswith(".safetensors")]
+    for k, v in flat_params(load_model(gcs + "/models/tiny_lrmq_st")).items():
+        np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(local[k].get_value()), err_msg=k)
+    np.testing.assert_array_equal(open_tensors(gcs + "/models/tiny_lrmq_st").get("layers.1.attn.q_proj.kernel"),
+                                  np.asarray(local["layers.1.attn.q_proj.kernel"].get_value()))
     reader = remote.open_safetensors(urls["model"] + "/model.safetensors")
     assert reader.bytes_read <= os.path.getsize(os.path.join(TINY, "model.safetensors"))
     with pytest.raises(UsageError, match="--checkpoint: .*no-such-model"):

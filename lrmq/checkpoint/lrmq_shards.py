@@ -14,8 +14,9 @@ arrays as ``<flat>.<field>`` (``layers.0.attn.q_proj.kernel.codes``, ``.scales``
 safetensors headers, is what the reader trusts: every tensor's header is checked against it before a byte
 is read.
 
-`LrmqWriter` fills a directory one variable at a time (a streamed PTQ writes each decoder layer as it is
-finished; host memory holds one shard, `lrmq.checkpoint.shards.ShardWriter`). Reading (`ParamFiles`): each
+`orbax_io.LrmqWriter` fills a directory one variable at a time (a streamed PTQ writes each decoder layer as it
+is finished; host memory holds one shard, `lrmq.checkpoint.shards.ShardWriter` with ``prefix=PARAMS_PREFIX``).
+Reading, here (`ParamFiles`): each
 array is placed on its sharding with `jax.make_array_from_callback`, every device's callback reading only
 the rows its shard covers, from a memory-mapped view of a local file (`safetensors_mmap.MappedSafetensors`)
 or as byte ranges of a file in a bucket (`remote.RemoteSafetensors`).
@@ -23,26 +24,17 @@ or as byte ranges of a file in a bucket (`remote.RemoteSafetensors`).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from lrmq.checkpoint import remote
-from lrmq.checkpoint.hf import CheckpointError, _weight_map, copy_tokenizer_files
-from lrmq.checkpoint.orbax_io import (CONFIG_FILE, FORMAT_VERSION, STATE_FILE, _array_desc, _hf_config_for,
-                                      _json_static, _savable_vars)
+from lrmq.checkpoint.hf import CheckpointError, _weight_map
 from lrmq.checkpoint.safetensors_mmap import MappedSafetensors, SafetensorsError
-from lrmq.checkpoint.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter
-from lrmq.model.config import ModelConfig
-from lrmq.model.decoder import Decoder
-from lrmq.quant.qweight import QuantizedWeight
-from lrmq.sharding import LOGICAL_AXES_KEY, host_array
 
+STATE_FILE = "lrmq_state.json"  # the manifest (`orbax_io`)
 STORAGE = "safetensors"  # lrmq_state.json "storage" of this layout
 PARAMS_PREFIX = "params"
 PARAMS_FILE = f"{PARAMS_PREFIX}.safetensors"
@@ -66,87 +58,6 @@ def manifest_tensors(manifest: dict[str, dict[str, Any]]) -> dict[str, tuple[tup
         elif entry.get("type") == "QuantizedKernel":
             out.update((f"{p}.{k}", (tuple(int(d) for d in s), d)) for k, (s, d) in entry["arrays"].items())
     return out
-
-
-# ----------------------------------------------------------------------------- write
-class LrmqWriter:
-    """An lrmq checkpoint of ``cfg`` written variable by variable into ``directory`` (an existing, empty
-    directory: the caller's `lrmq.atomic.atomic_dir`, which makes the whole write atomic).
-
-    ``add_param(flat, array)``: a float parameter (numpy, or a jax array gathered to the host), its dtype stored
-    as given (the caller casts to ``cfg.param_dtype``); ``add_quantized(flat, qw)``: a Linear's packed kernel
-    (``flat`` = ``'layers.0.attn.q_proj.kernel'``), its ``dtype`` set to ``cfg.param_dtype`` as
-    `lrmq.ptq.exports.packed_kernels` does; ``close(weight_formats=..., tokenizer_from=...)``: the last shard,
-    the index, lrmq_state.json, config.json and the tokenizer files. Every variable of ``Decoder(cfg)`` must be
-    added exactly once, with the config's shape (CheckpointError naming it otherwise); logical axes come from the
-    abstract Decoder. Host memory: the shard being filled (at most ``max_shard_bytes``)."""
-
-    def __init__(self, directory: str, cfg: ModelConfig, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
-        self.directory, self.cfg = directory, cfg
-        self._base = _savable_vars(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
-        self._entries: dict[str, dict[str, Any]] = {}
-        self._shards = ShardWriter(directory, max_shard_bytes, metadata={"format": "lrmq"}, prefix=PARAMS_PREFIX)
-        self._closed = False
-
-    def _start(self, flat: str, what: str) -> dict[str, Any]:
-        if self._closed:
-            raise CheckpointError(f"{self.directory}: {flat}: the lrmq checkpoint was already closed")
-        if flat not in self._base:
-            raise CheckpointError(f"{flat}: the decoder of this config has no such variable (cannot store {what})")
-        if flat in self._entries:
-            raise CheckpointError(f"{flat}: written twice")
-        if type(self._base[flat]) is not nnx.Param:
-            raise CheckpointError(f"{flat}: a {type(self._base[flat]).__name__}, not a parameter")
-        axes = self._base[flat].get_metadata().get(LOGICAL_AXES_KEY)
-        return {"logical_axes": list(axes) if axes is not None else None}
-
-    def _want_shape(self, flat: str) -> tuple[int, ...]:
-        return tuple(self._base[flat].get_value().shape)
-
-    def add_param(self, flat: str, array) -> None:
-        entry = self._start(flat, "a float parameter")
-        arr = host_array(array)
-        if arr.shape != self._want_shape(flat):
-            raise CheckpointError(f"{flat}: shape {list(arr.shape)}, the config needs {list(self._want_shape(flat))}")
-        self._shards.add(flat, arr)
-        entry.update(type="Param", array=_array_desc(arr))
-        self._entries[flat] = entry
-
-    def add_quantized(self, flat: str, qw: QuantizedWeight) -> None:
-        self.add_packed(flat, dataclasses.replace(qw, dtype=self.cfg.param_dtype))
-
-    def add_packed(self, flat: str, qw: QuantizedWeight) -> None:
-        """`add_quantized` keeping ``qw.dtype`` as it is (`save_lrmq` of a model that holds packed kernels)."""
-        entry = self._start(flat, "a packed weight")
-        if not flat.endswith(".kernel"):
-            raise CheckpointError(f"{flat}: packed weight where the decoder has no Linear kernel")
-        if tuple(qw.shape) != self._want_shape(flat):
-            raise CheckpointError(f"{flat}: packed weight of shape {list(qw.shape)}, the config needs "
-                                  f"{list(self._want_shape(flat))}")
-        arrays = {k: host_array(a) for k, a in qw.arrays().items()}
-        for k, a in arrays.items():
-            self._shards.add(f"{flat}.{k}", a)
-        entry.update(type="QuantizedKernel", static=_json_static(qw.static()),
-                     arrays={k: _array_desc(a) for k, a in arrays.items()})
-        self._entries[flat] = entry
-
-    def close(self, *, weight_formats=None, tokenizer_from: str | None = None) -> None:
-        missing = [p for p in self._base if p not in self._entries]
-        if missing:
-            raise CheckpointError(f"{self.directory}: the lrmq checkpoint is incomplete, missing from the model: "
-                                  + ", ".join(missing))
-        self._closed = True
-        self._shards.close()
-        state: dict[str, Any] = {"format_version": FORMAT_VERSION, "storage": STORAGE,
-                                 "variables": {p: self._entries[p] for p in self._base}}
-        if weight_formats:
-            state["weight_formats"] = [wf.to_dict() for wf in weight_formats]
-        with open(os.path.join(self.directory, STATE_FILE), "w") as f:
-            json.dump(state, f, indent=1)
-        with open(os.path.join(self.directory, CONFIG_FILE), "w") as f:
-            json.dump(_hf_config_for(self.cfg), f, indent=2)
-        if tokenizer_from:
-            copy_tokenizer_files(tokenizer_from, self.directory)
 
 
 # ----------------------------------------------------------------------------- read

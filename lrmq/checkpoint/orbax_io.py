@@ -7,7 +7,7 @@
     params/           an orbax StandardCheckpointer tree: every non-RNG variable of the model; or, in the
                       safetensors storage layout (lrmq_state.json "storage": "safetensors"),
                       params.safetensors / params-0000i-of-0000N.safetensors + params.safetensors.index.json
-                      (`lrmq.checkpoint.lrmq_shards`: written variable by variable, e.g. by a streamed PTQ)
+                      (`LrmqWriter`: written variable by variable, e.g. by a streamed PTQ; read: `lrmq_shards`)
     tokenizer files   copied from `tokenizer_from` when present
 
 The manifest (not orbax metadata, whose layout changes between orbax releases) is what `load_lrmq`
@@ -18,6 +18,7 @@ whichever the storage layout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -29,18 +30,19 @@ from flax import nnx
 
 from lrmq import paths
 from lrmq.atomic import atomic_dir
-from lrmq.checkpoint import remote
-from lrmq.checkpoint.hf import CheckpointError, copy_tokenizer_files
+from lrmq.checkpoint import lrmq_shards, remote
+from lrmq.checkpoint.hf import CheckpointError, _sync_processes, copy_tokenizer_files
+from lrmq.checkpoint.lrmq_shards import STATE_FILE
+from lrmq.checkpoint.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.quant.formats import WeightFormat
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.qweight import QuantizedWeight
-from lrmq.sharding import LOGICAL_AXES_KEY, state_shardings
+from lrmq.sharding import LOGICAL_AXES_KEY, host_array, state_shardings
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
-STATE_FILE = "lrmq_state.json"
 PARAMS_DIR = "params"
 STORAGES = ("orbax", "safetensors")  # lrmq_state.json "storage" (absent: orbax)
 
@@ -130,7 +132,7 @@ def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, o
               weight_formats=None, storage: str = "orbax", max_shard_bytes: int | None = None) -> str:
     """Write an lrmq checkpoint atomically (nothing at `path` unless every file was written). `weight_formats`
     (`lrmq.quant.formats.WeightFormat`s of its packed weights) are recorded in lrmq_state.json
-    (`read_weight_formats`). `storage`: "orbax" (a params/ tree) or "safetensors" (`lrmq_shards.LrmqWriter`:
+    (`read_weight_formats`). `storage`: "orbax" (a params/ tree) or "safetensors" (`LrmqWriter`:
     shards of at most `max_shard_bytes`, default 5 * 10**9, with an index)."""
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {list(STORAGES)}, got {storage!r}")
@@ -138,16 +140,8 @@ def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, o
         raise ValueError("max_shard_bytes applies to storage='safetensors' only")
     manifest = _manifest(model)
     if storage == "safetensors":
-        from lrmq.checkpoint.lrmq_shards import DEFAULT_MAX_SHARD_BYTES, LrmqWriter
-
-        with atomic_dir(path, overwrite=overwrite) as tmp:
-            writer = LrmqWriter(tmp, model.cfg, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
-            for p, var in _savable_vars(model).items():
-                if manifest[p]["type"] == "QuantizedKernel":
-                    writer.add_packed(p, var.get_value())
-                else:
-                    writer.add_param(p, var.get_value())
-            writer.close(weight_formats=weight_formats, tokenizer_from=tokenizer_from)
+        _save_safetensors(model, path, manifest, overwrite=overwrite, weight_formats=weight_formats,
+                          tokenizer_from=tokenizer_from, max_shard_bytes=max_shard_bytes)
         return path
     flat = {p: v.get_value() for p, v in _savable_vars(model).items()}
     hf = _hf_config_for(model.cfg)
@@ -172,6 +166,109 @@ def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, o
     return path
 
 
+class LrmqWriter:
+    """An lrmq checkpoint of ``cfg`` in the safetensors storage layout (`lrmq_shards`) written variable by variable into ``directory`` (an existing, empty
+    directory: the caller's `lrmq.atomic.atomic_dir`, which makes the whole write atomic).
+
+    ``add_param(flat, array)``: a float parameter (numpy, or a jax array gathered to the host), its dtype stored
+    as given (the caller casts to ``cfg.param_dtype``); ``add_quantized(flat, qw)``: a Linear's packed kernel
+    (``flat`` = ``'layers.0.attn.q_proj.kernel'``), its ``dtype`` set to ``cfg.param_dtype`` as
+    `lrmq.ptq.exports.packed_kernels` does; ``close(weight_formats=..., tokenizer_from=...)``: the last shard,
+    the index, lrmq_state.json, config.json and the tokenizer files. Every variable of ``Decoder(cfg)`` must be
+    added exactly once, with the config's shape (CheckpointError naming it otherwise); logical axes come from the
+    abstract Decoder. Host memory: the shard being filled (at most ``max_shard_bytes``)."""
+
+    def __init__(self, directory: str, cfg: ModelConfig, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        self.directory, self.cfg = directory, cfg
+        self._base = _savable_vars(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._shards = ShardWriter(directory, max_shard_bytes, metadata={"format": "lrmq"},
+                                   prefix=lrmq_shards.PARAMS_PREFIX)
+        self._closed = False
+
+    def _start(self, flat: str, what: str) -> dict[str, Any]:
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: {flat}: the lrmq checkpoint was already closed")
+        if flat not in self._base:
+            raise CheckpointError(f"{flat}: the decoder of this config has no such variable (cannot store {what})")
+        if flat in self._entries:
+            raise CheckpointError(f"{flat}: written twice")
+        if type(self._base[flat]) is not nnx.Param:
+            raise CheckpointError(f"{flat}: a {type(self._base[flat]).__name__}, not a parameter")
+        axes = self._base[flat].get_metadata().get(LOGICAL_AXES_KEY)
+        return {"logical_axes": list(axes) if axes is not None else None}
+
+    def _want_shape(self, flat: str) -> tuple[int, ...]:
+        return tuple(self._base[flat].get_value().shape)
+
+    def add_param(self, flat: str, array) -> None:
+        entry = self._start(flat, "a float parameter")
+        arr = host_array(array)
+        if arr.shape != self._want_shape(flat):
+            raise CheckpointError(f"{flat}: shape {list(arr.shape)}, the config needs {list(self._want_shape(flat))}")
+        self._shards.add(flat, arr)
+        entry.update(type="Param", array=_array_desc(arr))
+        self._entries[flat] = entry
+
+    def add_quantized(self, flat: str, qw: QuantizedWeight) -> None:
+        self.add_packed(flat, dataclasses.replace(qw, dtype=self.cfg.param_dtype))
+
+    def add_packed(self, flat: str, qw: QuantizedWeight) -> None:
+        """`add_quantized` keeping ``qw.dtype`` as it is (`save_lrmq` of a model that holds packed kernels)."""
+        entry = self._start(flat, "a packed weight")
+        if not flat.endswith(".kernel"):
+            raise CheckpointError(f"{flat}: packed weight where the decoder has no Linear kernel")
+        if tuple(qw.shape) != self._want_shape(flat):
+            raise CheckpointError(f"{flat}: packed weight of shape {list(qw.shape)}, the config needs "
+                                  f"{list(self._want_shape(flat))}")
+        arrays = {k: host_array(a) for k, a in qw.arrays().items()}
+        for k, a in arrays.items():
+            self._shards.add(f"{flat}.{k}", a)
+        entry.update(type="QuantizedKernel", static=_json_static(qw.static()),
+                     arrays={k: _array_desc(a) for k, a in arrays.items()})
+        self._entries[flat] = entry
+
+    def close(self, *, weight_formats=None, tokenizer_from: str | None = None) -> None:
+        missing = [p for p in self._base if p not in self._entries]
+        if missing:
+            raise CheckpointError(f"{self.directory}: the lrmq checkpoint is incomplete, missing from the model: "
+                                  + ", ".join(missing))
+        self._closed = True
+        self._shards.close()
+        state: dict[str, Any] = {"format_version": FORMAT_VERSION, "storage": lrmq_shards.STORAGE,
+                                 "variables": {p: self._entries[p] for p in self._base}}
+        if weight_formats:
+            state["weight_formats"] = [wf.to_dict() for wf in weight_formats]
+        with open(os.path.join(self.directory, STATE_FILE), "w") as f:
+            json.dump(state, f, indent=1)
+        with open(os.path.join(self.directory, CONFIG_FILE), "w") as f:
+            json.dump(_hf_config_for(self.cfg), f, indent=2)
+        if tokenizer_from:
+            copy_tokenizer_files(tokenizer_from, self.directory)
+
+
+def _save_safetensors(model: Decoder, path: str, manifest: dict[str, dict[str, Any]], *, overwrite: bool,
+                      weight_formats, tokenizer_from: str | None, max_shard_bytes: int | None) -> None:
+    """`save_lrmq(storage="safetensors")`. Multi-host (as `hf.save_hf_model`): every process gathers each array in
+    turn, process 0 writes, nobody returns before the checkpoint is in place."""
+    variables = _savable_vars(model)
+    if jax.process_index() != 0:
+        for p, var in variables.items():  # the writer's order: a packed weight's arrays, else the value
+            value = var.get_value()
+            for a in (value.arrays().values() if manifest[p]["type"] == "QuantizedKernel" else [value]):
+                host_array(a)
+    else:
+        with atomic_dir(path, overwrite=overwrite) as tmp:
+            writer = LrmqWriter(tmp, model.cfg, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+            for p, var in variables.items():
+                if manifest[p]["type"] == "QuantizedKernel":
+                    writer.add_packed(p, var.get_value())
+                else:
+                    writer.add_param(p, var.get_value())
+            writer.close(weight_formats=weight_formats, tokenizer_from=tokenizer_from)
+    _sync_processes(f"lrmq.save_lrmq:{path}")
+
+
 # ----------------------------------------------------------------------------- load
 def _all_finite(tree) -> bool:
     """Every float leaf (a Param, or a packed weight's scales) is finite."""
@@ -182,8 +279,6 @@ def _all_finite(tree) -> bool:
 def has_params(path: str) -> bool:
     """The directory holds an lrmq checkpoint's arrays in either storage layout (params/, or params.safetensors /
     its index: `lrmq_shards`)."""
-    from lrmq.checkpoint import lrmq_shards
-
     return os.path.isdir(os.path.join(path, PARAMS_DIR)) or lrmq_shards.has_params(path)
 
 
@@ -319,8 +414,6 @@ def restore_arrays(path: str, arrays: dict[str, tuple[tuple[int, ...], Any]]) ->
     byte ranges; the headers checked first); a packed weight's arrays are named '<flat>.<field>' there
     ('layers.0.attn.q_proj.kernel.codes')."""
     if read_storage(path) == "safetensors":
-        from lrmq.checkpoint import lrmq_shards
-
         return lrmq_shards.restore_arrays(path, arrays)
     import orbax.checkpoint as ocp
 
@@ -380,8 +473,6 @@ def load_lrmq(path: str, *, mesh=None, dtype: str | None = None, param_dtype: st
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), value, sharding_of(p))
 
     if storage == "safetensors":
-        from lrmq.checkpoint import lrmq_shards
-
         restored = lrmq_shards.restore_model(path, manifest, {p: target(p) for p in variables})
         where = remote.remote_url(path) or path
     else:

@@ -10,7 +10,8 @@ each tensor when it needs it; nothing else of the checkpoint is read, nothing go
   each tensor's one byte range (`remote.RemoteSafetensors`); no weight file lands on local disk;
 * an lrmq checkpoint (``save_lrmq``: manifest + orbax ``params/``, local or in a bucket): each tensor is an orbax
   partial restore of that one array onto the host (`orbax_io.restore_arrays`), never the whole tree;
-  `get_many` restores several (a layer's) in one read.
+  `get_many` restores several (a layer's) in one read; in the safetensors layout (``params.safetensors`` shards,
+  `lrmq_shards`) each tensor is a view of its mapped pages, or its byte range in a bucket, as for HF.
 
 Names are lrmq's flat parameter names (``layers.3.attn.q_proj.kernel``), kernels in lrmq orientation ``[K, N]``
 (an HF ``[out, in]`` weight comes back transposed, as a view), dtypes as stored. Opening checks every tensor
@@ -131,7 +132,7 @@ class _HFTensors(TensorReader):
 
 
 class _LrmqTensors(TensorReader):
-    """An lrmq checkpoint (orbax params/), local or in a bucket: one partial restore per tensor."""
+    """An lrmq checkpoint (orbax params/ or safetensors shards), local or in a bucket: `restore_arrays`."""
 
     def __init__(self, path: str, view: str):
         cfg = read_lrmq_config(view)
