@@ -19,7 +19,7 @@ scales) and the :class:`lrmq.ptq.result.PTQResult` whose ``packed`` maps ``layer
   compressed-tensors write for the same quantized values (tests/test_exports_consumers.py,
   benchmarks/ct_export_vs_llmcompressor.py).
 
-Embeddings, norms, biases and lm_head are written as in ``save_hf_model``.
+Embeddings, norms, biases and lm_head are written as in ``save_hf_model`` (the same names, orientation, dtype).
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import os
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from lrmq.atomic import atomic_dir
-from lrmq.checkpoint.hf import copy_tokenizer_files, flat_params, hf_config_dict, save_hf_model
+from lrmq.checkpoint.hf import copy_tokenizer_files, flat_params, hf_config_dict
 from lrmq.checkpoint.hf_names import expand
 from lrmq.checkpoint.orbax_io import save_lrmq
 from lrmq.checkpoint.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter
@@ -97,7 +96,8 @@ def save_packed(model, result, out_dir: str, *, tokenizer_from: str | None = Non
 
 def save_fake_quant(model, out_dir: str, *, dtype: str = "float16", tokenizer_from: str | None = None,
                     overwrite: bool = False) -> str:
-    return save_hf_model(model, out_dir, dtype=dtype, tokenizer_from=tokenizer_from, overwrite=overwrite)
+    return _export(model, None, out_dir, ["fake_quant"], dtype={"fake_quant": dtype}, tokenizer_from=tokenizer_from,
+                   overwrite=overwrite, root=True)
 
 
 def _hf_prefixes(model) -> dict[str, str]:
@@ -107,19 +107,6 @@ def _hf_prefixes(model) -> dict[str, str]:
         if ours.endswith(".kernel") and hf.endswith(".weight"):
             out[ours[: -len(".kernel")]] = hf[: -len(".weight")]
     return out
-
-
-def _plain_tensors(model, skip: set[str], dtype: str):
-    """(HF name, array) of every parameter except the kernels of the quantized Linears."""
-    params = flat_params(model)
-    npd = _np_dtype(dtype)
-    for hf, (ours, tr) in expand(set(params), model.cfg).items():
-        if ours in skip:
-            continue
-        arr = np.asarray(params[ours].get_value())
-        if tr == "T":
-            arr = arr.T
-        yield hf, np.ascontiguousarray(arr.astype(npd))
 
 
 def _unpacked(qw):
@@ -138,88 +125,70 @@ def _write_config(directory: str, cfg, quant_config: dict, dtype: str, tokenizer
         copy_tokenizer_files(tokenizer_from, directory)
 
 
-def _write(tmp: str, tensors: dict, model, quant_config: dict, dtype: str, tokenizer_from: str | None):
-    # safetensors writes a numpy array's buffer: transposed views must be made contiguous first
-    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    _write_config(tmp, model.cfg, quant_config, dtype, tokenizer_from)
-
-
-def save_autoawq(model, result, out_dir: str, *, tokenizer_from: str | None = None, overwrite: bool = False) -> str:
-    _check_packable(result, "AutoAWQ export")
-    if result.bits != 4:
+def check_result(formats, result) -> None:
+    """What a whole PTQ result must be for ``formats`` (ExportError before any file is written): AutoAWQ 4-bit,
+    compressed-tensors 2..8 bit, packed weights with monotone groups for every format but fake_quant."""
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ExportError(f"unknown output formats {unknown}; known: {list(FORMATS)}")
+    if "autoawq" in formats and result.bits != 4:
         raise ExportError(f"AutoAWQ GEMM export is 4-bit only; this result is {result.bits}-bit "
                           "(use compressed_tensors for W3)")
-    prefixes = _hf_prefixes(model)
-    tensors = {}
-    skip = {p + ".kernel" for p in result.packed}
-    for path, qw in result.packed.items():
-        codes, scales, zeros = _unpacked(qw)
-        for k, v in ef.awq_gemm_export(codes, scales, zeros).items():
-            tensors[f"{prefixes[path]}.{k}"] = v
-    tensors.update(_plain_tensors(model, skip, "float16"))
-    group = next(iter(result.packed.values())).group_size
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        _write(tmp, tensors, model, ef.awq_quantization_config(4, group), "float16", tokenizer_from)
+    if any(f != "fake_quant" for f in formats):
+        _check_packable(result, "export " + ", ".join(f for f in formats if f != "fake_quant"))
+    bad = sorted({qw.bits for qw in result.packed.values()} - set(ef.CT_BITS))
+    if "compressed_tensors" in formats and bad:
+        raise ExportError(f"compressed-tensors pack-quantized export supports {ef.CT_BITS.start}.."
+                          f"{ef.CT_BITS.stop - 1}-bit weights, this result has {bad}-bit")
+
+
+def _export(model, result, out_dir: str, formats, *, dtype, tokenizer_from: str | None, overwrite: bool,
+            root: bool = False, extra_files: dict | None = None, before_rename=None) -> str:
+    """The whole-model writers: the in-memory model fed layer by layer (``stream_model``) into the one streamed
+    writer of each format (``StreamedExport``); ``packed`` through ``save_packed`` into the same temporary dir."""
+    if result is not None:
+        check_result(formats, result)
+    streamed = [f for f in formats if f != "packed"]
+    with StreamedExport(out_dir, model.cfg, streamed, dtype=dtype, tokenizer_from=tokenizer_from,
+                        overwrite=overwrite, root=root) as export:
+        if streamed:
+            stream_model(model, result, export)
+        export.finish(result, extra_files=extra_files)
+        if "packed" in formats:  # the whole model through orbax (save_lrmq)
+            save_packed(model, result, os.path.join(export.tmp, "packed"), tokenizer_from=tokenizer_from)
+        if before_rename is not None:
+            before_rename(export.tmp)
     return out_dir
 
 
-def ct_ignore(model, result) -> list[str]:
-    """compressed-tensors ``ignore``: ``lm_head`` always (as llmcompressor writes it, tied or not -- with
-    tied embeddings transformers still builds ``lm_head`` as an ``nn.Linear``, which ``targets: [Linear]``
-    would otherwise try to load as packed), then every other Linear left unquantized."""
-    rest = {hf for path, hf in _hf_prefixes(model).items() if path not in result.packed and hf != "lm_head"}
-    return ["lm_head", *sorted(rest)]
+def save_autoawq(model, result, out_dir: str, *, tokenizer_from: str | None = None, overwrite: bool = False) -> str:
+    return _export(model, result, out_dir, ["autoawq"], dtype={"autoawq": "float16"}, tokenizer_from=tokenizer_from,
+                   overwrite=overwrite, root=True)
 
 
 def save_compressed_tensors(model, result, out_dir: str, *, dtype: str = "bfloat16", tokenizer_from: str | None = None,
                             overwrite: bool = False) -> str:
-    _check_packable(result, "compressed-tensors export")
-    bad = sorted({qw.bits for qw in result.packed.values()} - set(ef.CT_BITS))
-    if bad:
-        raise ExportError(f"compressed-tensors pack-quantized export supports {ef.CT_BITS.start}.."
-                          f"{ef.CT_BITS.stop - 1}-bit weights, this result has {bad}-bit")
-    prefixes = _hf_prefixes(model)
-    tensors = {}
-    skip = {p + ".kernel" for p in result.packed}
-    groups = {qw.group_size for qw in result.packed.values()}
-    if all(np.shape(qw.scales)[0] == 1 for qw in result.packed.values()):
-        groups = {-1}  # one group per output row everywhere (group_size -1 resolves to each K): "channel"
-    for path, qw in result.packed.items():
-        codes, scales, zeros = _unpacked(qw)
-        out = ef.ct_pack_quantized_export(codes, scales, zeros, bits=qw.bits, symmetric=qw.symmetric, dtype=dtype)
-        for k, v in out.items():
-            tensors[f"{prefixes[path]}.{k}"] = v
-    tensors.update(_plain_tensors(model, skip, dtype))
-    if len(groups) != 1:
-        raise ExportError(f"compressed-tensors export needs one group size, found {sorted(groups)}")
-    bits = {qw.bits for qw in result.packed.values()}
-    sym = {bool(qw.symmetric) for qw in result.packed.values()}
-    if len(bits) != 1 or len(sym) != 1:
-        raise ExportError(f"compressed-tensors export writes one config group: found bits {sorted(bits)}, "
-                          f"symmetric {sorted(sym)}")
-    qc = ef.ct_quantization_config(bits.pop(), groups.pop(), sym.pop(), ignore=ct_ignore(model, result))
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        _write(tmp, tensors, model, qc, dtype, tokenizer_from)
-    return out_dir
+    return _export(model, result, out_dir, ["compressed_tensors"], dtype={"compressed_tensors": dtype},
+                   tokenizer_from=tokenizer_from, overwrite=overwrite, root=True)
+
+
+def format_dtype(fmt: str, dtype: str) -> str | None:
+    """The float dtype ``fmt`` is written in for a run's ``outputs.dtype``: fake_quant's weights in ``dtype``,
+    compressed_tensors' in ``dtype`` (float32 -> bfloat16), autoawq float16, packed the model's own (None)."""
+    return {"fake_quant": dtype, "autoawq": "float16", "packed": None,
+            "compressed_tensors": dtype if dtype != "float32" else "bfloat16"}[fmt]
 
 
 def save_format(fmt: str, model, result, out_dir: str, *, dtype: str = "float16", tokenizer_from: str | None = None,
                 overwrite: bool = False) -> str:
-    """One export format of a PTQ result, written atomically to ``out_dir`` (the one dispatch over FORMATS:
-    ``write_outputs`` writes several as subdirectories, ``lrmq.quantize --format`` one as ``--out``). ``dtype``
-    is the fake_quant weights' and compressed_tensors' float dtype (float32 -> bfloat16 there); packed keeps
-    the model's and autoawq is float16."""
-    kw = dict(tokenizer_from=tokenizer_from, overwrite=overwrite)
+    """One export format of a PTQ result, written atomically to ``out_dir`` (``write_outputs`` writes several as
+    subdirectories, ``lrmq.quantize --format`` one as ``--out``). ``dtype``: ``format_dtype``."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown output format {fmt!r}; known: {list(FORMATS)}")
     if fmt == "packed":
-        return save_packed(model, result, out_dir, **kw)
-    if fmt == "fake_quant":
-        return save_fake_quant(model, out_dir, dtype=dtype, **kw)
-    if fmt == "autoawq":
-        return save_autoawq(model, result, out_dir, **kw)
-    if fmt == "compressed_tensors":
-        return save_compressed_tensors(model, result, out_dir, dtype=dtype if dtype != "float32" else "bfloat16", **kw)
-    raise ExportError(f"unknown output format {fmt!r}; known: {list(FORMATS)}")
+        return save_packed(model, result, out_dir, tokenizer_from=tokenizer_from, overwrite=overwrite)
+    return _export(model, result, out_dir, [fmt], dtype=dtype, tokenizer_from=tokenizer_from, overwrite=overwrite,
+                   root=True)
 
 
 def write_outputs(model, result, out_dir: str, *, formats=("fake_quant",), dtype: str = "float16",
@@ -228,23 +197,8 @@ def write_outputs(model, result, out_dir: str, *, formats=("fake_quant",), dtype
     """All requested formats as subdirectories of ``out_dir`` (``packed/``, ``fake_quant/``,
     ``autoawq/``, ``compressed_tensors/``) plus ``extra_files`` ({name: bytes|str}); the whole tree is
     written into a temporary sibling and renamed at the end. ``before_rename(tmp)`` may add files."""
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown:
-        raise ExportError(f"unknown output formats {unknown}; known: {list(FORMATS)}")
-    if "autoawq" in formats and result.bits != 4:
-        raise ExportError(f"AutoAWQ GEMM export is 4-bit only; this result is {result.bits}-bit")
-    if any(f != "fake_quant" for f in formats):
-        _check_packable(result, "export " + ", ".join(f for f in formats if f != "fake_quant"))
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        for f in formats:
-            save_format(f, model, result, os.path.join(tmp, f), dtype=dtype, tokenizer_from=tokenizer_from)
-        for name, data in (extra_files or {}).items():
-            mode = "wb" if isinstance(data, bytes) else "w"
-            with open(os.path.join(tmp, name), mode) as fh:
-                fh.write(data)
-        if before_rename is not None:
-            before_rename(tmp)
-    return out_dir
+    return _export(model, result, out_dir, list(formats), dtype=dtype, tokenizer_from=tokenizer_from,
+                   overwrite=overwrite, extra_files=extra_files, before_rename=before_rename)
 
 
 # ----------------------------------------------------------------------------- streamed, layer by layer
@@ -257,9 +211,7 @@ class _HFWriter:
     def __init__(self, fmt: str, directory: str, cfg, names: dict, dtype: str, max_shard_bytes: int):
         self.fmt, self.directory, self.cfg, self.names = fmt, directory, cfg, names
         self.param_dtype = _np_dtype(cfg.param_dtype)
-        # the dtype of the plain (float) tensors: fake_quant's --dtype, AutoAWQ's float16, compressed-tensors' dtype
-        self.dtype = {"fake_quant": dtype, "autoawq": "float16",
-                      "compressed_tensors": dtype if dtype != "float32" else "bfloat16"}[fmt]
+        self.dtype = dtype  # of the plain (float) tensors (format_dtype)
         self.shards = ShardWriter(directory, max_shard_bytes)
         self.groups: set = set()
         self.bits: set = set()
@@ -300,6 +252,8 @@ class _HFWriter:
             if tokenizer_from:
                 copy_tokenizer_files(tokenizer_from, self.directory)
             return
+        if not self.bits:
+            raise ExportError(f"{self.fmt} export: no Linear was given packed weights (the PTQ result holds none)")
         if self.fmt == "autoawq":
             qc = ef.awq_quantization_config(4, next(iter(self.groups)))
         else:
@@ -323,11 +277,15 @@ class StreamedExport:
             result = method(source, qcfg, inputs, emit=export.write_layer)
             export.finish(result, extra_files={...})
 
-    Each format is a subdirectory (as ``write_outputs``; ``root``: the one format at the top), its tensors in shards of at most ``max_shard_bytes``
-    with an index, the same tensors as the whole-model writers (``save_compressed_tensors`` ...) write for the
-    same result. Host memory: one shard per format and the layer being written."""
+    Each format is a subdirectory (as ``write_outputs``; ``root``: the one format at the top), its tensors in
+    shards of at most ``max_shard_bytes`` with an index. The whole-model writers (``write_outputs``,
+    ``save_compressed_tensors`` ...) are this writer fed by ``stream_model``: one implementation of each format.
+    ``dtype``: the run's ``outputs.dtype`` (each format's float dtype by ``format_dtype``), or {format: dtype}.
+    Every float tensor goes f32 -> the config's param dtype -> the format's dtype, as a model written back and then
+    exported does. ``finish`` refuses an export where a tensor of the model was never written. Host memory: one
+    shard per format and the layer being written."""
 
-    def __init__(self, out_dir: str, cfg, formats, *, dtype: str = "float16", tokenizer_from: str | None = None,
+    def __init__(self, out_dir: str, cfg, formats, *, dtype: str | dict = "float16", tokenizer_from: str | None = None,
                  overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, root: bool = False):
         unknown = [f for f in formats if f not in FORMATS]
         if unknown:
@@ -339,12 +297,14 @@ class StreamedExport:
             raise ExportError("outputs.formats packed is not written layer by layer yet; the streamed run writes "
                               "compressed_tensors (read back by every lrmq command), autoawq or fake_quant")
         self.out_dir, self.cfg, self.formats = out_dir, cfg, list(formats)
-        self.dtype, self.tokenizer_from, self.overwrite = dtype, tokenizer_from, overwrite
+        self.dtypes = {f: dtype[f] if isinstance(dtype, dict) else format_dtype(f, dtype) for f in formats}
+        self.tokenizer_from, self.overwrite = tokenizer_from, overwrite
         self.max_shard_bytes = max_shard_bytes
         self.names = {ours: (hf, tr) for hf, (ours, tr) in expand(set(flat_params(
             nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))), cfg).items()}
         self._ctx = None
         self._writers: dict[str, _HFWriter] = {}
+        self._seen: set[str] = set()  # flat lrmq names written
         self._finished = False
 
     def __enter__(self):
@@ -354,7 +314,7 @@ class StreamedExport:
         for f in self.formats:
             d = tmp if self.root else os.path.join(tmp, f)
             os.makedirs(d, exist_ok=True)
-            self._writers[f] = _HFWriter(f, d, self.cfg, self.names, self.dtype, self.max_shard_bytes)
+            self._writers[f] = _HFWriter(f, d, self.cfg, self.names, self.dtypes[f], self.max_shard_bytes)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -369,8 +329,16 @@ class StreamedExport:
     def write_other(self, tensors: dict) -> None:
         """The non-layer tensors ({flat lrmq name: array in the param dtype}): embedding, final norm, head."""
         for flat, arr in tensors.items():
+            self._mark(flat)
             for w in self._writers.values():
                 w.plain(flat, arr)
+
+    def _mark(self, flat: str) -> None:
+        if flat not in self.names:
+            raise ExportError(f"{flat}: not a parameter of this model's config")
+        if flat in self._seen:
+            raise ExportError(f"{flat}: written twice")
+        self._seen.add(flat)
 
     def write_layer(self, out) -> None:
         """One finished decoder layer (``lrmq.ptq.stream.LayerOut``)."""
@@ -382,6 +350,7 @@ class StreamedExport:
         paths = dict(lf.layer_spec(self.cfg, out.index).param_paths)
         for key, value in out.params.items():
             flat = f"layers.{out.index}." + ".".join(map(str, paths[key]))
+            self._mark(flat)
             for fmt, w in self._writers.items():
                 if key in out.packed and fmt != "fake_quant":
                     w.quantized(flat, out.packed[key])
@@ -391,6 +360,10 @@ class StreamedExport:
     def finish(self, result=None, extra_files: dict | None = None) -> None:
         """Close every format (last shards, indexes, config.json with its quantization_config, tokenizer files)
         and add ``extra_files`` ({name: bytes | str}) at the top; the rename happens when the ``with`` exits."""
+        missing = sorted(set(self.names) - self._seen) if self._writers else []
+        if missing:
+            raise ExportError(f"{self.out_dir}: {len(missing)} tensors of the model were never written "
+                              f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})")
         for w in self._writers.values():
             w.finish(self.tokenizer_from)
         for name, data in (extra_files or {}).items():
@@ -404,8 +377,11 @@ def stream_model(model, result, export: StreamedExport) -> None:
     driver does: the non-layer tensors, then each layer's weights and packed Linears."""
     params = flat_params(model)
     export.write_other({n: np.asarray(v.get_value()) for n, v in params.items() if not n.startswith("layers.")})
+    packed_all = result.packed if result is not None else {}
+    g_idx_all = result.g_idx if result is not None else {}
     for i, layer in enumerate(model.layers):
-        packed = {name: qw for name in lf.LINEARS
-                  if (qw := result.packed.get(f"layers.{i}.{lf.MODULE_OF[name]}.{name}")) is not None}
-        export.write_layer(LayerOut(index=i, params={k: np.asarray(v) for k, v in lf.get_layer_params(layer).items()},
-                                    packed=packed))
+        paths = {name: f"layers.{i}.{lf.MODULE_OF[name]}.{name}" for name in lf.LINEARS}
+        export.write_layer(LayerOut(
+            index=i, params={k: np.asarray(v) for k, v in lf.get_layer_params(layer).items()},
+            packed={n: packed_all[p] for n, p in paths.items() if p in packed_all},
+            g_idx={n: np.asarray(g_idx_all[p]) for n, p in paths.items() if p in g_idx_all}))
