@@ -102,9 +102,14 @@ def test_sharded_exports_load_as_one_file(awq_runs, tmp_path):
                                                   quantization_config=CompressedTensorsConfig(dequantize=True))
         with torch.no_grad():
             logits[name, "transformers"] = hf(torch.from_numpy(TOKS)).logits.float().numpy()
+        hf = AutoModelForCausalLM.from_pretrained(str(d / "fake_quant"))
+        with torch.no_grad():
+            logits[name, "transformers_fake"] = hf(torch.from_numpy(TOKS)).logits.float().numpy()
         for fmt in ("compressed_tensors", "fake_quant"):
             logits[name, fmt] = np.asarray(load_model(str(d / fmt))(jnp.asarray(TOKS)))
-    for kind in ("transformers", "compressed_tensors", "fake_quant"):
+    assert len(set(json.loads((outs["sharded"] / "fake_quant" / "model.safetensors.index.json").read_text())
+                   ["weight_map"].values())) >= 3
+    for kind in ("transformers", "transformers_fake", "compressed_tensors", "fake_quant"):
         np.testing.assert_array_equal(logits["sharded", kind], logits["one", kind])
 
 
@@ -117,6 +122,24 @@ def test_a_failure_mid_stream_leaves_nothing(awq_runs, tmp_path):
             bad = dict(awq_runs["result"].packed)
             export.write_layer(type("L", (), {"index": 0, "params": {}, "g_idx": {},
                                               "packed": {"q_proj": _replace_bits(bad["layers.0.attn.q_proj"])}})())
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_export_missing_or_repeating_a_tensor_is_refused(awq_runs, tmp_path):
+    """finish() refuses an output some tensor of the model never reached (a layer the driver skipped); a tensor
+    written twice is refused when it comes; either way nothing is left behind."""
+    from lrmq.checkpoint.hf import flat_params
+
+    model, result = awq_runs["model"], awq_runs["result"]
+    others = {n: np.asarray(v.get_value()) for n, v in flat_params(model).items() if not n.startswith("layers.")}
+    with pytest.raises(ExportError, match=r"tensors of the model were never written \(layers\.0\."):
+        with StreamedExport(str(tmp_path / "out"), model.cfg, ["compressed_tensors", "fake_quant"]) as export:
+            export.write_other(others)
+            export.finish(result)
+    with pytest.raises(ExportError, match="embed.embedding: written twice"):
+        with StreamedExport(str(tmp_path / "out"), model.cfg, ["fake_quant"]) as export:
+            export.write_other(others)
+            export.write_other(others)
     assert os.listdir(tmp_path) == []
 
 
