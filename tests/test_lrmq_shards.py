@@ -21,13 +21,12 @@ def layouts(tmp_path_factory):
     from lrmq.ptq.rtn import rtn_quantize_model
 
     root = tmp_path_factory.mktemp("lrmq_layouts")
-    out = {}
+    out, m = {}, load_model("tiny")
     for storage in ("orbax", "safetensors"):
         kw = {"max_shard_bytes": 200_000} if storage == "safetensors" else {}
-        out["float", storage] = save_lrmq(load_model("tiny"), str(root / f"float_{storage}"), tokenizer_from="tiny",
-                                          storage=storage, **kw)
-    m = load_model("tiny")
-    r = rtn_quantize_model(m, bits=4, group_size=32)
+        out["float", storage] = save_lrmq(m, str(root / f"float_{storage}"), tokenizer_from="tiny", storage=storage,
+                                          **kw)
+    r = rtn_quantize_model(m, bits=4, group_size=32)  # (in place: after the float saves)
     with packed_kernels(m, r):
         for storage in ("orbax", "safetensors"):
             kw = {"max_shard_bytes": 200_000} if storage == "safetensors" else {}
@@ -51,16 +50,29 @@ def _arrays(model) -> dict[str, np.ndarray]:
 
 
 def _logits(model):
+    """The model's logits on a fixed batch (jitted: the two layouts of one model share one compile)."""
     import jax.numpy as jnp
+    from flax import nnx
 
     tokens = jnp.asarray(np.arange(1, 13, dtype=np.int32).reshape(2, 6))
-    return np.asarray(model(tokens, jnp.broadcast_to(jnp.arange(6), (2, 6))))
+    return np.asarray(nnx.jit(lambda m, t, p: m(t, p))(model, tokens, jnp.broadcast_to(jnp.arange(6), (2, 6))))
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert want.keys() == got.keys()
+    for k in want:
+        if k.endswith(".static"):
+            assert got[k] == want[k], k
+        else:
+            assert got[k].dtype == want[k].dtype, k
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 @pytest.mark.parametrize("kind", ["float", "packed"])
 def test_both_layouts_load_the_same(layouts, kind):
-    """The two layouts of one model: the same manifest (plus "storage"), arrays and logits, with and without a
-    mesh; the safetensors one in 3+ shards with an index whose total_size is the arrays' bytes."""
+    """The two layouts of one model: the same manifest (plus "storage"), config, arrays and logits; onto a mesh the
+    same arrays, placed there; the safetensors one in 3+ shards with an index whose total_size is the arrays'
+    bytes."""
     import jax
 
     from lrmq.checkpoint.load import checkpoint_kind, load_model
@@ -90,23 +102,16 @@ def test_both_layouts_load_the_same(layouts, kind):
         assert "layers.0.attn.q_proj.kernel" not in index["weight_map"]
 
     a, b = load_model(orb), load_model(st)
-    want, got = _arrays(a), _arrays(b)
-    assert want.keys() == got.keys()
-    for k in want:
-        if k.endswith(".static"):
-            assert got[k] == want[k], k
-        else:
-            assert got[k].dtype == want[k].dtype, k
-            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-    ref = _logits(a)
-    np.testing.assert_array_equal(_logits(b), ref)
+    want = _arrays(a)
+    assert a.cfg == b.cfg
+    _assert_same(_arrays(b), want)
+    np.testing.assert_array_equal(_logits(b), _logits(a))
     mesh = make_mesh((1, 1, 1))
     with jax.set_mesh(mesh):
         c = load_model(st, mesh=mesh)
-        q = c.layers[0].attn.q_proj.kernel.get_value()
-        leaf = q.codes if kind == "packed" else q
-        assert leaf.sharding.mesh.shape == mesh.shape
-        np.testing.assert_array_equal(_logits(c), ref)
+    q = c.layers[0].attn.q_proj.kernel.get_value()
+    assert (q.codes if kind == "packed" else q).sharding.mesh.shape == mesh.shape
+    _assert_same(_arrays(c), want)
     if kind == "float":  # the param_dtype cast, as for orbax
         d = load_model(st, param_dtype="bfloat16")
         assert d.cfg.param_dtype == "bfloat16" and d.embed.embedding.get_value().dtype.name == "bfloat16"
