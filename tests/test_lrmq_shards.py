@@ -112,9 +112,18 @@ def test_both_layouts_load_the_same(layouts, kind):
     q = c.layers[0].attn.q_proj.kernel.get_value()
     assert (q.codes if kind == "packed" else q).sharding.mesh.shape == mesh.shape
     _assert_same(_arrays(c), want)
-    if kind == "float":  # the param_dtype cast, as for orbax
+    if kind == "float":  # the param_dtype cast, as for orbax; a bf16 checkpoint in this layout reads back
+        from lrmq.checkpoint.orbax_io import save_lrmq
+        from lrmq.checkpoint.tensors import open_tensors
+
         d = load_model(st, param_dtype="bfloat16")
         assert d.cfg.param_dtype == "bfloat16" and d.embed.embedding.get_value().dtype.name == "bfloat16"
+        bf16 = save_lrmq(d, os.path.join(os.path.dirname(st), "bf16_safetensors"), storage="safetensors")
+        assert os.path.exists(os.path.join(bf16, "params.safetensors"))
+        want16 = _arrays(d)
+        _assert_same(_arrays(load_model(bf16)), want16)
+        np.testing.assert_array_equal(open_tensors(bf16).get("layers.0.mlp.up_proj.kernel"),
+                                      want16["layers.0.mlp.up_proj.kernel"])
 
 
 def test_tensor_readers_take_the_safetensors_layout(layouts):

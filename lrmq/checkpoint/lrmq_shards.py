@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lrmq.checkpoint import remote
@@ -115,9 +116,10 @@ class ParamFiles:
         if name not in reader.keys():
             raise CheckpointError(f"{where}: no tensor {name} ({STATE_FILE} lists it)")
         got_shape, got_dtype = tuple(reader.shape(name)), np.dtype(reader.dtype(name))
-        if got_shape != tuple(shape) or got_dtype != np.dtype(dtype):
+        want = np.dtype(jnp.dtype(dtype))  # (jnp.dtype knows "bfloat16")
+        if got_shape != tuple(shape) or got_dtype != want:
             raise CheckpointError(f"{where}: tensor {name} is {got_dtype}{list(got_shape)}, {STATE_FILE} says "
-                                  f"{np.dtype(dtype)}{list(shape)}")
+                                  f"{want}{list(shape)}")
 
     def read(self, name: str, rows: slice | None = None) -> np.ndarray:
         """Tensor `name` (or only `rows` of its first axis): a read-only view of the mapped file, or the bytes

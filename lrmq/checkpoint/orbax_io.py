@@ -167,8 +167,9 @@ def save_lrmq(model: Decoder, path: str, *, tokenizer_from: str | None = None, o
 
 
 class LrmqWriter:
-    """An lrmq checkpoint of ``cfg`` in the safetensors storage layout (`lrmq_shards`) written variable by variable into ``directory`` (an existing, empty
-    directory: the caller's `lrmq.atomic.atomic_dir`, which makes the whole write atomic).
+    """An lrmq checkpoint of ``cfg`` in the safetensors storage layout (`lrmq_shards`), written variable by variable
+    into ``directory`` (an existing, empty directory: the caller's `lrmq.atomic.atomic_dir`, which makes the whole
+    write atomic).
 
     ``add_param(flat, array)``: a float parameter (numpy, or a jax array gathered to the host), its dtype stored
     as given (the caller casts to ``cfg.param_dtype``); ``add_quantized(flat, qw)``: a Linear's packed kernel
@@ -232,7 +233,8 @@ class LrmqWriter:
         missing = [p for p in self._base if p not in self._entries]
         if missing:
             raise CheckpointError(f"{self.directory}: the lrmq checkpoint is incomplete, missing from the model: "
-                                  + ", ".join(missing))
+                                  + ", ".join(missing[:10])
+                                  + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
         self._closed = True
         self._shards.close()
         state: dict[str, Any] = {"format_version": FORMAT_VERSION, "storage": lrmq_shards.STORAGE,
