@@ -336,8 +336,14 @@ def test_model_and_data_read_from_the_bucket(gcs, tmp_path):
     assert not [f for f in os.listdir(st_view) if f.endswith(".safetensors")]
     for k, v in flat_params(load_model(gcs + "/models/tiny_lrmq_st")).items():
         np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(local[k].get_value()), err_msg=k)
+    shards = sorted(f for f in os.listdir(tmp_path / "lrmq_st") if f.endswith(".safetensors"))
+    readers = [remote.open_safetensors(f"{gcs}/models/tiny_lrmq_st/{f}") for f in shards]
+    assert len(shards) > 1 and sum(r.bytes_read for r in readers) == sum(  # every byte once: headers, then arrays
+        os.path.getsize(tmp_path / "lrmq_st" / f) for f in shards)
+    before = sum(r.bytes_read for r in readers)
     np.testing.assert_array_equal(open_tensors(gcs + "/models/tiny_lrmq_st").get("layers.1.attn.q_proj.kernel"),
                                   np.asarray(local["layers.1.attn.q_proj.kernel"].get_value()))
+    assert sum(r.bytes_read for r in readers) - before == local["layers.1.attn.q_proj.kernel"].get_value().nbytes
     reader = remote.open_safetensors(urls["model"] + "/model.safetensors")
     assert reader.bytes_read <= os.path.getsize(os.path.join(TINY, "model.safetensors"))
     with pytest.raises(UsageError, match="--checkpoint: .*no-such-model"):
