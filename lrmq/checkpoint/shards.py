@@ -20,10 +20,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def index_file(prefix: str = "model") -> str:
-    return f"{prefix}.safetensors.index.json"
-
-
 class ShardWriter:
     """Tensors into ``directory`` (an existing, empty temporary directory), one shard at a time (module doc)."""
 
