@@ -73,16 +73,19 @@ def test_checkpoint_source_reads_what_load_model_gives():
 
 
 def test_sharded_exports_load_as_one_file(awq_runs, tmp_path):
-    """compressed_tensors and fake_quant in 100 kB shards with an index: the same tensors byte for byte, and
-    transformers (compressed-tensors) and lrmq load them to the same logits as the one-file export."""
+    """compressed_tensors, fake_quant and packed in 100 kB shards with an index: the same tensors byte for byte, and
+    transformers (compressed-tensors; fake_quant) and lrmq load them to the same logits as the one-file export;
+    packed also as the orbax checkpoint of the same model (save_lrmq: the writer before the streamed one)."""
+    from lrmq.checkpoint.orbax_io import read_weight_formats, save_lrmq
+    from lrmq.ptq.exports import packed_kernels
     import torch
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     model, result = awq_runs["model"], awq_runs["result"]
     outs = {}
     for name, limit in (("one", 10**9), ("sharded", 100_000)):
-        with StreamedExport(str(tmp_path / name), model.cfg, ["compressed_tensors", "fake_quant"], dtype="float32",
-                            max_shard_bytes=limit, tokenizer_from="lrmq/assets/tiny") as export:
+        with StreamedExport(str(tmp_path / name), model.cfg, ["compressed_tensors", "fake_quant", "packed"],
+                            dtype="float32", max_shard_bytes=limit, tokenizer_from="lrmq/assets/tiny") as export:
             stream_model(model, result, export)
             export.finish(result)
         outs[name] = tmp_path / name
@@ -105,11 +108,17 @@ def test_sharded_exports_load_as_one_file(awq_runs, tmp_path):
         hf = AutoModelForCausalLM.from_pretrained(str(d / "fake_quant"))
         with torch.no_grad():
             logits[name, "transformers_fake"] = hf(torch.from_numpy(TOKS)).logits.float().numpy()
-        for fmt in ("compressed_tensors", "fake_quant"):
+        for fmt in ("compressed_tensors", "fake_quant", "packed"):
             logits[name, fmt] = np.asarray(load_model(str(d / fmt))(jnp.asarray(TOKS)))
-    assert len(set(json.loads((outs["sharded"] / "fake_quant" / "model.safetensors.index.json").read_text())
-                   ["weight_map"].values())) >= 3
-    for kind in ("transformers", "transformers_fake", "compressed_tensors", "fake_quant"):
+    for fmt, index in (("fake_quant", "model"), ("packed", "params")):
+        assert len(set(json.loads((outs["sharded"] / fmt / f"{index}.safetensors.index.json").read_text())
+                       ["weight_map"].values())) >= 3, fmt
+    assert read_weight_formats(str(outs["sharded"] / "packed")) == result.formats()
+    with packed_kernels(model, result):
+        save_lrmq(model, str(tmp_path / "orbax"), weight_formats=result.formats())
+    np.testing.assert_array_equal(np.asarray(load_model(str(tmp_path / "orbax"))(jnp.asarray(TOKS))),
+                                  logits["sharded", "packed"])
+    for kind in ("transformers", "transformers_fake", "compressed_tensors", "fake_quant", "packed"):
         np.testing.assert_array_equal(logits["sharded", kind], logits["one", kind])
 
 

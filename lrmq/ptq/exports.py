@@ -5,7 +5,8 @@ scales) and the :class:`lrmq.ptq.result.PTQResult` whose ``packed`` maps ``layer
 ``QuantizedWeight`` with the same codes.
 
 * ``packed`` -- lrmq checkpoint whose Linears hold ``QuantizedKernel``s (``load_model`` reads it;
-  ``lrmq.generate`` runs it through ``lrmq.quant.qmatmul``: Pallas int4/int8 kernels, XLA dequant for 3-bit).
+  ``lrmq.generate`` runs it through ``lrmq.quant.qmatmul``: Pallas int4/int8 kernels, XLA dequant for 3-bit),
+  in the safetensors storage layout (``params.safetensors`` shards, ``lrmq.checkpoint.orbax_io.LrmqWriter``).
 * ``fake_quant`` -- Hugging Face checkpoint with dequantized weights in bf16/fp16/fp32 (QuantLRM's
   released format: vLLM / transformers load it as an ordinary model). Note that bf16 rounds the
   dequantized values (fp16 is exact for 3/4-bit grids of ordinary magnitude, not guaranteed).
@@ -20,6 +21,8 @@ scales) and the :class:`lrmq.ptq.result.PTQResult` whose ``packed`` maps ``layer
   benchmarks/ct_export_vs_llmcompressor.py).
 
 Embeddings, norms, biases and lm_head are written as in ``save_hf_model`` (the same names, orientation, dtype).
+Every format has one writer, ``StreamedExport`` (layer by layer, safetensors shards with an index); the
+whole-model functions feed it an in-memory model (``stream_model``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from flax import nnx
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf import copy_tokenizer_files, flat_params, hf_config_dict
 from lrmq.checkpoint.hf_names import expand
-from lrmq.checkpoint.orbax_io import save_lrmq
+from lrmq.checkpoint.orbax_io import LrmqWriter
 from lrmq.checkpoint.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter
 from lrmq.model.decoder import Decoder
 from lrmq.model.params import LOGICAL_AXES_KEY
@@ -89,9 +92,8 @@ def packed_kernels(model, result):
 
 
 def save_packed(model, result, out_dir: str, *, tokenizer_from: str | None = None, overwrite: bool = False) -> str:
-    with packed_kernels(model, result):
-        return save_lrmq(model, out_dir, tokenizer_from=tokenizer_from, overwrite=overwrite,
-                         weight_formats=result.formats())
+    return _export(model, result, out_dir, ["packed"], dtype={"packed": None}, tokenizer_from=tokenizer_from,
+                   overwrite=overwrite, root=True)
 
 
 def save_fake_quant(model, out_dir: str, *, dtype: str = "float16", tokenizer_from: str | None = None,
@@ -145,17 +147,13 @@ def check_result(formats, result) -> None:
 def _export(model, result, out_dir: str, formats, *, dtype, tokenizer_from: str | None, overwrite: bool,
             root: bool = False, extra_files: dict | None = None, before_rename=None) -> str:
     """The whole-model writers: the in-memory model fed layer by layer (``stream_model``) into the one streamed
-    writer of each format (``StreamedExport``); ``packed`` through ``save_packed`` into the same temporary dir."""
+    writer of each format (``StreamedExport``)."""
     if result is not None:
         check_result(formats, result)
-    streamed = [f for f in formats if f != "packed"]
-    with StreamedExport(out_dir, model.cfg, streamed, dtype=dtype, tokenizer_from=tokenizer_from,
+    with StreamedExport(out_dir, model.cfg, formats, dtype=dtype, tokenizer_from=tokenizer_from,
                         overwrite=overwrite, root=root) as export:
-        if streamed:
-            stream_model(model, result, export)
+        stream_model(model, result, export)
         export.finish(result, extra_files=extra_files)
-        if "packed" in formats:  # the whole model through orbax (save_lrmq)
-            save_packed(model, result, os.path.join(export.tmp, "packed"), tokenizer_from=tokenizer_from)
         if before_rename is not None:
             before_rename(export.tmp)
     return out_dir
@@ -185,8 +183,6 @@ def save_format(fmt: str, model, result, out_dir: str, *, dtype: str = "float16"
     subdirectories, ``lrmq.quantize --format`` one as ``--out``). ``dtype``: ``format_dtype``."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown output format {fmt!r}; known: {list(FORMATS)}")
-    if fmt == "packed":
-        return save_packed(model, result, out_dir, tokenizer_from=tokenizer_from, overwrite=overwrite)
     return _export(model, result, out_dir, [fmt], dtype=dtype, tokenizer_from=tokenizer_from, overwrite=overwrite,
                    root=True)
 
@@ -243,7 +239,7 @@ class _HFWriter:
         self.sym.add(bool(qw.symmetric))
         self.per_channel &= np.shape(qw.scales)[0] == 1
 
-    def finish(self, tokenizer_from: str | None) -> None:
+    def finish(self, tokenizer_from: str | None, result=None) -> None:
         self.shards.close()
         if self.fmt == "fake_quant":
             hf, _ = hf_config_dict(self.cfg, self.dtype)
@@ -266,6 +262,26 @@ class _HFWriter:
             qc = ef.ct_quantization_config(next(iter(self.bits)), groups.pop(), next(iter(self.sym)),
                                            ignore=["lm_head", *sorted(self.unquantized)])
         _write_config(self.directory, self.cfg, qc, self.dtype, tokenizer_from)
+
+
+class _PackedWriter:
+    """The ``packed`` format (an lrmq checkpoint) written layer by layer: ``lrmq.checkpoint.orbax_io.LrmqWriter``,
+    the safetensors storage layout (``params.safetensors`` shards + index, the lrmq_state.json manifest); float
+    variables in the model's param dtype, packed kernels as ``packed_kernels`` stores them."""
+
+    def __init__(self, directory: str, cfg, max_shard_bytes: int):
+        self.param_dtype = _np_dtype(cfg.param_dtype)
+        self.writer = LrmqWriter(directory, cfg, max_shard_bytes=max_shard_bytes)
+
+    def plain(self, flat: str, value) -> None:
+        self.writer.add_param(flat, np.asarray(value).astype(self.param_dtype, copy=False))
+
+    def quantized(self, flat_kernel: str, qw) -> None:
+        self.writer.add_quantized(flat_kernel, qw)
+
+    def finish(self, tokenizer_from: str | None, result=None) -> None:
+        self.writer.close(weight_formats=result.formats() if result is not None else None,
+                          tokenizer_from=tokenizer_from)
 
 
 class StreamedExport:
@@ -293,9 +309,6 @@ class StreamedExport:
         if root and len(formats) != 1:
             raise ExportError(f"one format is written at the top of {out_dir}, got {list(formats)}")
         self.root = root  # the one format at the top of out_dir (lrmq.quantize's --out), not in a subdirectory
-        if "packed" in formats:
-            raise ExportError("outputs.formats packed is not written layer by layer yet; the streamed run writes "
-                              "compressed_tensors (read back by every lrmq command), autoawq or fake_quant")
         self.out_dir, self.cfg, self.formats = out_dir, cfg, list(formats)
         self.dtypes = {f: dtype[f] if isinstance(dtype, dict) else format_dtype(f, dtype) for f in formats}
         self.tokenizer_from, self.overwrite = tokenizer_from, overwrite
@@ -303,7 +316,7 @@ class StreamedExport:
         self.names = {ours: (hf, tr) for hf, (ours, tr) in expand(set(flat_params(
             nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))), cfg).items()}
         self._ctx = None
-        self._writers: dict[str, _HFWriter] = {}
+        self._writers: dict[str, _HFWriter | _PackedWriter] = {}
         self._seen: set[str] = set()  # flat lrmq names written
         self._finished = False
 
@@ -314,7 +327,8 @@ class StreamedExport:
         for f in self.formats:
             d = tmp if self.root else os.path.join(tmp, f)
             os.makedirs(d, exist_ok=True)
-            self._writers[f] = _HFWriter(f, d, self.cfg, self.names, self.dtypes[f], self.max_shard_bytes)
+            self._writers[f] = (_PackedWriter(d, self.cfg, self.max_shard_bytes) if f == "packed" else
+                                _HFWriter(f, d, self.cfg, self.names, self.dtypes[f], self.max_shard_bytes))
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -365,7 +379,7 @@ class StreamedExport:
             raise ExportError(f"{self.out_dir}: {len(missing)} tensors of the model were never written "
                               f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})")
         for w in self._writers.values():
-            w.finish(self.tokenizer_from)
+            w.finish(self.tokenizer_from, result)
         for name, data in (extra_files or {}).items():
             with open(os.path.join(self.tmp, name), "wb" if isinstance(data, bytes) else "w") as fh:
                 fh.write(data)
