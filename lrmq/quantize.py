@@ -49,13 +49,12 @@ from lrmq import aot, ptq_aot
 from lrmq.atomic import atomic_write_text
 from lrmq.checkpoint.hf import hf_config_dict, save_hf_model
 from lrmq.checkpoint.load import check_checkpoint
-from lrmq.checkpoint.orbax_io import save_lrmq
 from lrmq.cli import (USER_ERRORS, ArgumentParser, UsageError, check_disjoint, number, run_main, select_platforms,
                       tune_gc)
 from lrmq.configlib import add_config_args, dump_config
 from lrmq.paths import check_dir_path, check_file_path
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
-from lrmq.ptq.exports import FORMATS, StreamedExport, packed_kernels, save_format
+from lrmq.ptq.exports import FORMATS, StreamedExport, save_format
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
 from lrmq.ptq.pipeline import (load_float_model, model_config, open_float_source, prepare, resolve_model_path,
                                run_quantize)
@@ -235,18 +234,12 @@ def check_targets(model, cfg) -> None:
 
 
 def write_flag_outputs(model, result, args, tokenizer_from: str) -> tuple[int, int]:
-    """OUT (in --format) and OUT2 (fake-quant HF); returns the model's bytes before / after (packed: in
-    memory; the other formats: OUT's tensor files on disk)."""
+    """OUT (in --format) and OUT2 (fake-quant HF); returns the model's bytes before (in memory) / after (OUT's
+    tensor files on disk, every format: safetensors shards)."""
     before = param_bytes(model)["total"]
-    if args.format == "packed":
-        with packed_kernels(model, result):
-            after = param_bytes(model)["total"]
-            save_lrmq(model, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite,
-                      weight_formats=result.formats())
-    else:
-        save_format(args.format, model, result, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
-        after = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out)
-                    if f.endswith(".safetensors"))
+    save_format(args.format, model, result, args.out, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
+    after = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out)
+                if f.endswith(".safetensors"))
     if args.export_hf_fake:  # the model holds the fake-quant kernels: the packed codes, dequantized
         save_hf_model(model, args.export_hf_fake, tokenizer_from=tokenizer_from, overwrite=args.overwrite)
     return before, after
@@ -267,7 +260,7 @@ def run(args) -> dict:
     cfg = dataclasses.replace(cfg, calibration=dataclasses.replace(
         c, block_size=min(c.block_size, limit), max_doc_tokens=min(c.max_doc_tokens, limit)))
     prep = prepare(cfg, FLAG_NAMES)
-    if cfg.method in LAYERWISE_METHODS and args.format != "packed":
+    if cfg.method in LAYERWISE_METHODS:
         return run_streamed(args, cfg, prep)
     model = load_float_model(prep.model_path)
     check_targets(model, cfg)

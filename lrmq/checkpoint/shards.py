@@ -39,8 +39,11 @@ class ShardWriter:
     def add(self, name: str, array) -> None:
         if name in self._names:
             raise ValueError(f"tensor {name} written twice")
-        # safetensors writes the array's buffer: a transposed view must be made contiguous first
-        arr = np.ascontiguousarray(array)
+        # safetensors writes the array's buffer: a transposed view must be made contiguous first (not through
+        # np.ascontiguousarray, which turns a 0-d array, an NF4 weight's absmax_offset, into shape [1])
+        arr = np.asarray(array)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
         if self._size and self._size + arr.nbytes > self.max_shard_bytes:
             self.flush()
         self._names.add(name)
