@@ -21,7 +21,7 @@ from lrmq.ptq.pipeline import load_float_model, prepare, run_quantize
 from lrmq.ptq.source import CheckpointSource, ModelSource
 
 TOKS = np.asarray([[1, 5, 9, 33, 7, 2, 100, 4, 250, 17]], np.int32)
-FORMATS = ("compressed_tensors", "fake_quant", "autoawq")
+FORMATS = ("compressed_tensors", "fake_quant", "autoawq", "packed")
 
 
 def _files(root: str) -> dict[str, str]:

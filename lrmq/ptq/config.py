@@ -115,8 +115,8 @@ class OutputsSection:
         "float16", "dtype of the fake_quant weights and of compressed_tensors' scales and float tensors "
                    "(float32 -> bfloat16 there)")
     overwrite: bool = opt(False, "replace an existing outputs.dir")
-    max_shard_bytes: int = opt(5 * 10**9, "awq, gptq, quantlrm (written layer by layer): the largest safetensors "
-                                          "shard of each format; more shards get an index (transformers' 5 GB)", ge=1)
+    max_shard_bytes: int = opt(5 * 10**9, "the largest safetensors shard of each format (every format, every "
+                                          "method); more shards get an index (transformers' 5 GB)", ge=1)
 
     def validate(self):
         if not self.formats:

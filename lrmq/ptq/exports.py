@@ -145,13 +145,14 @@ def check_result(formats, result) -> None:
 
 
 def _export(model, result, out_dir: str, formats, *, dtype, tokenizer_from: str | None, overwrite: bool,
-            root: bool = False, extra_files: dict | None = None, before_rename=None) -> str:
+            root: bool = False, extra_files: dict | None = None, before_rename=None,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
     """The whole-model writers: the in-memory model fed layer by layer (``stream_model``) into the one streamed
     writer of each format (``StreamedExport``)."""
     if result is not None:
         check_result(formats, result)
     with StreamedExport(out_dir, model.cfg, formats, dtype=dtype, tokenizer_from=tokenizer_from,
-                        overwrite=overwrite, root=root) as export:
+                        overwrite=overwrite, root=root, max_shard_bytes=max_shard_bytes) as export:
         stream_model(model, result, export)
         export.finish(result, extra_files=extra_files)
         if before_rename is not None:
@@ -189,12 +190,14 @@ def save_format(fmt: str, model, result, out_dir: str, *, dtype: str = "float16"
 
 def write_outputs(model, result, out_dir: str, *, formats=("fake_quant",), dtype: str = "float16",
                   tokenizer_from: str | None = None, overwrite: bool = False, extra_files: dict | None = None,
-                  before_rename=None) -> str:
+                  before_rename=None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
     """All requested formats as subdirectories of ``out_dir`` (``packed/``, ``fake_quant/``,
     ``autoawq/``, ``compressed_tensors/``) plus ``extra_files`` ({name: bytes|str}); the whole tree is
-    written into a temporary sibling and renamed at the end. ``before_rename(tmp)`` may add files."""
+    written into a temporary sibling and renamed at the end. ``before_rename(tmp)`` may add files. Each format's
+    tensors in shards of at most ``max_shard_bytes`` (``StreamedExport``)."""
     return _export(model, result, out_dir, list(formats), dtype=dtype, tokenizer_from=tokenizer_from,
-                   overwrite=overwrite, extra_files=extra_files, before_rename=before_rename)
+                   overwrite=overwrite, extra_files=extra_files, before_rename=before_rename,
+                   max_shard_bytes=max_shard_bytes)
 
 
 # ----------------------------------------------------------------------------- streamed, layer by layer

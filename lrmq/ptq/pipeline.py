@@ -153,7 +153,7 @@ def run_quantize(cfg: QuantizeConfig) -> dict:
         raise FileExistsError(f"output directory {os.path.abspath(out_dir)} already exists (outputs.overwrite=true)")
     prep = prepare(cfg)
     tok_from = prep.tokenizer_dir if os.path.isdir(prep.tokenizer_dir) else None
-    if cfg.method in LAYERWISE_METHODS and "packed" not in cfg.outputs.formats:
+    if cfg.method in LAYERWISE_METHODS:
         source = open_float_source(prep.model_path)
         with StreamedExport(out_dir, source.cfg, cfg.outputs.formats, dtype=cfg.outputs.dtype,
                             tokenizer_from=tok_from, overwrite=cfg.outputs.overwrite,
@@ -168,7 +168,7 @@ def run_quantize(cfg: QuantizeConfig) -> dict:
         report = _report(cfg, prep, result)
         write_outputs(model, result, out_dir, formats=cfg.outputs.formats, dtype=cfg.outputs.dtype,
                       tokenizer_from=tok_from, overwrite=cfg.outputs.overwrite,
-                      extra_files=_extra_files(cfg, prep, report))
+                      extra_files=_extra_files(cfg, prep, report), max_shard_bytes=cfg.outputs.max_shard_bytes)
     report["out_dir"] = out_dir
     return report
 
