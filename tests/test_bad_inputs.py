@@ -223,12 +223,12 @@ def test_disk_full_is_one_line_and_leaves_nothing(env, tmp_path, capsys, monkeyp
     """ENOSPC while an output is written: one line naming the output; no output, no temporary."""
     import lrmq.checkpoint.shards as shards  # every safetensors shard lrmq writes goes through it
 
-    def full(tensors, filename, *a, **k):
-        with open(filename, "wb") as f:  # part of the shard made it before the disk filled
+    def full(part, *a, **k):
+        with open(part, "wb") as f:  # part of the shard made it before the disk filled
             f.write(b"\0" * 4096)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shards, "save_file", full)
+    monkeypatch.setattr(shards, "write_shard", full)
     out = str(tmp_path / "hf_out")
     before = _tree_sums(env["ckpt"])
     assert convert_cli.main(["--to", "hf", env["ckpt"], out]) == 2

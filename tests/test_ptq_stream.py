@@ -193,3 +193,35 @@ def test_flag_form_streams_out_and_out2(awq_runs, tmp_path, capsys):
     np.testing.assert_allclose(a, b, atol=0.05)
     assert quantize.main(["--checkpoint", "tiny", "--method", "rtn", "--devices", "2", "--out", str(tmp_path / "x")]) == 2
     assert "--devices is for the calibrated layer-by-layer methods" in capsys.readouterr().err
+
+
+def test_shard_writer_holds_one_tensor_and_writes_save_files_bytes(tmp_path):
+    """ShardWriter streams each tensor to disk as it comes; a shard is byte for byte what safetensors' save_file
+    writes for the same tensors (every dtype lrmq writes, a 0-d array, a transposed view), and a split one reads back."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from lrmq.checkpoint.shards import ShardWriter
+
+    rng = np.random.default_rng(0)
+    dtypes = [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.uint8, np.int8, np.int64, np.bool_]
+    tensors = {f"t{rng.integers(1000)}_{i}": np.asarray(np.asarray(rng.standard_normal(
+        tuple(rng.integers(0, 5, rng.integers(0, 3)))) * 10).astype(dtypes[i % len(dtypes)])) for i in range(24)}
+    tensors["transposed"] = rng.standard_normal((3, 4)).astype(np.float32).T
+    save_file({k: np.ascontiguousarray(v) if v.ndim else v for k, v in tensors.items()}, str(tmp_path / "ref"),
+              metadata={"format": "pt"})
+    for name, limit in (("one", 10**9), ("split", 40)):
+        os.mkdir(tmp_path / name)
+        w = ShardWriter(str(tmp_path / name), limit)
+        for k, v in tensors.items():
+            w.add(k, v)
+        files = w.close()
+        assert not [f for f in os.listdir(tmp_path / name) if f.startswith(".")]  # no data / part files left
+        if name == "one":
+            assert (tmp_path / "one" / "model.safetensors").read_bytes() == (tmp_path / "ref").read_bytes()
+        else:
+            got = {}
+            for f in files[:-1]:
+                got.update(load_file(str(tmp_path / name / f)))
+            assert got.keys() == tensors.keys() and len(files) > 3
+            assert all(np.array_equal(got[k], tensors[k]) and got[k].dtype == tensors[k].dtype for k in tensors)
