@@ -12,8 +12,8 @@ or a GPU); GPTQ's host-side quantization estimated from a rate measured on this 
     python benchmarks/ptq_scale.py --out docs/figures/ptq_scale.json --reasoning  # QuantLRM's calibration, W3
     python benchmarks/ptq_scale.py --markdown docs/figures/ptq_scale.json       # docs/ptq.md's tables
 
---reasoning: QuantLRM's own calibration recipe (calibration.source reasoning: the first 262,144 tokens, cut into 128
-blocks of 2,048), W3, every model and target: a chip's units are 4x longer.
+--reasoning: QuantLRM's own calibration recipe (calibration.source reasoning: the first 128 x 2,048 = 262,144 tokens,
+cut into 512 blocks of 512), W3, every model and target: 4x the blocks of the default, the same units on a chip.
 
 Cases already in --out are kept (rerun with --force); the file is rewritten after each case.
 """
@@ -37,7 +37,7 @@ TARGETS = {"v5e-8": ("tpu", "v5e:2x4"), "v6e-8": ("tpu", "v6e:2x4"), "v5p-8": ("
 METHODS = ("awq", "gptq", "quantlrm")
 BITS = (3, 4)
 N_BLOCKS, BLOCK_SIZE, BATCH = 128, 512, 8
-REASONING = (128, 2048)  # QuantLRM's calibration: blocks, tokens per block
+REASONING = (512, 512)  # QuantLRM's calibration (docs/ptq.md "Calibration"): blocks, tokens per block
 
 
 def key(model, target, method, bits, reasoning=False) -> str:
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", choices=list(TARGETS), help="one target, in this process (default: every target, "
                                                             "one child process each)")
     ap.add_argument("--force", action="store_true", help="recompile cases already in --out")
-    ap.add_argument("--reasoning", action="store_true", help="QuantLRM W3 on its own calibration (128 x 2048)")
+    ap.add_argument("--reasoning", action="store_true", help="QuantLRM W3 on its own calibration (512 blocks of 512)")
     ap.add_argument("--markdown", metavar="JSON", help="print docs/ptq.md's table from this JSON and exit")
     args = ap.parse_args(argv)
     if args.markdown:
