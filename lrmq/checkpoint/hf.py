@@ -331,7 +331,7 @@ def save_hf_model(model: Decoder, out_dir: str, *, dtype: str | None = None, tok
         _sync_processes(f"lrmq.save_hf_model:{out_dir}")
         return out_dir
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        # each shard goes to disk as soon as it is full (host memory: one shard, not the model)
+        # each tensor goes to disk as it comes (host memory: one tensor, not a shard or the model)
         shards = ShardWriter(tmp, max_shard_bytes)
         for name, arr in hf_tensors(model, export_dtype):
             shards.add(name, arr)

@@ -15,7 +15,7 @@ safetensors headers, is what the reader trusts: every tensor's header is checked
 is read.
 
 `orbax_io.LrmqWriter` fills a directory one variable at a time (a streamed PTQ writes each decoder layer as it
-is finished; host memory holds one shard, `lrmq.checkpoint.shards.ShardWriter` with ``prefix=PARAMS_PREFIX``).
+is finished; host memory holds one tensor, `lrmq.checkpoint.shards.ShardWriter` with ``prefix=PARAMS_PREFIX``).
 Reading, here (`ParamFiles`): each
 array is placed on its sharding with `jax.make_array_from_callback`, every device's callback reading only
 the rows its shard covers, from a memory-mapped view of a local file (`safetensors_mmap.MappedSafetensors`)
