@@ -130,7 +130,8 @@ def config_from_flags(args):
     qlrm = dataclasses.replace(cfg.quantlrm, base=args.base, run_dir=args.run_dir, plot=False)
     outputs = dataclasses.replace(cfg.outputs, formats=[args.format])
     mesh = dataclasses.replace(cfg.mesh, devices=args.devices)
-    return dataclasses.replace(cfg, calibration=calib, quantlrm=qlrm, outputs=outputs, mesh=mesh)
+    return dataclasses.replace(cfg, calibration=calib, quantlrm=qlrm, outputs=outputs, mesh=mesh,
+                               float_qat_policy=args.float_qat_policy)
 
 
 def sniff_calibration_source(path: str | None) -> str:
@@ -250,7 +251,7 @@ def run(args) -> dict:
     cfg = config_from_flags(args)
     check_flags(args, cfg)
     # a QAT run's float weights: refused before anything is read, naming its scheme's format (lrmq.ptq.qat_export)
-    refuse_float_qat_policy(cfg.model, action="quantize", allowed=args.float_qat_policy)
+    refuse_float_qat_policy(cfg.model, action="quantize", allowed=cfg.float_qat_policy)
     check_checkpoint(cfg.model, "--checkpoint" if args.checkpoint else "--run-dir")
     if args.base:
         check_checkpoint(args.base, "--base")

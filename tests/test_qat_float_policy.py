@@ -82,3 +82,20 @@ def test_the_train_done_line_names_the_quantized_policy(tmp_path):
     assert quantized_policy_note(qat, str(run)) == f"; quantized policy (the model it trained) {packed}"
     w8a8 = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, mode="qat", qat_scheme="w8a8"))
     assert "no quantized policy written (quant.qat_scheme=w8a8)" in quantized_policy_note(w8a8, str(tmp_path))
+
+
+def test_the_config_form_applies_the_rule(tmp_path):
+    """`lrmq.quantize --config` (run_quantize) refuses a QAT run's float policy as the flag form does, naming its key;
+    float_qat_policy=true gets past the rule (to the empty checkpoint's own error)."""
+    from lrmq.ptq.config import load_quantize_config
+    from lrmq.ptq.pipeline import run_quantize
+
+    run = fake_run(tmp_path)
+    base = [f"model={run / 'final_policy'}", "method=rtn", f"outputs.dir={tmp_path / 'q'}"]
+    with pytest.raises(FloatQATPolicyError, match="float_qat_policy=true") as e:
+        run_quantize(load_quantize_config(None, base))
+    assert "final_policy_quantized" in str(e.value)
+    with pytest.raises(Exception) as e:
+        run_quantize(load_quantize_config(None, [*base, "float_qat_policy=true"]))
+    assert not isinstance(e.value, FloatQATPolicyError) and "final_policy" in str(e.value)
+    assert not (tmp_path / "q").exists()

@@ -144,6 +144,8 @@ class QuantizeConfig:
                                         "projections)")
     tokenizer: Optional[str] = opt(None, "tokenizer directory (null: the model's)")
     progress: bool = opt(True, "show progress bars")
+    float_qat_policy: bool = opt(False, "quantize a QAT run's float master weights (RUN/final_policy); refused "
+                                        "otherwise, naming the run's quantized export (lrmq.ptq.qat_export)")
     calibration: CalibrationSection = opt(help="calibration data (awq, gptq, quantlrm)", factory=CalibrationSection)
     awq: AWQSection = opt(help="AWQ scale and clip search (awq, quantlrm)", factory=AWQSection)
     gptq: GPTQSection = opt(help="GPTQ", factory=GPTQSection)

@@ -28,6 +28,7 @@ from lrmq.model.config import ModelConfig, check_position_limit
 from lrmq.ptq.config import QuantizeConfig
 from lrmq.ptq.exports import StreamedExport, write_outputs
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, MethodInputs, needs_calibration
+from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.ptq.quantlrm import (
     QuantLRMOptions,
     TensorSource,
@@ -151,6 +152,10 @@ def run_quantize(cfg: QuantizeConfig) -> dict:
     paths.check_dir_path(out_dir, "outputs.dir")  # a file there: a sentence, before any work
     if os.path.exists(out_dir) and not cfg.outputs.overwrite:
         raise FileExistsError(f"output directory {os.path.abspath(out_dir)} already exists (outputs.overwrite=true)")
+    # a QAT run's float weights: refused before anything is read, naming its scheme's format (the flag form's rule)
+    refuse_float_qat_policy(cfg.model or (os.path.join(cfg.quantlrm.run_dir, "final_policy") if cfg.quantlrm.run_dir
+                                          else None), action="quantize", allowed=cfg.float_qat_policy,
+                            flag="float_qat_policy=true")
     prep = prepare(cfg)
     tok_from = prep.tokenizer_dir if os.path.isdir(prep.tokenizer_dir) else None
     if cfg.method in LAYERWISE_METHODS:
