@@ -42,7 +42,6 @@ import re
 import sys
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from lrmq import aot, ptq_aot
@@ -276,8 +275,7 @@ def run_streamed(args, cfg, prep) -> dict:
     """awq / gptq / quantlrm: the checkpoint read layer by layer, each finished layer written straight into OUT (and
     OUT2); neither the model nor its quantized copy is held whole (lrmq.ptq.pipeline, lrmq.ptq.exports)."""
     source = open_float_source(prep.model_path)
-    itemsize = np.dtype(ml_dtypes.bfloat16 if source.cfg.param_dtype == "bfloat16" else source.cfg.param_dtype).itemsize
-    before = sum(int(np.prod(source.reader.shape(n))) * itemsize for n in source.reader.names())
+    before = sum(int(np.prod(source.reader.shape(n))) * source.param_dtype.itemsize for n in source.reader.names())
     kw = dict(tokenizer_from=prep.model_path, overwrite=args.overwrite, root=True)
     exports = [StreamedExport(args.out, source.cfg, [args.format], **kw)]
     if args.export_hf_fake:  # the fake-quant weights in the checkpoint's own dtype, as save_hf_model writes them

@@ -62,10 +62,10 @@ class CheckpointSource:
         self.path = path
         self.reader = open_tensors(path)
         self.cfg: ModelConfig = self.reader.cfg
-        self._dtype = _np_dtype(self.cfg.param_dtype)
+        self.param_dtype = _np_dtype(self.cfg.param_dtype)  # the dtype load_model gives each weight
 
     def _get(self, name: str) -> np.ndarray:
-        return np.asarray(self.reader.get(name)).astype(self._dtype, copy=False)
+        return np.asarray(self.reader.get(name)).astype(self.param_dtype, copy=False)
 
     def embedding(self) -> np.ndarray:
         return self._get("embed.embedding")
@@ -81,7 +81,7 @@ class CheckpointSource:
     def layer(self, i: int) -> dict[str, np.ndarray]:
         names = {key: f"layers.{i}." + ".".join(map(str, path)) for key, path in self._paths(self.cfg.layer_types[i])}
         arrays = self.reader.get_many(list(names.values()))  # one read of the layer where reads have a cost (orbax)
-        return {key: np.asarray(arrays[n]).astype(self._dtype, copy=False).astype(np.float32) for key, n in names.items()}
+        return {key: np.asarray(arrays[n]).astype(self.param_dtype, copy=False).astype(np.float32) for key, n in names.items()}
 
     def layers(self) -> Iterator[dict[str, np.ndarray]]:
         """Layer weights in order, the next one read on a background thread meanwhile."""
