@@ -121,10 +121,9 @@ def measure(spec: dict) -> dict:
         graphdef, state = copy.graphdef, copy.abstract_states(trainable, rest)
     kv_cache = spec.get("kv_cache", "auto")
     # the rollout's defaults: 16-token pages, 64 steps per call
-    engine = EngineConfig(slots=spec["slots"], kv_cache=kv_cache)
+    engine = EngineConfig(slots=spec["slots"], kv_cache=kv_cache, attention=spec.get("impl", "auto"))
     sampling = SamplingConfig(temperature=1.0, top_p=1.0)
-    eng = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=cfg, config=engine, mesh=mesh,
-                 impl=spec.get("impl", "auto"))
+    eng = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=cfg, config=engine, mesh=mesh)
     slots, pages, width = eng.sizes(spec["slots"], spec["prompt"], spec["new"])
     out = {**spec, "device_kind": kind, "chips": chips, "pages": pages, "page_table_width": width,
            "page_size": engine.page_size, "hbm_gbps": HBM_GBPS.get(kind)}

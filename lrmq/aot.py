@@ -185,13 +185,11 @@ def _compile(fn, *args, mesh) -> tuple[object, float]:
 
 def compile_generate(graphdef, state, mesh, *, model_cfg: ModelConfig, engine: EngineConfig, requests: int,
                      prompt_len: int, max_new: int, sampling: SamplingConfig,
-                     programs: tuple[str, ...] = ("prefill", "decode"), impl: str = "auto"
-                     ) -> dict[str, tuple[object, float]]:
+                     programs: tuple[str, ...] = ("prefill", "decode")) -> dict[str, tuple[object, float]]:
     """{"prefill" | "decode": (compiled, seconds)} of the generation engine's programs for `requests` sequences
-    of `prompt_len` + `max_new` tokens (`Engine.abstract_calls`: the largest prefill, one decode call); impl: the
-    engine's decode attention (rollout.decode_attention / generation.decode_attention / --decode-attention)."""
-    eng = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=model_cfg, config=engine, mesh=mesh,
-                 impl=impl)
+    of `prompt_len` + `max_new` tokens (`Engine.abstract_calls`: the largest prefill, one decode call); the decode attention is
+    `engine.attention` (rollout.decode_attention / generation.decode_attention / --decode-attention)."""
+    eng = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=model_cfg, config=engine, mesh=mesh)
     calls = eng.abstract_calls(state, n_requests=requests, prompt_len=prompt_len, max_new=max_new,
                                sampling=sampling, mesh=mesh)
     out = {}
@@ -206,7 +204,7 @@ def _rollout_programs(cfg: TrainConfig, graphdef, state, mesh, model_cfg: ModelC
     r = cfg.rollout
     return compile_generate(graphdef, state, mesh, model_cfg=model_cfg, engine=engine or r.engine_config(),
                             requests=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len,
-                            max_new=r.max_new_tokens, programs=programs, impl=r.decode_attention,
+                            max_new=r.max_new_tokens, programs=programs,
                             sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
 
 

@@ -197,7 +197,7 @@ def compile_only(cfg: EvalConfig, args) -> int:
                                       requests=g.batch_size, prompt_len=args.prompt_len, max_new=new,
                                       sampling=sampling_config(g), slots_option="generation.batch_size",
                                       pages_option="generation.kv_pages", fraction=g.kv_memory_fraction,
-                                      impl=g.decode_attention, log=lambda m: print(m, file=sys.stderr, flush=True))
+                                      log=lambda m: print(m, file=sys.stderr, flush=True))
     print(report.table())
     print(aot.pool_line(report.pool, "generation.kv_pages"))
     note = aot.memory_note(report, devices)
@@ -250,12 +250,13 @@ def _main(args) -> int:
     check_run_dir(cfg, args.overwrite)
     model, tok, mesh = load_eval_model(cfg)
     meta = run_meta(cfg, quantized_format(resolve_checkpoint(cfg.checkpoint)) or "float")
-    engine = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=cfg.generation.engine_config(), mesh=mesh,
-                    impl=cfg.generation.decode_attention)
+    budget = 0
     if not cfg.generation.kv_pages:  # the pool sized to the device: kv_memory_fraction of it less the weights
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-        engine.limit_pool(pool_budget(aot.hbm_bytes(device), bytes_per_device(nnx.state(model)),
-                                      cfg.generation.kv_memory_fraction))
+        budget = pool_budget(aot.hbm_bytes(device), bytes_per_device(nnx.state(model)),
+                             cfg.generation.kv_memory_fraction)
+    engine = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=cfg.generation.engine_config(budget),
+                    mesh=mesh)
     writer = open_writer(cfg.out_dir) if cfg.tensorboard else None
     try:
         results = run_suite(model, tok, items, cfg.generation, suite=suite, engine=engine,

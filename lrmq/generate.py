@@ -105,8 +105,7 @@ def compile_only(args) -> int:
           flush=True)
     report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg,
                                       engine=EngineConfig(slots=args.batch, pages=args.kv_pages,
-                                                          kv_cache=args.kv_cache),
-                                      impl=args.decode_attention,
+                                                          kv_cache=args.kv_cache, attention=args.decode_attention),
                                       requests=args.batch, prompt_len=args.prompt_len, max_new=args.max_new_tokens,
                                       sampling=sampling, slots_option="--batch", pages_option="--kv-pages",
                                       log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -152,7 +151,7 @@ def generate(args) -> int:
                          f"prompt {longest + 1} ({len(ids[longest])} tokens) + --max-new-tokens "
                          f"({args.max_new_tokens})")
     gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id,
-                 config=EngineConfig(pages=args.kv_pages, kv_cache=args.kv_cache), impl=args.decode_attention)
+                 config=EngineConfig(pages=args.kv_pages, kv_cache=args.kv_cache, attention=args.decode_attention))
     t0 = time.perf_counter()
     res = gen.generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     dt = time.perf_counter() - t0

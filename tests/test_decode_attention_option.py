@@ -29,7 +29,8 @@ class Seen(Exception):
 
 
 def recorder(seen: list, stop: bool = True):
-    def engine(*args, impl="auto", **kw):
+    def engine(*args, config=None, **kw):
+        impl = config.attention
         seen.append(impl)
         if stop:
             raise Seen(impl)

@@ -223,8 +223,8 @@ def test_preemption_and_recompute_give_the_same_tokens(tiny, engine, fmt):
 
 # ------------------------------------------------------------------------------------------ kept scales
 def test_kept_kv_scales_are_reused_until_the_refresh(tiny, engine):
-    """rollout.kv_scale_refresh=2 (`KVCalibration` around `Engine.generate(kv_scales=)`, as the trainer runs it,
-    an update after each rollout): rollout 0 calibrates on its prompts; rollout 1 writes under those scales
+    """rollout.kv_scale_refresh=2 (`KVCalibration` around `Engine.generate(kv_scales=)`, as the sampler runs it,
+    an update after each rollout: rollout k samples from version k): rollout 0 calibrates on its prompts; rollout 1 writes under those scales
     (returned bit-identical, not its own prompts' calibration, and its log-probs differ from its own); after 2
     updates rollout 2 recalibrates on its prompts; rollout 3 reuses that, which reproduces a call that calibrated
     itself bit for bit. refresh 0 (the default) calibrates every call, as the engine always did."""
@@ -240,11 +240,10 @@ def test_kept_kv_scales_are_reused_until_the_refresh(tiny, engine):
     assert own.kv_scales.fmt == "fp8_e4m3" and own.kv_scales.k.shape == (tiny.cfg.num_kv_heads, tiny.cfg.num_layers)
     assert np.all(own.kv_scales.k > 0) and np.all(own.kv_scales.v > 0)
     cal, runs = KVCalibration(refresh=2), []
-    for step in range(4):
-        given = cal.for_rollout()
+    for step in range(4):  # rollout `step` samples from policy version `step` (one update after each rollout)
+        given = cal.for_rollout(step)
         res = gen(first if step == 0 else later, given)
-        runs.append((given, res, cal.after_rollout(given, res)))
-        cal.after_update()
+        runs.append((given, res, cal.after_rollout(given, res, step)))
     assert [st["rollout/kv_calibrated"] for _, _, st in runs] == [1.0, 0.0, 1.0, 0.0]
     assert all(st["rollout/kv_saturated"] == res.stats["kv_saturated"] for _, res, st in runs)
     kept = runs[0][1].kv_scales
@@ -256,12 +255,11 @@ def test_kept_kv_scales_are_reused_until_the_refresh(tiny, engine):
     np.testing.assert_array_equal(runs[3][1].tokens, own.tokens)
     np.testing.assert_array_equal(runs[3][1].logprobs, own.logprobs)
     cal = KVCalibration(refresh=0)
-    for _ in range(2):
-        given = cal.for_rollout()
+    for step in range(2):
+        given = cal.for_rollout(step)
         res = gen(later, given)
-        assert given is None and "rollout/kv_calibrated" not in cal.after_rollout(given, res)
+        assert given is None and "rollout/kv_calibrated" not in cal.after_rollout(given, res, step)
         assert res.kv_scales == own.kv_scales and cal.scales is None
-        cal.after_update()
 
 
 def test_kv_scales_are_refused_where_they_do_not_apply(tiny, tmp_path):

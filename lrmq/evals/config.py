@@ -61,9 +61,11 @@ class GenerationSection:
                        page_size=self.page_size, sync_steps=EngineConfig.sync_steps,
                        prompt_note=" (the shortest prompt)")
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, pool_bytes: int = 0) -> EngineConfig:
+        """The engine of these settings, whole: `pool_bytes` is the KV pool's budget per device when kv_pages is 0
+        (`paged.pool_budget`; 0 = the worst case)."""
         return EngineConfig(slots=self.batch_size, page_size=self.page_size, pages=self.kv_pages,
-                            kv_cache=self.kv_cache)
+                            kv_cache=self.kv_cache, attention=self.decode_attention, pool_bytes=int(pool_bytes))
 
 
 @dataclass

@@ -257,8 +257,7 @@ def run_suite(model_or_state, tokenizer, items: Sequence[Item], gen: GenerationS
     if engine is None:
         if not is_model:
             raise ValueError("run_suite: pass engine= (built for the state's graphdef) with a state")
-        engine = Engine(model_or_state, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, config=gen.engine_config(),
-                        impl=gen.decode_attention)
+        engine = Engine(model_or_state, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, config=gen.engine_config())
     state = nnx.state(model_or_state) if is_model else model_or_state
     max_pos = gen.max_positions or max_positions or (model_or_state.cfg.max_position_embeddings if is_model else 0)
     if not max_pos:

@@ -51,7 +51,7 @@ from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.generation.scheduler import (Scheduler, Seq, SharedPrompt, check_kv_pages, pages_for_one_sequence,
                                       prefill_batch, row_buckets, rows_for)
 from lrmq.model.decoder import Decoder, layer_runs
-from lrmq.sharding import DECODE_RULES, batch_divisor, constrain_state, host_array, use_rules
+from lrmq.sharding import DECODE_RULES, batch_divisor, constrain_state, host_array, state_shardings, use_rules
 
 
 @dataclass
@@ -82,6 +82,9 @@ class EngineConfig:
     # the pages' format (`paged.KV_CACHE_FORMATS`): auto = the model's dtype; bf16; fp8_e4m3 / fp8_e5m2 / int8
     # quantized with their scales (`paged.QuantPool`)
     kv_cache: str = "auto"
+    # decode attention (`paged.DECODE_ATTENTION`; "auto": the compile target's kernel where it takes the call, else
+    # XLA): rollout.decode_attention / generation.decode_attention / --decode-attention
+    attention: str = "auto"
 
     def __post_init__(self):
         check_kv_cache(self.kv_cache, "engine.kv_cache")
@@ -240,7 +243,7 @@ class Engine:
     """Compiled prefill/decode programs for a model; reuse it across calls (rollouts, evaluation)."""
 
     def __init__(self, model: Decoder | None, *, eos_ids: Sequence[int], pad_id: int,
-                 config: EngineConfig = EngineConfig(), graphdef=None, model_cfg=None, mesh=None, impl: str = "auto"):
+                 config: EngineConfig = EngineConfig(), graphdef=None, model_cfg=None, mesh=None):
         if not eos_ids:
             raise ValueError("eos_ids is empty: generation needs at least one stop token")
         # graphdef: pass the one from an `nnx.split(model, filter, ...)` to generate from split states
@@ -248,8 +251,7 @@ class Engine:
         self.model_cfg = model_cfg if model_cfg is not None else model.cfg
         self.eos = tuple(int(e) for e in eos_ids)
         self.pad_id = int(pad_id)
-        self.config = config
-        self.impl = impl  # decode attention (`paged.DECODE_ATTENTION`; "auto": the target's kernel, else XLA)
+        self.config = config  # complete and fixed: nothing changes it after construction
         self.mesh = mesh
         # on a mesh: slots split over the data axes, weights in the decode layout (`decode_layout`)
         self.slot_multiple = batch_divisor(mesh) if mesh is not None else 1
@@ -263,7 +265,7 @@ class Engine:
         """The decode attention a call made now takes (`paged.resolve_impl` for the compile target: the mesh's
         devices, or a `pallas_kernels.target`); its pool layout is `paged.LAYOUTS[...]` of it."""
         cfg = self.model_cfg
-        return resolve_impl(self.impl, cfg.num_heads, pool_shape(cfg, 1, self.config.page_size),
+        return resolve_impl(self.config.attention, cfg.num_heads, pool_shape(cfg, 1, self.config.page_size),
                             storage_dtype(cfg, self.config.kv_cache), mesh=mesh if mesh is not None else self.mesh,
                             scaled=is_quantized(self.config.kv_cache))
 
@@ -274,16 +276,27 @@ class Engine:
                         pad_id=self.pad_id, impl=impl, layout=self.layout), donate_argnums=(1,)), self.mesh)
         return self._decode[sampling, impl]
 
+    # ------------------------------------------------------------------ weights
+    def decode_shardings(self, state):
+        """The shardings of `state` (a pytree of nnx States: the engine's weights) in the decode layout on the
+        engine's mesh (`sharding.DECODE_RULES`), or None off a mesh."""
+        return None if self.mesh is None else state_shardings(state, self.mesh, DECODE_RULES)
+
+    def prepare(self, state, *, copy: bool = True):
+        """`state` relaid into the decode layout once (`decode_shardings`): the programs given a prepared state
+        relay nothing per call (their layout constraints are then no-ops). `copy`: fresh buffers even where the
+        layout is already the one asked for, so the caller may donate or delete its own (a learner's update);
+        copy=False may return `state`'s own arrays."""
+        state = nnx.state(state) if isinstance(state, nnx.Module) else state
+        target = self.decode_shardings(state)
+        if target is None:
+            return jax.tree.map(jnp.copy, state) if copy else state
+        return jax.device_put(state, target, may_alias=not copy)
+
     # ------------------------------------------------------------------ sizing
     def sizes(self, n_requests: int, longest_prompt: int, max_new: int) -> tuple[int, int, int]:
         """(slots, pages, page-table width) for a call; the width covers the longest prompt's bucket."""
         return call_sizes(self.config, self.model_cfg, self.mesh, n_requests, longest_prompt, max_new)[:3]
-
-    def limit_pool(self, pool_bytes: int) -> None:
-        """Size later calls' pool (when `config.pages` is 0) to at most `pool_bytes` per device (`paged.pool_budget`;
-        0 = the worst case). Only `sizes` reads it: the compiled programs take the pool's shape from their
-        arguments, so this changes no program already built."""
-        self.config = dataclasses.replace(self.config, pool_bytes=int(pool_bytes))
 
     def row_buckets(self, slots: int) -> list[int]:
         """Row counts the programs are compiled for (`scheduler.row_buckets` over the data-parallel divisor)."""

@@ -138,11 +138,26 @@ class RolloutSection:
         "unmerged", "quant.mode=qlora: rollouts run the packed base and the adapters as the learner does "
                     "(unmerged; rollout.quant must be none: the base is packed already), or merge the adapters into "
                     "the dequantized base and quantize that in rollout.quant's format (merged)")
+    placement: Literal["colocated", "split"] = opt(
+        "colocated", "where rollouts run: colocated (the sampler and the learner share every chip, one after the "
+                     "other) or split (the sampler gets mesh.rollout_fraction of each host's local chips, the learner "
+                     "the rest; weights move to the sampler after each sync; docs/grpo.md 'Sampler and Learner')")
+    max_staleness: int = opt(0, "k: the sampler runs at most k policy versions ahead of the learner: step j's rollout "
+                                "is sampled from version max(0, j-1-k) (0 = on-policy, generate then update). Rollouts "
+                                "staler than k when their update comes are dropped (rollout/dropped_stale)", ge=0)
+    sync_every: int = opt(1, "the learner sends its weights to the sampler after every N updates (a version the "
+                             "sampler can use); needs N - 1 <= rollout.max_staleness", ge=1)
+    min_ess: float = opt(0.0, "with rollout.max_staleness > 0: when the last update's effective sample size of the "
+                              "importance weights (rollout/ess = 1 / (1 + chi2), as a fraction of the tokens) falls "
+                              "below this, the next rollout waits for the newest version (on-policy) instead of "
+                              "running ahead (0 = never)", ge=0.0, le=1.0)
 
-    def engine_config(self):
+    def engine_config(self, pool_bytes: int = 0) -> EngineConfig:
+        """The rollout engine, whole: `pool_bytes` is the KV pool's budget per device when kv_pages is 0
+        (`paged.pool_budget`; 0 = the worst case)."""
         return EngineConfig(slots=self.generation_batch or self.prompts_per_step * self.group_size,
-                            page_size=self.page_size, pages=self.kv_pages,
-                            sync_steps=self.sync_steps, kv_cache=self.kv_cache)
+                            page_size=self.page_size, pages=self.kv_pages, sync_steps=self.sync_steps,
+                            kv_cache=self.kv_cache, attention=self.decode_attention, pool_bytes=int(pool_bytes))
 
 
 @dataclass
@@ -279,6 +294,14 @@ class MeshSection:
     tensor: int = opt(1, "tensor-parallel mesh axis: heads, MLP and vocabulary dimensions sharded", ge=1)
     topology: str = opt("", "the hardware the recipe is written for, as a TPU topology (e.g. v5p:2x4x4): "
                             "--compile-only compiles for it when no --topology is given")
+    rollout_fraction: float = opt(0.5, "rollout.placement=split: the share of each host's local chips given to the "
+                                       "sampler (its first ones); the learner's mesh (data x fsdp x tensor above) "
+                                       "takes the rest", gt=0.0, lt=1.0)
+    rollout_data: int = opt(1, "rollout.placement=split: the sampler mesh's data axis (decode slots split; -1 = all "
+                               "remaining sampler chips)", ge=1, also=(-1,))
+    rollout_fsdp: int = opt(-1, "rollout.placement=split: the sampler mesh's fsdp axis (-1 = all remaining sampler "
+                                "chips)", ge=1, also=(-1,))
+    rollout_tensor: int = opt(1, "rollout.placement=split: the sampler mesh's tensor axis", ge=1)
 
 
 @dataclass
@@ -349,6 +372,18 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._check_rollout_quant()
+        self._check_async()
+
+    def _check_async(self):
+        r = self.rollout
+        if r.sync_every - 1 > r.max_staleness:
+            raise ConfigError(f"rollout.sync_every={r.sync_every} with rollout.max_staleness={r.max_staleness}: the "
+                              f"sampler would sample from versions up to {r.sync_every - 1} updates old, past the "
+                              f"bound; set rollout.max_staleness >= {r.sync_every - 1} or lower rollout.sync_every")
+        if r.min_ess and not r.max_staleness:
+            raise ConfigError(f"rollout.min_ess={r.min_ess} makes a running-ahead sampler wait; with "
+                              "rollout.max_staleness=0 it never runs ahead: set rollout.max_staleness >= 1 or "
+                              "rollout.min_ess=0")
 
     def _check_rollout_quant(self):
         r, mode = self.rollout, self.quant.mode
@@ -378,10 +413,11 @@ class TrainConfig:
 
     @property
     def sampler_differs(self) -> bool:
-        """Whether the sampler's log-probs come from a different forward than the learner's: a packed rollout copy
-        (rollout.quant) or a quantized KV cache (rollout.kv_cache fp8 / int8). algo.rollout_correction=auto turns
-        the correction on then."""
-        return self.quantized_rollout or is_quantized(self.rollout.kv_cache)
+        """Whether the sampler's log-probs come from a different policy or forward than the learner's at the update's
+        start: a packed rollout copy (rollout.quant), a quantized KV cache (rollout.kv_cache fp8 / int8) or a stale
+        version (rollout.max_staleness > 0). algo.rollout_correction=auto turns the correction on then (the
+        decoupled objective: docs/grpo.md)."""
+        return self.quantized_rollout or is_quantized(self.rollout.kv_cache) or self.rollout.max_staleness > 0
 
     def loss_config(self) -> LossConfig:
         """The loss part of algo.* as `grpo_loss` takes it: rollout.max_new_tokens is the Dr.GRPO constant and

@@ -5,7 +5,7 @@ With rollout.kv_cache fp8_e4m3 / fp8_e5m2 the engine keeps one scale per layer a
 prefill, from the prompts of that call. With refresh k > 0 the trainer keeps the scales a calibrating rollout
 returned (`GenerationResult.kv_scales`) and passes them to the following rollouts (`Engine.generate(kv_scales=)`),
 so they stay the same between refreshes, and lets the next rollout calibrate anew once k policy updates have
-passed since (k = 1 recalibrates every step as 0 does, FP8-RL's per-step recalibration, but reuses the scales
+passed since (counted in policy versions: the version a rollout samples from minus the calibration's) (k = 1 recalibrates every step as 0 does, FP8-RL's per-step recalibration, but reuses the scales
 after a step without an update, a failed reward batch). The scales are not checkpointed: a resumed run
 recalibrates at its first rollout.
 """
@@ -20,21 +20,23 @@ from lrmq.generation.paged import KVScales
 
 @dataclass
 class KVCalibration:
-    """The kept scales (`refresh` = rollout.kv_scale_refresh; see the module docstring) and the policy updates
-    since they were calibrated. `for_rollout` -> the engine call -> `after_rollout`; `after_update` per update."""
+    """The kept scales (`refresh` = rollout.kv_scale_refresh; see the module docstring) and the policy version they
+    were calibrated under. `for_rollout(version)` -> the engine call -> `after_rollout(..., version)`: the updates
+    since the calibration are the versions between, so the sampler needs nothing from the learner but the version
+    number it samples from."""
 
     refresh: int
     scales: KVScales | None = None
-    updates: int = 0  # policy updates since `scales` were calibrated
+    version: int = 0  # the policy version `scales` were calibrated under
 
-    def for_rollout(self) -> KVScales | None:
-        """The scales the next rollout writes under; None: it calibrates its own (refresh 0: always; refresh k:
-        the first rollout, and the first after k updates)."""
-        if not self.refresh or self.updates >= self.refresh:
+    def for_rollout(self, version: int) -> KVScales | None:
+        """The scales the next rollout (sampling from `version`) writes under; None: it calibrates its own (refresh
+        0: always; refresh k: the first rollout, and the first after k updates)."""
+        if not self.refresh or self.scales is None or version - self.version >= self.refresh:
             return None
         return self.scales
 
-    def after_rollout(self, given: KVScales | None, result: GenerationResult) -> dict[str, float]:
+    def after_rollout(self, given: KVScales | None, result: GenerationResult, version: int) -> dict[str, float]:
         """Keep the scales a calibrating rollout (`given` None) returned; its rollout/kv_* statistics:
         kv_saturated (K / V entries clipped at the format's max: kept scales that the policy's keys outgrew show
         there) and, with refresh k > 0, kv_calibrated (1: this rollout calibrated, 0: it reused the kept scales)."""
@@ -43,9 +45,6 @@ class KVCalibration:
             stats["rollout/kv_saturated"] = float(result.stats["kv_saturated"])
         if self.refresh:
             if given is None:
-                self.scales, self.updates = result.kv_scales, 0
+                self.scales, self.version = result.kv_scales, version
             stats["rollout/kv_calibrated"] = float(given is None)
         return stats
-
-    def after_update(self) -> None:
-        self.updates += 1

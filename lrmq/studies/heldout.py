@@ -63,7 +63,7 @@ def evaluate_heldout(model, tok: Tokenizer, cfg: TrainConfig, *, size: int, samp
     ids = [truncate_left(tok.encode(format_prompt(cfg.data.template, x["problem"], tok)), r.max_prompt_len)
            for x in rows]
     answers = [str(x["answer"]) for x in rows]
-    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=r.engine_config(), impl=r.decode_attention)
+    gen = Engine(model, eos_ids=tok.eos_ids, pad_id=tok.pad_id, config=r.engine_config())
     state = nnx.state(model)
     key = jax.random.key(seed + 7919)
     modes = [("greedy", SamplingConfig(greedy=True), 1)] if greedy else []
