@@ -104,7 +104,7 @@ def one_step(tr, key):
     ro = tr.rollout(batch, key)
     rb, stats = ro.batch, ro.stats
     t1 = time.perf_counter()
-    m = tr.update(rb)
+    m = tr.learner.update(rb)
     t2 = time.perf_counter()
     tr.step += 1
     return {

@@ -110,7 +110,7 @@ def worker_lrmq(a) -> list[dict]:
             ro = tr.rollout(next(tr.pipeline), jax.random.fold_in(key, i))
             rb, stats = ro.batch, ro.stats
             t1 = time.perf_counter()
-            tr.update(rb)
+            tr.learner.update(rb)
             t2 = time.perf_counter()
             out.append({"step_s": t2 - t0, "rollout_s": t1 - t0, "update_s": t2 - t1, "cpu_s": _cpu() - c0,
                         "gen_tokens": float(stats["completion/length_mean"]) * rb.num_sequences,
@@ -123,29 +123,33 @@ def worker_lrmq(a) -> list[dict]:
 
 def _force_lengths_lrmq(tr, a, current) -> None:
     """--heavy-tail instrumentation: the rollout engine runs each row to its drawn length (per-row budgets) and
-    stops on no token (the stop id is outside the vocabulary); otherwise the trainer's own _generate."""
+    stops on no token (the stop id is outside the vocabulary); otherwise the sampler's own generate."""
+    import dataclasses
+
     import jax
     import numpy as np
 
     from lrmq.generation.engine import Engine, sequence_keys
 
-    engine = Engine(None, eos_ids=[tr.model_cfg.vocab_size], pad_id=tr.tokenizer.pad_id, graphdef=tr.graphdef,
-                    model_cfg=tr.model_cfg, config=tr.cfg.rollout.engine_config(), mesh=tr.mesh)
+    engine = Engine(None, eos_ids=[tr.learner.model_cfg.vocab_size], pad_id=tr.tokenizer.pad_id,
+                    graphdef=tr.learner.graphdef, model_cfg=tr.learner.model_cfg,
+                    config=tr.cfg.rollout.engine_config(), mesh=tr.sampler_mesh)
+    max_new = tr.cfg.rollout.max_new_tokens
 
-    def generate(tokens, mask, key, sampling, max_new, *, rollout=False):
+    def generate(_engine, states, tokens, mask, key, sampling, kv_scales=None):
         prompts = [row[m > 0].tolist() for row, m in zip(tokens, mask)]
         budgets = forced_lengths(current["step"], len(prompts), mean=a.mean, cap=a.shape[2], seed=a.seed)
-        with jax.set_mesh(tr.mesh):
-            res = engine.generate(tr.rollout_states(), prompts, max_new_tokens=budgets, sampling=sampling,
+        with jax.set_mesh(tr.sampler_mesh):
+            res = engine.generate(states, prompts, max_new_tokens=budgets, sampling=sampling,
                                   keys=sequence_keys(key, len(prompts)), prompt_capacity=tr.cfg.rollout.max_prompt_len,
                                   new_capacity=max_new)
         assert res.lengths.tolist() == budgets, "lrmq did not produce the drawn lengths"
         tokens_out = np.full((len(prompts), max_new), tr.tokenizer.pad_id, np.int32)  # the trainer's width
         logp_out = np.zeros((len(prompts), max_new), np.float32)
         tokens_out[:, :res.tokens.shape[1]], logp_out[:, :res.logprobs.shape[1]] = res.tokens, res.logprobs
-        return tokens_out, logp_out, res.lengths
+        return dataclasses.replace(res, tokens=tokens_out, logprobs=logp_out)
 
-    tr._generate = generate
+    tr.sampler.generate = generate
 
 
 def _stop_at_lengths_model(ckpt: str, a, stop_ids: list[int]):

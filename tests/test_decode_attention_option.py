@@ -53,18 +53,17 @@ def test_an_unknown_name_is_a_config_error_naming_the_key():
         eval_config(None, ["checkpoint=tiny", "generation.decode_attention=pallas"])
 
 
-def test_the_trainers_engines_take_rollout_decode_attention(monkeypatch):
-    """Both engines GRPOTrainer builds (the policy's, which also evaluates, and the rollout copy's)."""
-    from lrmq.rl import trainer
+def test_the_samplers_engines_take_rollout_decode_attention(monkeypatch):
+    """Both engines the Sampler builds (the policy's, which also evaluates, and the rollout copy's), from the one
+    EngineConfig the config gives."""
+    from lrmq.rl import sampler
 
     seen = []
-    monkeypatch.setattr(trainer, "Engine", recorder(seen, stop=False))
+    monkeypatch.setattr(sampler, "Engine", recorder(seen, stop=False))
     cfg = load_config(TrainConfig, TINY_DEMO, ["rollout.decode_attention=xla"])
-    fake = types.SimpleNamespace(cfg=cfg, tokenizer=types.SimpleNamespace(eos_ids=(0,), pad_id=0), graphdef=None,
-                                 model_cfg=None, mesh=None,
-                                 _make_rollout_copy=lambda: types.SimpleNamespace(graphdef=None))
-    trainer.GRPOTrainer._init_engines(fake)
-    assert seen == ["xla", "xla"] and fake.engine.impl == fake.rollout_engine.impl == "xla"
+    s = sampler.Sampler(cfg, types.SimpleNamespace(eos_ids=(0,), pad_id=0), policy_graphdef=object(),
+                        rollout_graphdef=object(), model_cfg=None, mesh=None, engine=cfg.rollout.engine_config())
+    assert seen == ["xla", "xla"] and s.engine.impl == s.rollout_engine.impl == "xla"
 
 
 def test_the_compile_only_engines_take_the_setting(monkeypatch):

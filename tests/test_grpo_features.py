@@ -23,7 +23,7 @@ def _copy(tree):
 
 
 def _rollout(trainer):
-    import lrmq.rl.trainer as trainer_mod
+    import lrmq.rl.sampler as trainer_mod
     from test_train_modes import digit_reward
 
     orig, trainer_mod.score_completions = trainer_mod.score_completions, digit_reward
@@ -57,9 +57,9 @@ def test_bucketed_update_equals_full_width(scratch_ckpt, tmp_path):
     assert narrow.mask.sum() == full.mask.sum() and narrow.completion_mask.sum() == full.completion_mask.sum()
     out = {}
     for name, arrays in (("full", full), ("bucket", narrow)):
-        step = trainer.updates.steps["behaviour_logp"]
+        step = trainer.learner.updates.steps["behaviour_logp"]
         batch = jax.tree.map(jnp.asarray, arrays)
-        tr, _, m = step(_copy(trainer.trainable), trainer.rest, _copy(trainer.opt_state), batch, None)
+        tr, _, m = step(_copy(trainer.learner.trainable), trainer.learner.rest, _copy(trainer.learner.opt_state), batch, None)
         out[name] = (_flat(tr), {k: float(v) for k, v in m.items()})
     np.testing.assert_allclose(out["bucket"][0], out["full"][0], rtol=1e-5, atol=1e-7)
     for k in ("loss", "grad_norm", "entropy", "ratio"):
@@ -76,7 +76,7 @@ def test_on_policy_first_update_replaces_the_old_logprob_forward(scratch_ckpt, t
     cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"), lr=1e-3)
     cfg.algo.old_logprobs, cfg.algo.num_iterations = "recompute", 2
     trainer = make_trainer(cfg)
-    assert trainer.updates.reference_fn is None  # beta = 0: no reference and no old-log-prob program at all
+    assert trainer.learner.updates.reference_fn is None  # beta = 0: no reference and no old-log-prob program at all
     rb = _rollout(trainer).batch
     arrays = jax.tree.map(jnp.asarray, bucketed_batch(rb))
 
@@ -84,21 +84,21 @@ def test_on_policy_first_update_replaces_the_old_logprob_forward(scratch_ckpt, t
 
     @jax.jit
     def old_logprobs(trainable, a):
-        model = nnx.merge(trainer.graphdef, trainable, trainer.rest)
+        model = nnx.merge(trainer.learner.graphdef, trainable, trainer.learner.rest)
         return completion_logprobs(model, a.tokens, a.mask, a.completion, cfg.rollout.temperature,
                                    chunk=cfg.model.logits_chunk)[0] * a.completion_mask
 
-    old = old_logprobs(trainer.trainable, arrays)
+    old = old_logprobs(trainer.learner.trainable, arrays)
     ref_batch = arrays.replace(old_logp=old)
-    tr, opt = _copy(trainer.trainable), _copy(trainer.opt_state)
+    tr, opt = _copy(trainer.learner.trainable), _copy(trainer.learner.opt_state)
     for _ in range(2):
-        tr, opt, want = trainer.updates.steps["old_logp"](tr, trainer.rest, opt, ref_batch, None)
+        tr, opt, want = trainer.learner.updates.steps["old_logp"](tr, trainer.learner.rest, opt, ref_batch, None)
     expected = _flat(tr)
 
-    got = trainer.update(rb)
+    got = trainer.learner.update(rb)
     # Adam's g / sqrt(v) turns the ~1-ulp ratio differences of near-zero gradients into up to ~1e-5 on a
     # handful of the 95k parameters (two steps of lr 1e-3 move them ~2e-3); everywhere else they agree
-    diff = np.abs(_flat(trainer.trainable) - expected)
+    diff = np.abs(_flat(trainer.learner.trainable) - expected)
     assert diff.max() < 5e-5 and np.mean(diff > 1e-6) < 1e-3, (diff.max(), np.mean(diff > 1e-6))
     assert got["train/loss"] == pytest.approx(float(want["loss"]), rel=1e-4, abs=1e-6)
     assert got["train/ratio"] != 1.0  # the second update saw a moved policy
@@ -158,7 +158,7 @@ def test_weighted_rewards_are_summed_and_logged(scratch_ckpt, tmp_path):
     cfg.algo.validate()
     trainer = make_trainer(cfg)
     texts, answers, lengths = ["\\boxed{2}", "\\boxed{3}", "no"], ["2", "2", "2"], np.array([8, 4, 2])
-    total, parts, info = trainer.score(texts, answers, lengths)
+    total, parts, info = trainer.sampler.score(texts, answers, lengths)
     np.testing.assert_allclose(parts["boxed_exact"], [1.1, 0.1, 0.0])
     np.testing.assert_allclose(total, 2 * parts["boxed_exact"] - 0.5 * lengths / 8 + parts["format"], rtol=1e-6)
     stats = trainer.rollout(next(trainer.pipeline), jax.random.key(0)).stats

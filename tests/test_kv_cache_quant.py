@@ -408,7 +408,7 @@ def test_fp8_pages_at_one_kv_head_per_tpu_chip_are_refused_up_front():
     cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")  # 8 KV heads, head_dim 128
     graphdef, _ = aot.abstract_model(cfg, one)
     make = lambda mesh, kv, impl="auto": Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef,  # noqa: E731
-                                                model_cfg=cfg, config=EngineConfig(kv_cache=kv), mesh=mesh, impl=impl)
+                                                model_cfg=cfg, config=EngineConfig(kv_cache=kv, attention=impl), mesh=mesh)
     with pytest.raises(ValueError, match="kv_cache=fp8_e4m3 .* 1 per chip"):
         make(one, "fp8_e4m3")
     assert make(two, "fp8_e4m3").resolved_impl() == "tpu"
@@ -519,12 +519,12 @@ def test_quantized_kv_cache_trains_a_step(tmp_path, kv_cache, quant, refresh):
     assert row["train/mismatch/kl_k3"] > 0  # the fp8 cache's sampler differs from the float learner
     assert row["rollout/kv_saturated"] >= 0
     if not refresh:
-        assert "rollout/kv_calibrated" not in row and trainer.kv_calibration.scales is None
+        assert "rollout/kv_calibrated" not in row and trainer.sampler.kv_calibration.scales is None
         return
-    kept = trainer.kv_calibration.scales
-    assert row["rollout/kv_calibrated"] == 1.0 and kept is not None and trainer.kv_calibration.updates == 1
+    kept = trainer.sampler.kv_calibration.scales
+    assert row["rollout/kv_calibrated"] == 1.0 and kept is not None and trainer.sampler.kv_calibration.version == 0
     later = trainer.rollout(next(trainer.pipeline), jax.random.key(5))  # compiled already: no update needed
-    assert later.stats["rollout/kv_calibrated"] == 0.0 and trainer.kv_calibration.scales == kept
+    assert later.stats["rollout/kv_calibrated"] == 0.0 and trainer.sampler.kv_calibration.scales == kept
 
 
 # ------------------------------------------------------------------------------------------ TPU compiles (libtpu)
@@ -550,7 +550,7 @@ def test_the_xla_path_does_not_copy_an_fp8_pool_in_the_decode_loop_on_tpu():
     mesh = make_mesh(MeshConfig(1, 8, 1), devices=list(aot.topology_devices("v5e:2x4")))
     graphdef, state = aot.abstract_model(cfg, mesh)
     eng = Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef, model_cfg=cfg,
-                 config=EngineConfig(slots=16, sync_steps=4, kv_cache="fp8_e4m3"), mesh=mesh, impl="xla")
+                 config=EngineConfig(slots=16, sync_steps=4, kv_cache="fp8_e4m3", attention="xla"), mesh=mesh)
     fn, args = eng.abstract_calls(state, n_requests=16, prompt_len=64, max_new=64, sampling=SamplingConfig(),
                                   mesh=mesh)["decode"]
     pages = args[1].pages
@@ -589,8 +589,8 @@ def _sharded_engine() -> None:
         if mesh is not None:
             with jax.set_mesh(mesh):
                 model = shard_model(model, mesh)
-        eng = Engine(model, eos_ids=[271], pad_id=0, mesh=mesh, impl=impl,
-                     config=EngineConfig(slots=8, page_size=4, sync_steps=8, kv_cache=fmt))
+        eng = Engine(model, eos_ids=[271], pad_id=0, mesh=mesh,
+                     config=EngineConfig(slots=8, page_size=4, sync_steps=8, kv_cache=fmt, attention=impl))
         return eng.generate(model, prompts, max_new_tokens=[6, 15, 4, 15, 10] * 2, sampling=sampling, seed=3,
                             kv_scales=kv_scales)
 

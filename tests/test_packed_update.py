@@ -125,7 +125,7 @@ def test_packed_update_equals_padded(scratch_ckpt, tmp_path, scan=True):
     layers scanned as in the paper recipes) from the packed layout equals the bucketed one: parameters,
     loss, KL and the returned log-probs. The unrolled loop with segments: the last test here, and every
     trainer test (pack is the default)."""
-    import lrmq.rl.trainer as trainer_mod
+    import lrmq.rl.sampler as trainer_mod
     from test_train_modes import digit_reward
 
     cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"), prompts=4, lr=1e-3)
@@ -139,15 +139,15 @@ def test_packed_update_equals_padded(scratch_ckpt, tmp_path, scan=True):
     finally:
         trainer_mod.score_completions = orig
     rb = mask_rows(rb, np.arange(rb.num_sequences) == 3)
-    start = (jax.tree.map(jnp.copy, trainer.trainable), jax.tree.map(jnp.copy, trainer.opt_state))
+    start = (jax.tree.map(jnp.copy, trainer.learner.trainable), jax.tree.map(jnp.copy, trainer.learner.opt_state))
     out = {}
     for layout in ("bucket", "pack"):
         trainer.cfg.rollout.update_padding = layout
-        arrays = trainer.update_batch(rb)
+        arrays = trainer.learner.update_batch(rb)
         assert arrays.layout == layout and (arrays.segments is not None) == (layout == "pack")
         batch = jax.tree.map(jnp.asarray, arrays)
-        ref = trainer.updates.reference_fn(trainer.ref_trainable, trainer.rest, batch)
-        tr, _, m = trainer.updates.steps["own"](jax.tree.map(jnp.copy, start[0]), trainer.rest,
+        ref = trainer.learner.updates.reference_fn(trainer.learner.ref_trainable, trainer.learner.rest, batch)
+        tr, _, m = trainer.learner.updates.steps["own"](jax.tree.map(jnp.copy, start[0]), trainer.learner.rest,
                                               jax.tree.map(jnp.copy, start[1]), batch, ref)
         n = rb.completion.shape[1]
         cm = rb.completion_mask

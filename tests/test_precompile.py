@@ -109,11 +109,11 @@ def test_no_update_compiles_after_the_first_step(tmp_path):
     assert trainer.step == 20
     before = [name for _, name, after_rollout in events if not after_rollout]
     # the counter sees compiles: every update shape, before the first rollout
-    assert before.count("jit(train_step)") == len(trainer.updates.shapes) == 5, before
+    assert before.count("jit(train_step)") == len(trainer.learner.updates.shapes) == 5, before
     late = [(step, name) for step, name, _ in events if step >= 1 and name in UPDATE_PROGRAMS]
     assert not late, f"update compiles after step 1: {late}"
     assert not [e for e in events if e[2] and e[1] in UPDATE_PROGRAMS], "an update compiled after the first rollout"
-    assert not trainer.updates.missed
+    assert not trainer.learner.updates.missed
     # nor anything else: the rollout engine's programs (every row bucket) compiled before the first rollout too
     assert not [(step, name) for step, name, _ in events if step >= 1], "a program compiled after step 1"
     assert any("decode" in name for name in before) and any("prefill" in name for name in before), before

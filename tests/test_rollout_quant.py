@@ -218,7 +218,7 @@ def test_trainer_samples_from_a_copy_refreshed_every_k_updates(tmp_path):
     for r in rows:
         assert r["train/mismatch/kl_k3"] > 0 and np.isfinite(r["train/mismatch/kl_k1"])
         assert r["train/mismatch/ppl_ratio"] != 1.0  # int4 sampling really differs from the learner
-    float_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trainer.states()))
+    float_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trainer.learner.states()))
     assert rows[-1]["rollout/weight_bytes"] < 0.6 * float_bytes
     # The copy holds the RTN of the weights the third rollout saw (after two updates), not of the current ones.
-    assert trainer._steps_since_refresh == 1
+    assert trainer.learner.version - trainer.learner.quantized_at == 1

@@ -109,7 +109,7 @@ def test_log_lines_after_the_checkpoint_are_dropped_on_resume(tmp_path):
 
 
 def test_non_finite_update_stops_and_keeps_the_good_checkpoint(scratch_ckpt, tmp_path, monkeypatch):
-    import lrmq.rl.trainer as trainer_mod
+    import lrmq.rl.sampler as trainer_mod
     from lrmq.rl.trainer import TrainingStopped
 
     run = str(tmp_path / "run")
@@ -117,7 +117,7 @@ def test_non_finite_update_stops_and_keeps_the_good_checkpoint(scratch_ckpt, tmp
     cfg.run.save_every, cfg.run.eval_size = 1, 2
     tr = make_trainer(cfg)
     tr.train(stop_after=1)
-    good = {k: np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tr.trainable)}
+    good = {k: np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tr.learner.trainable)}
     # a NaN advantage (a broken reward, say) makes the loss, the gradient and then every parameter NaN
     monkeypatch.setattr(trainer_mod, "compute_advantages", lambda *a, **k: np.full(4, np.nan, np.float32))
     with pytest.raises(TrainingStopped, match="step 2: non-finite train/"):
@@ -125,12 +125,12 @@ def test_non_finite_update_stops_and_keeps_the_good_checkpoint(scratch_ckpt, tmp
     assert tr.ckpt.latest_step() == 1
     restored = make_trainer(cfg)
     assert restored.maybe_restore() and restored.step == 1
-    for k, v in jax.tree_util.tree_leaves_with_path(restored.trainable):
+    for k, v in jax.tree_util.tree_leaves_with_path(restored.learner.trainable):
         np.testing.assert_array_equal(np.asarray(v), good[k])
 
 
 def test_failing_rewards_stop_training_without_training_on_them(scratch_ckpt, tmp_path, monkeypatch):
-    import lrmq.rl.trainer as trainer_mod
+    import lrmq.rl.sampler as trainer_mod
     from lrmq.rl.trainer import TrainingStopped
 
     def failing(texts, answers, name="", **kw):
@@ -141,11 +141,11 @@ def test_failing_rewards_stop_training_without_training_on_them(scratch_ckpt, tm
     cfg = grpo_config(scratch_ckpt, str(tmp_path / "run"), steps=5)
     cfg.algo.max_failed_reward_batches, cfg.run.eval_size = 2, 2
     tr = make_trainer(cfg)
-    before = [np.asarray(x) for x in jax.tree.leaves(tr.trainable)]
+    before = [np.asarray(x) for x in jax.tree.leaves(tr.learner.trainable)]
     monkeypatch.setattr(trainer_mod, "score_completions", failing)
     with pytest.raises(TrainingStopped, match="2 consecutive reward batches"):
         tr.train()
-    for a, b in zip(before, jax.tree.leaves(tr.trainable)):
+    for a, b in zip(before, jax.tree.leaves(tr.learner.trainable)):
         np.testing.assert_array_equal(a, np.asarray(b))  # nothing was trained on the unscored batches
     rows = [json.loads(x) for x in open(os.path.join(tr.run_dir, "metrics.jsonl"))]
     assert [r["reward/timeouts"] for r in rows if "reward/timeouts" in r] == [4.0]  # step 1 logged, step 2 stopped
@@ -183,7 +183,9 @@ def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process)
     behind by the dead process), then the same command again: it takes over the stale lock, resumes, and ends
     with the parameters and metrics of an uninterrupted run, each step logged once. The killed run is an
     lrmq.train process; the uninterrupted reference and the resume are lrmq.train.main in this process (their
-    start-up as a process is not the point: two Python + JAX starts less)."""
+    start-up as a process is not the point: two Python + JAX starts less). The runs are asynchronous
+    (rollout.max_staleness=1: a sampler thread runs a version ahead, each checkpoint holds the rollout it sampled
+    ahead), so the resume must also restore the pending rollout and the versions for the runs to match."""
     import random
 
     from test_train_loop import checkpoint_params
@@ -193,7 +195,7 @@ def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process)
             f"run.steps={steps}", "run.save_every=1", "run.keep_checkpoints=10", "run.eval_size=0",
             "run.export_hf=false", "run.progress=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
             "rollout.max_new_tokens=24", "data.synthetic_train_size=64", "data.synthetic_eval_size=4",
-            "rollout.update_shapes=1"]
+            "rollout.update_shapes=1", "rollout.max_staleness=1"]
     cmd = [sys.executable, "-m", "lrmq.train", *args]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     ref, run = str(tmp_path / "ref"), str(tmp_path / "run")
@@ -223,6 +225,8 @@ def test_kill_9_during_training_resumes_exactly(tmp_path, train_main_in_process)
     assert train_steps == list(range(1, steps + 1))  # each step once
     for a, b in zip([r_ for r_ in rows if "reward/mean" in r_], [r_ for r_ in ref_rows if "reward/mean" in r_]):
         assert a["reward/mean"] == b["reward/mean"] and a["train/loss"] == b["train/loss"]
+        assert a["rollout/version"] == b["rollout/version"] == max(0, a["step"] - 2)  # one version behind
+        assert a["rollout/version_lag"] == min(a["step"] - 1, 1) and a["rollout/dropped_stale"] == 0
     assert not os.path.exists(os.path.join(run, ".lock"))  # released at the end
 
 

@@ -19,13 +19,13 @@ from lrmq.configlib import ConfigError
 
 
 def _params(trainer) -> dict[str, np.ndarray]:
-    flat = nnx.to_flat_state(trainer.trainable)
+    flat = nnx.to_flat_state(trainer.learner.trainable)
     return {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat}
 
 
 def _metrics(run_dir: str) -> list[dict]:
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "rollout/sync_s"} for r in rows]
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ def digit_reward(texts, answers, reward_name="", *, timeout_s=1.0, **_):
 
 def run_steps(trainer, n: int, *, dense_reward: bool = True) -> list[dict]:
     """n rollout+update steps without the trainer's eval/export bookkeeping."""
-    import lrmq.rl.trainer as trainer_mod
+    import lrmq.rl.sampler as trainer_mod
 
     out = []
     key = jax.random.key(trainer.cfg.run.seed)
@@ -91,7 +91,7 @@ def run_steps(trainer, n: int, *, dense_reward: bool = True) -> list[dict]:
     try:
         for _ in range(n):
             ro = trainer.rollout(next(trainer.pipeline), jax.random.fold_in(key, trainer.step))
-            m = trainer.update(ro.batch)
+            m = trainer.learner.update(ro.batch)
             trainer.step += 1
             out.append({**ro.stats, **m})
     finally:
@@ -115,15 +115,15 @@ def test_grpo_qat_runs_without_nan(scratch_ckpt, tmp_path, quant):
     from flax import nnx
 
     tr = make_trainer(grpo_config(scratch_ckpt, str(tmp_path), mode="qat", lr=1e-3, **quant))
-    model = nnx.merge(tr.graphdef, tr.trainable, tr.rest)
+    model = nnx.merge(tr.learner.graphdef, tr.learner.trainable, tr.learner.rest)
     assert all(is_qat(lin) for _, lin in iter_linears(model))  # rollouts merge this same graphdef
-    before = jax.tree.map(np.asarray, tr.trainable)
+    before = jax.tree.map(np.asarray, tr.learner.trainable)
     ms = run_steps(tr, 2)
     for m in ms:
         assert np.isfinite(m["train/loss"]) and np.isfinite(m["train/grad_norm"]), m
     assert any(m["train/grad_norm"] > 0 for m in ms)
-    assert _finite_tree(tr.trainable)
-    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), tr.trainable, before))
+    assert _finite_tree(tr.learner.trainable)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), tr.learner.trainable, before))
     assert max(moved) > 0  # float master weights are updated
     check_quantized_policy(tr, tmp_path, quant["qat_scheme"])
 
@@ -146,8 +146,8 @@ def check_quantized_policy(tr, tmp_path, scheme: str):
 
     tokens = (jnp.arange(24).reshape(2, 12) * 7) % 200
     forward = lambda m: np.asarray(nnx.jit(lambda m, t: m(t))(m, tokens))  # one compiled program, not op by op
-    qat_logits = forward(nnx.merge(tr.graphdef, tr.trainable, tr.rest))
-    float_model = nnx.merge(tr.graphdef, tr.trainable, tr.rest)
+    qat_logits = forward(nnx.merge(tr.learner.graphdef, tr.learner.trainable, tr.learner.rest))
+    float_model = nnx.merge(tr.learner.graphdef, tr.learner.trainable, tr.learner.rest)
     remove_qat(float_model)
     float_logits = forward(float_model)
     run = tmp_path / "run"
@@ -182,20 +182,20 @@ def test_grpo_qlora_updates_only_adapters(scratch_ckpt, tmp_path):
     from lrmq.quant.qkernel import QuantizedKernel
 
     tr = make_trainer(grpo_config(scratch_ckpt, str(tmp_path), mode="qlora", lr=1e-3))
-    rest_before = jax.tree.map(np.asarray, tr.rest)
-    b_before = [np.asarray(v) for p, v in nnx.to_flat_state(tr.trainable) if p[-1] == "b"]
+    rest_before = jax.tree.map(np.asarray, tr.learner.rest)
+    b_before = [np.asarray(v) for p, v in nnx.to_flat_state(tr.learner.trainable) if p[-1] == "b"]
     assert b_before and all((b == 0).all() for b in b_before)
     ms = run_steps(tr, 2)
     assert all(np.isfinite(m["train/loss"]) for m in ms)
     # everything but the adapters is bit-identical (packed codes included); the B matrices have moved
-    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), tr.rest, rest_before)
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), tr.learner.rest, rest_before)
     assert all(jax.tree.leaves(same))
-    packed = [v for _, v in nnx.to_flat_state(tr.rest) if isinstance(v, QuantizedKernel)]
+    packed = [v for _, v in nnx.to_flat_state(tr.learner.rest) if isinstance(v, QuantizedKernel)]
     assert len(packed) == 7 * 2
-    b_after = [np.asarray(v) for p, v in nnx.to_flat_state(tr.trainable) if p[-1] == "b"]
+    b_after = [np.asarray(v) for p, v in nnx.to_flat_state(tr.learner.trainable) if p[-1] == "b"]
     assert any(m["train/grad_norm"] > 0 for m in ms)
     assert any(np.abs(b).max() > 0 for b in b_after)
-    assert _finite_tree(tr.trainable)
+    assert _finite_tree(tr.learner.trainable)
 
 
 def flat_arrays(state) -> dict[str, np.ndarray]:
@@ -227,7 +227,7 @@ def one_step(ckpt: str, out: str, name: str, mesh=None) -> tuple[dict, dict, dic
     mode, mesh8, q = SHARDED_MODES[name]
     tr = make_trainer(grpo_config(ckpt, out, mode=mode, mesh=mesh or mesh8, lr=1e-3, prompts=4, **q))
     m = run_steps(tr, 1)[0]
-    return m, tr.trainable, tr.rest
+    return m, tr.learner.trainable, tr.learner.rest
 
 
 SHARDED_SCRIPT = r"""

@@ -280,7 +280,10 @@ class Engine:
     def decode_shardings(self, state):
         """The shardings of `state` (a pytree of nnx States: the engine's weights) in the decode layout on the
         engine's mesh (`sharding.DECODE_RULES`), or None off a mesh."""
-        return None if self.mesh is None else state_shardings(state, self.mesh, DECODE_RULES)
+        if self.mesh is None:
+            return None
+        leaves = jax.tree.leaves(state_shardings(state, self.mesh, DECODE_RULES))
+        return jax.tree.unflatten(jax.tree.structure(state), leaves)
 
     def prepare(self, state, *, copy: bool = True):
         """`state` relaid into the decode layout once (`decode_shardings`): the programs given a prepared state

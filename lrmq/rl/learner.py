@@ -46,7 +46,7 @@ class Learner:
         self.ref_trainable = self._reference_params() if cfg.algo.beta != 0.0 else None
         self.copy = self._rollout_copy()
         self.version = 0
-        self._quantized_at: int | None = None  # the version the packed copy was quantized from
+        self.quantized_at: int | None = None  # the version the packed copy was quantized from
 
     def _reference_params(self):
         """The frozen KL reference: a copy of the initial policy, or for QLoRA the base without adapters."""
@@ -94,16 +94,16 @@ class Learner:
         with jax.set_mesh(self.mesh):
             self.copy.scales = awq_rollout_scales(self.graphdef, self.trainable, self.rest,
                                                   calibration_blocks(prompts), self.copy.spec)
-        self._quantized_at = None
+        self.quantized_at = None
         dt = time.perf_counter() - t0
         log.info("rollout.quant_scales=awq: scales searched on the first batch's prompts in %.1f s", dt)
         return {"perf/awq_search_s": dt}
 
     def _quantize(self) -> dict[str, float]:
         """Re-quantize the packed copy when rollout.quant_refresh updates passed since it was (or it never was)."""
-        if self._quantized_at is not None and self.version - self._quantized_at < self.cfg.rollout.quant_refresh:
+        if self.quantized_at is not None and self.version - self.quantized_at < self.cfg.rollout.quant_refresh:
             return {}
-        self._quantized_at = self.version
+        self.quantized_at = self.version
         return {"perf/requantize_s": self.copy.refresh(self.trainable, self.rest)}
 
     def publish(self, shardings=None, *, copy: bool = True) -> tuple[WeightVersion, dict[str, float]]:
@@ -185,7 +185,7 @@ class Learner:
     def restore(self, tree: dict, version: int) -> None:
         self.trainable, self.rest, self.opt_state = tree["trainable"], tree["rest"], tree["opt"]
         self.version = version
-        self._quantized_at = None
+        self.quantized_at = None
 
     def export_policy(self, out_dir: str) -> None:
         """HF export of the current policy. Every process must call it: sharded parameters are gathered tensor by

@@ -97,7 +97,7 @@ class GRPOTrainer:
         check_position_limit(model.cfg, cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
                              "rollout.max_prompt_len + rollout.max_new_tokens")
         self.learner = Learner(cfg, model, self.mesh)
-        self.sampler: Sampler | None = None  # made by the preflight: its KV pool is sized after the update's
+        self._sampler: Sampler | None = None  # made by the preflight: its KV pool is sized after the update's
 
     def _init_run(self, writer_factory):
         """Evaluation suite, prompt pipeline, checkpoints, step counters and logs."""
@@ -147,6 +147,14 @@ class GRPOTrainer:
             sampler.log_pool(hbm, reserved, "the sampler's weights" if split else "the update's")
         return sampler
 
+    @property
+    def sampler(self) -> Sampler:
+        """The sampler; made by the preflight with its KV pool sized to what the update leaves, or on first use
+        before one (tests, benchmarks: an uncapped pool)."""
+        if self._sampler is None:
+            self._sampler = self._make_sampler(0)
+        return self._sampler
+
     # ------------------------------------------------------------------ weights between the roles
     def publish(self) -> tuple[WeightVersion, dict[str, float]]:
         """The learner's current weights as a WeightVersion in the sampler's decode layout. Fresh buffers unless
@@ -155,6 +163,12 @@ class GRPOTrainer:
         shardings = self.sampler.shardings(self.learner.rollout_abstract())
         with jax.set_mesh(self.mesh):
             return self.learner.publish(shardings, copy=copy)
+
+    def rollout(self, batch: dict[str, list], key, index: int | None = None) -> Rollout:
+        """One rollout of `batch` from the learner's current weights outside the loop (tests, benchmarks; the
+        loop's own come from its RolloutStream)."""
+        version, stats = self.publish()
+        return self.sampler.rollout(batch, key, self.step if index is None else index, version, stats)
 
     def eval_states(self):
         """The float policy for evaluation, on the sampler's mesh."""
@@ -179,10 +193,10 @@ class GRPOTrainer:
         check = r.preflight == "on" or (r.preflight == "auto" and on_accel)
         if check:  # an update past the budget is refused before any rollout program is compiled
             check_budget(mem, self.mesh.devices.flat[0], r.hbm_limit_gib, log=log.info)
-        self.sampler = self._make_sampler(mem["train_step"])
+        self._sampler = self._make_sampler(mem["train_step"])
         version, stats = self.publish()
         self.sampler.warmup(version, self.eval_states())
-        self._first_version = (version, stats)
+        self._first_version = (version, {k: v for k, v in stats.items() if k.startswith("rollout/")})
         if not check:
             return None
         if self.preflight_programs is not None:

@@ -16,9 +16,9 @@ from lrmq.rl.trainer import GRPOTrainer  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
 t = GRPOTrainer(tiny_train_config(out_dir, run={"steps": 2}, mesh={"data": 2, "fsdp": 2, "tensor": 2}))
-q = t.trainable["layers"][0]["attn"]["q_proj"]["kernel"].get_value()
+q = t.learner.trainable["layers"][0]["attn"]["q_proj"]["kernel"].get_value()
 assert len(q.sharding.device_set) > 1, q.sharding
 t.train()
-flat = nnx.to_flat_state(t.trainable)
+flat = nnx.to_flat_state(t.learner.trainable)
 np.savez(npz, **{".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat})
 print("ok")
