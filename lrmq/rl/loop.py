@@ -147,6 +147,7 @@ class RolloutStream:
             self.next = self._after(i)
             for old in [k for k in self.versions if k < v]:  # no later batch is scheduled from an older version
                 del self.versions[old]
+            self.cond.notify_all()
 
     def _run(self) -> None:
         try:
