@@ -246,14 +246,19 @@ def check_exported_run(run_dir: str, local_copy, steps=(0, 1, 1)) -> None:
 @pytest.mark.slow(reason="two JAX processes x 2 CPU devices: each compiles the update and the rollout, one step")
 @pytest.mark.skipif(os.environ.get("LRMQ_SKIP_MULTIPROCESS") == "1", reason="LRMQ_SKIP_MULTIPROCESS=1")
 def test_two_process_launch(tmp_path):
-    """launch/local_multiprocess.sh: 2 JAX processes x 2 CPU devices, one global (fsdp=4) mesh, HF export on:
-    parameters sharded over both processes are gathered for the export (process 0 alone cannot read them).
-    Also guards the start-up race of two processes creating the shared TensorBoard dir (process 1
-    crashed, process 0 hung in its first collective until the 5-minute coordination timeout)."""
+    """launch/local_multiprocess.sh: 2 JAX processes x 2 CPU devices with rollout.placement=split: each process
+    gives one local device to the sampler and one to the learner, so both meshes (fsdp=2) span the two processes;
+    the weights cross from the learner's mesh to the sampler's, and the sampler runs in its thread
+    (rollout.max_staleness=1). HF export on: parameters sharded over both processes are gathered for the export
+    (process 0 alone cannot read them). Also guards the start-up race of two processes creating the shared
+    TensorBoard dir (process 1 crashed, process 0 hung in its first collective until the 5-minute coordination
+    timeout). The colocated multi-process run is test_pod_path.py's gs:// launch."""
     out = tmp_path / "mp"
     # no held-out evaluation here (it took 42 of the launch's 92 s of CPU): the gs:// launch of
     # test_pod_path.py::test_two_process_launch_gs_run_dir evaluates before and after, on the same two processes
-    launch_two_processes(str(out), "run.export_hf=true", "run.eval_size=0")
+    r = launch_two_processes(str(out), "run.export_hf=true", "run.eval_size=0", "rollout.placement=split",
+                             "rollout.max_staleness=1")
+    assert "sampler {'data': 1, 'fsdp': 2, 'tensor': 1} (2 devices)" in r.stdout + r.stderr
     check_exported_run(str(out), tmp_path / "exported", steps=[1])
 
 
