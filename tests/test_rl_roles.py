@@ -170,3 +170,75 @@ def test_pending_rollouts_round_trip_through_checkpoint_metadata():
                (b.index, b.version, b.stats, b.completions, b.prompts, b.reward_failed)
         for f in ("tokens", "behaviour_logp", "advantages", "completion_mask"):
             np.testing.assert_array_equal(getattr(a.batch, f), getattr(b.batch, f))
+
+
+# ------------------------------------------------------------------ each role without the other two
+@pytest.fixture(scope="module")
+def roles(tmp_path_factory):
+    """A Learner and a Sampler of the tiny model, made separately (no trainer, no loop)."""
+    import jax
+    from conftest import tiny_train_config
+
+    from lrmq.checkpoint.load import load_model
+    from lrmq.rl.learner import Learner
+    from lrmq.rl.sampler import Sampler
+    from lrmq.sharding import make_mesh
+    from lrmq.tokenizer import Tokenizer
+
+    cfg = tiny_train_config(str(tmp_path_factory.mktemp("roles")), rollout={"max_new_tokens": 12})
+    mesh = make_mesh(None)
+    with jax.set_mesh(mesh):
+        model = load_model(cfg.model.checkpoint, mesh=mesh)
+    learner = Learner(cfg, model, mesh)
+    sampler = Sampler(cfg, Tokenizer.from_dir(cfg.model.checkpoint), policy_graphdef=learner.graphdef,
+                      rollout_graphdef=learner.graphdef, model_cfg=model.cfg, mesh=mesh,
+                      engine=cfg.rollout.engine_config())
+    return cfg, learner, sampler
+
+
+def test_the_sampler_alone_stamps_its_rollouts_with_the_version(roles):
+    """A WeightVersion made by hand (the tiny model's weights, called version 7): the rollout carries that
+    version, its data index and its prompts; group-relative advantages sum to zero per group."""
+    import jax
+
+    from lrmq.rl.messages import WeightVersion, tree_bytes
+
+    cfg, learner, sampler = roles
+    states = jax.tree.map(lambda x: x, learner.states())
+    version = WeightVersion(states, version=7, nbytes=tree_bytes(states))
+    batch = {"problem": ["1 + 2", "3 + 4", "5 + 6", "7 + 8"], "answer": ["3", "7", "11", "15"]}
+    ro = sampler.rollout(batch, jax.random.key(0), 5, version, {"rollout/sync_s": 0.25})
+    g = cfg.rollout.group_size
+    assert (ro.index, ro.version, ro.prompts["problem"]) == (5, 7, batch["problem"])
+    assert ro.batch.num_sequences == 4 * g and len(ro.completions) == 4 * g
+    assert ro.stats["rollout/weight_bytes"] == version.nbytes and ro.stats["rollout/sync_s"] == 0.25
+    np.testing.assert_allclose(ro.batch.advantages.reshape(4, g).sum(1), 0, atol=1e-5)
+
+
+def test_the_learner_alone_updates_and_publishes_fresh_buffers(roles):
+    """A hand-made rollout batch: the update advances the version; a published copy does not alias the learner's
+    buffers, so it stays readable after the next update donates them (a sampler thread may be reading it)."""
+    from lrmq.rl.batch import build_batch
+
+    cfg, learner, _ = roles
+    rng = np.random.default_rng(0)
+    s, p, n = 16, 8, 12
+    rb = build_batch(rng.integers(5, 200, (s, p)).astype(np.int32), np.ones((s, p), np.int32),
+                     rng.integers(5, 200, (s, n)).astype(np.int32), rng.integers(1, n + 1, s),
+                     -rng.uniform(0.5, 3, (s, n)).astype(np.float32), rng.normal(0, 1, s).astype(np.float32),
+                     np.zeros(s, np.float32))
+    version, stats = learner.publish(copy=True)
+    before = [np.asarray(x) for x in jax_leaves(version.states)]
+    v0 = learner.version
+    m = learner.update(rb)
+    assert learner.version == v0 + 1 and np.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+    after = [np.asarray(x) for x in jax_leaves(version.states)]  # readable: not the donated buffers
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    moved = [not np.array_equal(np.asarray(a), b) for a, b in zip(jax_leaves(learner.states()), before)]
+    assert any(moved) and stats["rollout/sync_bytes"] == version.nbytes > 0
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)

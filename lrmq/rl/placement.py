@@ -18,7 +18,6 @@ packed copy's bytes with rollout.quant); docs/grpo.md "Sampler and Learner".
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 
 import jax
@@ -106,14 +105,8 @@ def _gathered(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
-def chips_per_host(mesh) -> int:
-    """Local devices of this process in `mesh`."""
-    return sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-
-
 def describe(learner_mesh, sampler_mesh) -> str:
     if not is_split(learner_mesh, sampler_mesh):
         return f"colocated on {dict(learner_mesh.shape)} ({learner_mesh.devices.size} devices)"
     return (f"split: learner {dict(learner_mesh.shape)} ({learner_mesh.devices.size} devices), sampler "
-            f"{dict(sampler_mesh.shape)} ({sampler_mesh.devices.size} devices); "
-            f"{math.prod(sampler_mesh.devices.shape)} sampler chips")
+            f"{dict(sampler_mesh.shape)} ({sampler_mesh.devices.size} devices)")

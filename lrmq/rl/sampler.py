@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from lrmq.data.prompts import format_prompt
-from lrmq.generation.engine import Engine, EngineConfig, GenerationResult, bucket_length, left_pad, pool_info, sequence_keys
+from lrmq.generation.engine import (Engine, EngineConfig, GenerationResult, bucket_length, left_pad, pool_info,
+                                    sequence_keys)
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.rl.advantages import compute_advantages
 from lrmq.rl.batch import build_batch, mask_rows, truncate_left, truncated_rows

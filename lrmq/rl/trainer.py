@@ -18,7 +18,6 @@ import signal
 import time
 
 import jax
-import numpy as np
 
 from lrmq import compile_cache, paths
 from lrmq.checkpoint.load import check_checkpoint
