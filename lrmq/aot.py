@@ -326,6 +326,9 @@ class FitReport:
     largest_fitting_micro_batch: int | None = None
     pool: dict | None = None  # the engine's KV pool (`engine.pool_info`)
     fitting_kv_pages: int | None = None  # a set pool that did not fit: the pages found to fit
+    # rollout.placement: {"placement", "learner": mesh shape, "sampler": mesh shape, chips of each}
+    placement: dict | None = None
+    estimate: dict | None = None  # `step_estimate`: roofline seconds of a step, labelled an estimate
 
     @property
     def budget(self) -> float | None:
@@ -534,13 +537,19 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
     compiler refuses is a row marked refused, never an exception. The step is compiled for every shape of
     `update_shapes` (`all_updates`, as the trainer does before its first rollout): the first row is the largest
     ("train_step"), then the rollout's prefill and decode, then the smaller update shapes ("train_step 2/5")."""
+    from lrmq.rl.placement import is_split, placement_meshes
+
     devices = list(devices) if devices is not None else jax.devices()
-    mesh = make_mesh(MeshConfig(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), devices=devices)
+    mesh, sampler_mesh = placement_meshes(cfg, devices)  # the learner's and the sampler's (the same: colocated)
     hbm = hbm_bytes(devices[0])
     report = FitReport([], hbm, False)
+    report.placement = {"placement": cfg.rollout.placement, "learner": dict(mesh.shape),
+                        "sampler": dict(sampler_mesh.shape), "learner_chips": mesh.devices.size,
+                        "sampler_chips": sampler_mesh.devices.size}
     budget = report.budget
     fits = lambda row: _fits([row], budget)
     run = abstract_run(cfg, mesh)
+    srun = abstract_run(cfg, sampler_mesh) if is_split(mesh, sampler_mesh) else run
     shapes = update_shapes(cfg, batch_divisor(mesh))
     n = len(shapes)
 
@@ -560,15 +569,17 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
                 break
     r = cfg.rollout
     engine = r.engine_config()
-    if not r.kv_pages and reserved["memory"] is not None:
-        engine = dataclasses.replace(engine, pool_bytes=pool_budget(hbm, reserved["memory"]["total"],
-                                                                    r.kv_memory_fraction))
+    # what else lives on the sampler's chips: the update (colocated), or only the sampler's own weights (split)
+    others = (bytes_per_device(rollout_model(srun)[1]) if srun is not run
+              else reserved["memory"]["total"] if reserved["memory"] is not None else None)
+    if not r.kv_pages and others is not None:
+        engine = dataclasses.replace(engine, pool_bytes=pool_budget(hbm, others, r.kv_memory_fraction))
     sizes = dict(requests=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len, max_new=r.max_new_tokens)
-    report.pool = pool_info(engine, run.model_cfg, mesh, *sizes.values())
+    report.pool = pool_info(engine, run.model_cfg, sampler_mesh, *sizes.values())
     log(pool_line(report.pool, "rollout.kv_pages"))
 
     def rollout_rows(eng):
-        return [program_row(f"rollout {p}", lambda p=p: compile_rollout(run, p, eng)) for p in ("prefill", "decode")]
+        return [program_row(f"rollout {p}", lambda p=p: compile_rollout(srun, p, eng)) for p in ("prefill", "decode")]
 
     rows = rollout_rows(engine)
     for row in rows:
@@ -581,7 +592,7 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
             report.fitting_kv_pages = found[0]
         elif found is not None:  # the default pool is the largest that fits
             rows = found[1]
-            report.pool = {**pool_info(dataclasses.replace(engine, pages=found[0]), run.model_cfg, mesh,
+            report.pool = {**pool_info(dataclasses.replace(engine, pages=found[0]), run.model_cfg, sampler_mesh,
                                        *sizes.values()), "sized": "fitted"}
             log(pool_line(report.pool, "rollout.kv_pages"))
     report.rows += rows
@@ -590,7 +601,36 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
             log(f"compiling update {i}/{n}: {sh.label()}")
             add(program_row(f"train_step {i}/{n}", lambda sh=sh: compile_train_step(run, shape=sh)))
     report.fits = _fits(report.rows, budget)
+    report.estimate = step_estimate(cfg, report, devices[0].device_kind)
     return report
+
+
+def step_estimate(cfg: TrainConfig, report: FitReport, device_kind: str) -> dict | None:
+    """A roofline ESTIMATE of one step's seconds (None off TPU/GPU or without the rows): the update as compute-bound,
+    6 x parameters x tokens FLOPs (8 x with model.remat=full: the forward again) x algo.num_iterations over the
+    learner's chips at peak; the rollout as memory-bound decode, max_new_tokens steps each reading the sampler's
+    chip share of the compiled decode program's arguments (weights and the KV pool) at HBM bandwidth. Colocated: a
+    step is their sum; split: the larger of the two (the update of step j runs while batch j + 1 is sampled).
+    XLA's cost analysis counts each loop body once (one scanned layer, one decode step), so the programs' own
+    FLOP counts are not totals; the compiled programs give the bytes, the model gives the FLOPs."""
+    from lrmq.targets import chip_peaks
+
+    peaks = chip_peaks(device_kind)
+    rows = {r["name"]: r for r in report.rows}
+    decode, step = rows.get("rollout decode"), rows.get("train_step")
+    if peaks is None or decode is None or step is None or decode["memory"] is None:
+        return None
+    r, p = cfg.rollout, report.placement
+    params = model_config(cfg).num_params()
+    tokens = r.prompts_per_step * r.group_size * (r.max_prompt_len + r.max_new_tokens)
+    flops = (8 if cfg.model.remat == "full" else 6) * params * tokens * cfg.algo.num_iterations
+    update_s = flops / (p["learner_chips"] * peaks[0])
+    rollout_s = r.max_new_tokens * decode["memory"]["arguments"] / peaks[1]
+    total = max(update_s, rollout_s) if p["placement"] == "split" else update_s + rollout_s
+    return {"update_s": update_s, "rollout_s": rollout_s, "step_s": total, "params": params,
+            "how": "roofline estimate: update 6-8 x params x tokens FLOPs at peak over the learner's chips; rollout "
+                   "max_new_tokens decode steps reading the decode program's per-chip arguments at HBM bandwidth; "
+                   + ("split: max of the two" if p["placement"] == "split" else "colocated: their sum")}
 
 
 def report_dict(report: FitReport, cfg: TrainConfig, target: str) -> dict:
@@ -599,7 +639,8 @@ def report_dict(report: FitReport, cfg: TrainConfig, target: str) -> dict:
             "micro_batch": cfg.optim.micro_batch_size, "largest_fitting_micro_batch": report.largest_fitting_micro_batch,
             "kv_pool": report.pool, "kv_memory_fraction": cfg.rollout.kv_memory_fraction,
             "fitting_kv_pages": report.fitting_kv_pages,
-            "mode": cfg.quant.mode, "model": cfg.model.shapes or cfg.model.checkpoint, "programs": report.rows}
+            "mode": cfg.quant.mode, "model": cfg.model.shapes or cfg.model.checkpoint, "programs": report.rows,
+            "placement": report.placement, "step_estimate": report.estimate}
 
 
 def verdict(report: FitReport, cfg: TrainConfig) -> str:

@@ -135,18 +135,29 @@ def compile_only(cfg, topology: str, report_path: str | None, platform: str = "t
         cli.print_error("train", e)
         return 2
     target = topology or "local devices"
-    print(f"target: {target}; mesh data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}; "
-          f"mode {cfg.quant.mode}; micro-batch {cfg.optim.micro_batch_size or 'whole batch'}")
+    p = report.placement
+    where = (f"mesh {_axes(p['learner'])}" if p["placement"] == "colocated" else
+             f"split: learner {_axes(p['learner'])} ({p['learner_chips']} chips), sampler {_axes(p['sampler'])} "
+             f"({p['sampler_chips']} chips)")
+    print(f"target: {target}; {where}; mode {cfg.quant.mode}; micro-batch {cfg.optim.micro_batch_size or 'whole batch'}")
     print(report.table())
     if report.pool is not None:
         print(aot.pool_line(report.pool, "rollout.kv_pages"))
     note = aot.memory_note(report, devices)
     if note:
         print(note)
+    if report.estimate is not None:
+        e = report.estimate
+        print(f"step time, a roofline estimate (not measured): rollout {e['rollout_s']:.3g} s, update "
+              f"{e['update_s']:.3g} s -> {e['step_s']:.3g} s per step ({e['how'].split('; ')[-1]})")
     print(aot.verdict(report, cfg))
     if report_path:
         atomic_write_text(report_path, json.dumps(aot.report_dict(report, cfg, target), indent=1) + "\n")
     return 0 if report.fits else 3
+
+
+def _axes(shape: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
 
 
 if __name__ == "__main__":

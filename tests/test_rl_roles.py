@@ -242,3 +242,42 @@ def jax_leaves(tree):
     import jax
 
     return jax.tree.leaves(tree)
+
+
+def test_compile_only_puts_each_role_on_its_own_chips(monkeypatch, tmp_path):
+    """`--compile-only` with rollout.placement=split (aot.check_fit on a v5e:2x4 topology, libtpu's devices): the
+    update is compiled on the learner's 4 chips, the rollout's prefill and decode on the sampler's other 4, and the
+    KV pool is sized for the sampler's chips less only the sampler's weights. The compiles themselves are replaced
+    by a recorder (what they would compile on is the point; the compilers are tested in test_aot.py)."""
+    from conftest import tiny_train_config
+
+    from lrmq import aot
+
+    seen = {}
+
+    class Compiled:
+        def memory_analysis(self):
+            return None
+
+        def cost_analysis(self):
+            return {"flops": 1.0, "bytes accessed": 1.0}
+
+    def fake(name):
+        def compile_fn(run, *a, **k):
+            seen.setdefault(name, []).append({d.id for d in run.mesh.devices.flat})
+            return Compiled(), 0.0
+        return compile_fn
+
+    monkeypatch.setattr(aot, "compile_train_step", fake("update"))
+    monkeypatch.setattr(aot, "compile_rollout", fake("rollout"))
+    monkeypatch.setattr(aot, "memory_report", lambda c: {k: 1 for k in ("arguments", "temporaries", "outputs",
+                                                                          "aliased", "total")})
+    cfg = tiny_train_config(str(tmp_path), rollout={"placement": "split", "update_shapes": 1},
+                            mesh={"data": 1, "fsdp": -1})
+    report = aot.check_fit(cfg, aot.topology_devices("v5e:2x4"), log=lambda m: None)
+    learner, sampler = seen["update"][0], seen["rollout"][0]
+    assert len(learner) == len(sampler) == 4 and not learner & sampler
+    assert all(s == sampler for s in seen["rollout"]) and all(u == learner for u in seen["update"])
+    assert report.placement["learner_chips"] == report.placement["sampler_chips"] == 4
+    assert report.pool["sized"] == "worst case" and report.estimate is not None
+    assert report.estimate["step_s"] == max(report.estimate["rollout_s"], report.estimate["update_s"])
