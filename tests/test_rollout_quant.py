@@ -197,6 +197,8 @@ def test_uncorrected_ratio_against_the_sampler_is_warned(tmp_path):
     assert rollout_quant_warning(cfg(rollout={"quant": "int4"}, algo={"rollout_correction": "none",
                                                                      "old_logprobs": "recompute"})) is None
     assert rollout_quant_warning(cfg(algo={"rollout_correction": "none"})) is None  # the learner samples
+    assert "rollout.max_staleness=2" in rollout_quant_warning(cfg(rollout={"max_staleness": 2},
+                                                                  algo={"rollout_correction": "none"}))
 
 
 @pytest.mark.slow(reason="three in-process GRPO steps with the int4 rollout copy packed and refreshed")

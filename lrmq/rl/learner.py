@@ -44,6 +44,8 @@ class Learner:
         self.updates = UpdatePrograms(self.graphdef, cfg, self.tx, shardings, mesh)
         self._choose_packed = packed_chooser(self.updates.shapes) if cfg.rollout.update_padding == "pack" else None
         self.ref_trainable = self._reference_params() if cfg.algo.beta != 0.0 else None
+        if (warning := rollout_quant_warning(cfg)) is not None:  # a quantized or stale sampler, uncorrected
+            log.warning(warning)
         self.copy = self._rollout_copy()
         self.version = 0
         self.quantized_at: int | None = None  # the version the packed copy was quantized from
@@ -59,8 +61,6 @@ class Learner:
         r = self.cfg.rollout
         if not self.cfg.quantized_rollout:
             return None
-        if (warning := rollout_quant_warning(self.cfg)) is not None:
-            log.warning(warning)
         spec = RolloutQuant(r.quant, group_size=r.quant_group_size, targets=self.cfg.quant.targets,
                             merge_lora=r.lora == "merged")
         try:

@@ -226,10 +226,14 @@ def rollout_quant_warning(cfg: TrainConfig) -> str | None:
     clip then acts on the quantization mismatch, unweighted (docs/grpo.md's study: int4 -0.124 held-out accuracy
     against FP rollouts, where ignoring the mismatch cost -0.021 and MIS/TIS nothing measurable)."""
     if cfg.sampler_differs and old_logprob_sources(cfg)[0] == "behaviour_logp":
-        return (f"rollout.quant={cfg.rollout.quant}, rollout.kv_cache={cfg.rollout.kv_cache} with algo.rollout_correction=none and algo.old_logprobs=rollout: "
-                "the PPO clip compares the learner with the quantized sampler, uncorrected. Prefer "
-                "algo.rollout_correction=auto (sequence_mask), or algo.old_logprobs=recompute to ignore the "
-                "mismatch (docs/grpo.md, quantized rollouts)")
+        r = cfg.rollout
+        why = ", ".join(f"{k}={v}" for k, v in (("rollout.quant", r.quant), ("rollout.kv_cache", r.kv_cache),
+                                                ("rollout.max_staleness", r.max_staleness))
+                        if v not in ("none", "auto", "bf16", 0))
+        return (f"{why} with algo.rollout_correction=none and algo.old_logprobs=rollout: the PPO clip compares the "
+                "learner with a sampler that differs from it (quantized or stale), uncorrected. Prefer "
+                "algo.rollout_correction=auto (sequence_mask: the decoupled objective), or algo.old_logprobs=recompute "
+                "to ignore the mismatch (docs/grpo.md, quantized rollouts and the decoupled objective)")
     return None
 
 
