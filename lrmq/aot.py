@@ -20,7 +20,9 @@ import time
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from lrmq import compile_cache
 from lrmq.checkpoint.load import resolve_checkpoint
@@ -541,6 +543,12 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
 
     devices = list(devices) if devices is not None else jax.devices()
     mesh, sampler_mesh = placement_meshes(cfg, devices)  # the learner's and the sampler's (the same: colocated)
+    if is_split(mesh, sampler_mesh):
+        # each role's programs compiled for a slice of its own size, its first chips: libtpu compiles a program for
+        # the device ids it names, and refuses one over the slice's later chips ("Unexpected device_id 6 in replica
+        # group :: target has 4 device_id"); the chips are alike, so the per-chip memory is the same
+        mesh, sampler_mesh = (Mesh(np.asarray(devices[:m.devices.size]).reshape(m.devices.shape), m.axis_names,
+                                   axis_types=m.axis_types) for m in (mesh, sampler_mesh))
     hbm = hbm_bytes(devices[0])
     report = FitReport([], hbm, False)
     report.placement = {"placement": cfg.rollout.placement, "learner": dict(mesh.shape),
