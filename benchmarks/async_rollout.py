@@ -42,7 +42,10 @@ from common import REPO, machine_info, machine_str, md_table, write_json  # noqa
 
 CONTENDERS = {
     "sync": ["rollout.placement=colocated", "rollout.max_staleness=0"],
-    "split-k1": ["rollout.placement=split", "mesh.rollout_fraction=0.5", "rollout.max_staleness=1"],
+    # the sampler's mesh as measured (data=1 x fsdp=4; mesh.rollout_fsdp=0 would now pick data=2 x fsdp=2 for the
+    # tiny model's 2 KV heads)
+    "split-k1": ["rollout.placement=split", "mesh.rollout_fraction=0.5", "rollout.max_staleness=1",
+                 "mesh.rollout_data=1", "mesh.rollout_fsdp=4"],
 }
 
 

@@ -246,14 +246,16 @@ def jax_leaves(tree):
 
 def test_compile_only_puts_each_role_on_its_own_chips(monkeypatch, tmp_path):
     """`--compile-only` with rollout.placement=split (aot.check_fit on a v5e:2x4 topology, libtpu's devices): the
-    update is compiled on a mesh of the learner's shape (4 chips: data=2 x fsdp=2 here), the rollout's prefill and
-    decode on one of the sampler's (4 chips, fsdp=4), each for a slice of its own size (libtpu refuses a program over
-    a topology's later chips), and the KV pool is sized for the sampler's chips less only the sampler's weights. The
+    update is compiled on a mesh of the learner's shape (4 chips: data=1 x fsdp=4 here), the rollout's prefill and
+    decode on one of the sampler's (4 chips: mesh.rollout_fsdp=0 splits the tiny model's 2 KV heads 2 ways, data=2;
+    with fp8 pages on TPU 1 way, data=4), each for a slice of its own size (libtpu refuses a program over a topology's
+    later chips), and the KV pool is sized for the sampler's chips less only the sampler's weights. The
     compiles themselves are replaced by a recorder (what they would compile on is the point; the compilers are
     tested in test_aot.py)."""
     from conftest import tiny_train_config
 
     from lrmq import aot
+    from lrmq.rl.placement import placement_meshes
 
     seen = {}
 
@@ -275,10 +277,12 @@ def test_compile_only_puts_each_role_on_its_own_chips(monkeypatch, tmp_path):
     monkeypatch.setattr(aot, "memory_report", lambda c: {k: 1 for k in ("arguments", "temporaries", "outputs",
                                                                           "aliased", "total")})
     cfg = tiny_train_config(str(tmp_path), rollout={"placement": "split", "update_shapes": 1},
-                            mesh={"data": 2, "fsdp": 2})
+                            mesh={"data": 1, "fsdp": 4})
     report = aot.check_fit(cfg, aot.topology_devices("v5e:2x4"), log=lambda m: None)
-    assert seen["update"] == [{"data": 2, "fsdp": 2, "tensor": 1}]
-    assert seen["rollout"] == [{"data": 1, "fsdp": 4, "tensor": 1}] * 2  # prefill, decode
+    assert seen["update"] == [{"data": 1, "fsdp": 4, "tensor": 1}]
+    assert seen["rollout"] == [{"data": 2, "fsdp": 2, "tensor": 1}] * 2  # prefill, decode
+    fp8 = tiny_train_config(str(tmp_path), rollout={"placement": "split", "kv_cache": "fp8_e4m3"})
+    assert dict(placement_meshes(fp8, aot.topology_devices("v5e:2x4"))[1].shape) == {"data": 4, "fsdp": 1, "tensor": 1}
     assert report.placement["learner_chips"] == report.placement["sampler_chips"] == 4
     assert report.pool["sized"] == "worst case" and report.estimate is not None
     assert report.estimate["step_s"] == max(report.estimate["rollout_s"], report.estimate["update_s"])

@@ -297,10 +297,12 @@ class MeshSection:
     rollout_fraction: float = opt(0.5, "rollout.placement=split: the share of each host's local chips given to the "
                                        "sampler (its first ones); the learner's mesh (data x fsdp x tensor above) "
                                        "takes the rest", gt=0.0, lt=1.0)
-    rollout_data: int = opt(1, "rollout.placement=split: the sampler mesh's data axis (decode slots split; -1 = all "
-                               "remaining sampler chips)", ge=1, also=(-1,))
-    rollout_fsdp: int = opt(-1, "rollout.placement=split: the sampler mesh's fsdp axis (-1 = all remaining sampler "
-                                "chips)", ge=1, also=(-1,))
+    rollout_data: int = opt(-1, "rollout.placement=split: the sampler mesh's data axis (decode slots split; -1 = all "
+                                "remaining sampler chips)", ge=1, also=(-1,))
+    rollout_fsdp: int = opt(0, "rollout.placement=split: the sampler mesh's fsdp axis (the KV heads and weights split "
+                               "over it; -1 = all remaining sampler chips; 0 = the largest split of the model's KV heads "
+                               "the KV format runs at: >= 2 heads per chip for fp8 pages on TPU, else >= 1; printed)",
+                            ge=0, also=(-1,))
     rollout_tensor: int = opt(1, "rollout.placement=split: the sampler mesh's tensor axis", ge=1)
 
 

@@ -58,9 +58,26 @@ def placement_meshes(cfg, devices=None):
     sampler_devs, learner_devs = split_devices(devices, m.rollout_fraction)
     learner = _mesh(MeshConfig(m.data, m.fsdp, m.tensor), learner_devs,
                     f"mesh.data / mesh.fsdp / mesh.tensor (the learner's {len(learner_devs)} devices)")
-    sampler = _mesh(MeshConfig(m.rollout_data, m.rollout_fsdp, m.rollout_tensor), sampler_devs,
+    fsdp = m.rollout_fsdp or sampler_fsdp(cfg, len(sampler_devs) // m.rollout_tensor, sampler_devs[0].platform)
+    sampler = _mesh(MeshConfig(m.rollout_data, fsdp, m.rollout_tensor), sampler_devs,
                     f"mesh.rollout_data / rollout_fsdp / rollout_tensor (the sampler's {len(sampler_devs)} devices)")
     return learner, sampler
+
+
+def sampler_fsdp(cfg, chips: int, platform: str) -> int:
+    """mesh.rollout_fsdp=0: the largest fsdp axis over `chips` sampler chips (the rest is data) that splits the
+    model's KV heads into whole shares its KV format runs at: >= 2 heads per chip for fp8 pages on TPU (JAX's ragged
+    paged attention kernel packs fp8 rows in pairs of heads; docs/tpu.md), else >= 1. Logged."""
+    from lrmq.aot import model_config
+    from lrmq.generation.paged import is_quantized
+
+    heads = model_config(cfg).num_kv_heads
+    least = 2 if platform == "tpu" and is_quantized(cfg.rollout.kv_cache) and cfg.rollout.kv_cache != "int8" else 1
+    fits = [d for d in range(1, chips + 1) if chips % d == 0 and heads % d == 0 and heads // d >= least]
+    fsdp = max(fits, default=1)
+    log.info("mesh.rollout_fsdp=0: the sampler's %d chips as data=%d x fsdp=%d (%d of the %d KV heads per chip, "
+             "rollout.kv_cache=%s)", chips, chips // fsdp, fsdp, heads // fsdp, heads, cfg.rollout.kv_cache)
+    return fsdp
 
 
 def _mesh(mc: MeshConfig, devices, keys: str):
