@@ -29,7 +29,9 @@ GIB = 1024 ** 3
 # (recipe, overrides of the split case: the learner's mesh over its half of the chips)
 CASES = {
     "qwen3_0.6b_grpo": ["mesh.data=1", "mesh.fsdp=4"],  # v5e-8: 4 + 4 chips
-    "pod_v5p64_8b_grpo": ["mesh.data=2", "mesh.fsdp=8"],  # v5p-64 (32 chips): 16 + 16
+    # v5p-64 (32 chips): 16 + 16; the sampler data=2 x fsdp=8 as the recipe's own mesh splits the 8 KV heads (its
+    # default fsdp=16 does not divide them: each chip would hold every head's pages)
+    "pod_v5p64_8b_grpo": ["mesh.data=2", "mesh.fsdp=8", "mesh.rollout_data=2", "mesh.rollout_fsdp=8"],
 }
 
 
@@ -75,11 +77,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=list(CASES))
     args = ap.parse_args(argv)
     cases = []
+    if args.out and os.path.exists(args.out):  # the cases not rerun are kept
+        with open(args.out) as f:
+            cases = [c for c in json.load(f)["cases"] if c["recipe"] not in args.only]
     for recipe in args.only:
         for split in (False, True):
             c = run_case(recipe, split)
             cases.append(c)
             print(f"{recipe} {c['placement']}: fits={c['fits']} in {c['compile_wall_s']:.0f} s", flush=True)
+    cases.sort(key=lambda c: (list(CASES).index(c["recipe"]), c["placement"]))
     print(table(cases))
     print("* a roofline estimate, not a measurement (lrmq.aot.step_estimate)")
     info = machine_info()
