@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -25,14 +24,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from lrmq import compile_cache
-from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError
 from lrmq.generation.engine import Engine, EngineConfig, pool_info
 from lrmq.generation.paged import page_bytes, pool_budget
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
-from lrmq.model.presets import preset_config
 from lrmq.quant.training import pack_linears, prepare_for_training, trainable_filter
 from lrmq.rl.batch import UpdateBatch
 from lrmq.rl.config import TrainConfig
@@ -42,7 +39,9 @@ from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, Update
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 from lrmq.rl.step import make_optimizer, make_train_step, old_logprob_sources, opt_state_shardings
 from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, bytes_per_device, make_mesh
-from lrmq.targets import gpu_memory_line, gpu_topology_devices, tpu_topology_devices  # noqa: F401
+from lrmq.rl.placement import is_split, placement_meshes
+from lrmq.rl.setup import model_config
+from lrmq.targets import chip_peaks, gpu_memory_line, gpu_topology_devices, tpu_topology_devices  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- targets
@@ -86,18 +85,6 @@ def memory_note(report: "FitReport", devices) -> str | None:
 
 
 # ----------------------------------------------------------------------------- abstract state
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The architecture: the checkpoint's config.json when it is here, else the `model.shapes` preset."""
-    m = cfg.model
-    path = resolve_checkpoint(m.checkpoint)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return ModelConfig.from_hf_file(path, dtype=m.dtype, param_dtype=m.param_dtype)
-    if m.shapes:
-        return preset_config(m.shapes, dtype=m.dtype, param_dtype=m.param_dtype)
-    raise ConfigError(f"model.checkpoint={m.checkpoint!r} has no config.json here; set model.shapes to one of "
-                      f"the presets in lrmq/model/presets.py to compile without the weights")
-
-
 def _with_shardings(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
@@ -539,8 +526,6 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
     compiler refuses is a row marked refused, never an exception. The step is compiled for every shape of
     `update_shapes` (`all_updates`, as the trainer does before its first rollout): the first row is the largest
     ("train_step"), then the rollout's prefill and decode, then the smaller update shapes ("train_step 2/5")."""
-    from lrmq.rl.placement import is_split, placement_meshes
-
     devices = list(devices) if devices is not None else jax.devices()
     mesh, sampler_mesh = placement_meshes(cfg, devices)  # the learner's and the sampler's (the same: colocated)
     if is_split(mesh, sampler_mesh):
@@ -621,8 +606,6 @@ def step_estimate(cfg: TrainConfig, report: FitReport, device_kind: str) -> dict
     step is their sum; split: the larger of the two (the update of step j runs while batch j + 1 is sampled).
     XLA's cost analysis counts each loop body once (one scanned layer, one decode step), so the programs' own
     FLOP counts are not totals; the compiled programs give the bytes, the model gives the FLOPs."""
-    from lrmq.targets import chip_peaks
-
     peaks = chip_peaks(device_kind)
     rows = {r["name"]: r for r in report.rows}
     decode, step = rows.get("rollout decode"), rows.get("train_step")

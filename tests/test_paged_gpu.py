@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,7 +112,7 @@ def test_engine_on_the_gpu_kernel_equals_xla(hf_checkpoint):
                EngineConfig(slots=3, page_size=16, pages=7, sync_steps=8, block_pages=2)]  # a pool that preempts
     runs = {}
     for impl, config in [("xla", configs[0]), ("gpu", configs[0]), ("gpu", configs[1])]:
-        eng = Engine(model, eos_ids=[127], pad_id=0, config=config, impl=impl)
+        eng = Engine(model, eos_ids=[127], pad_id=0, config=dataclasses.replace(config, attention=impl))
         assert eng.resolved_impl() == impl
         res = runs[impl, config.pages] = eng.generate(model, prompts, max_new_tokens=budgets, sampling=s, keys=keys)
         assert res.stats["preempted"] > 0 if config.pages else res.stats["prefilled_prompts"] == 3

@@ -21,6 +21,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 
@@ -305,7 +307,7 @@ def _sharded_engine() -> None:
         if mesh is not None:
             with jax.set_mesh(mesh):
                 model = shard_model(model, mesh)
-        eng = Engine(model, eos_ids=[271], pad_id=0, config=config, mesh=mesh, impl=impl)
+        eng = Engine(model, eos_ids=[271], pad_id=0, config=dataclasses.replace(config, attention=impl), mesh=mesh)
         return eng.generate(model, prompts, max_new_tokens=[12, 30, 7, 30, 20] * 2, sampling=sampling, seed=3)
 
     ref = run(None)

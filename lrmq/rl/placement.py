@@ -24,6 +24,8 @@ import jax
 import numpy as np
 
 from lrmq.configlib import ConfigError
+from lrmq.generation.paged import is_quantized
+from lrmq.rl.setup import model_config
 from lrmq.sharding import MeshConfig, make_mesh
 
 log = logging.getLogger("lrmq.train")
@@ -68,9 +70,6 @@ def sampler_fsdp(cfg, chips: int, platform: str) -> int:
     """mesh.rollout_fsdp=0: the largest fsdp axis over `chips` sampler chips (the rest is data) that splits the
     model's KV heads into whole shares its KV format runs at: >= 2 heads per chip for fp8 pages on TPU (JAX's ragged
     paged attention kernel packs fp8 rows in pairs of heads; docs/tpu.md), else >= 1. Logged."""
-    from lrmq.aot import model_config
-    from lrmq.generation.paged import is_quantized
-
     heads = model_config(cfg).num_kv_heads
     least = 2 if platform == "tpu" and is_quantized(cfg.rollout.kv_cache) and cfg.rollout.kv_cache != "int8" else 1
     fits = [d for d in range(1, chips + 1) if chips % d == 0 and heads % d == 0 and heads // d >= least]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 from lrmq.checkpoint.load import load_model, resolve_checkpoint
 from lrmq.checkpoint.quantized import refuse_quantized
+from lrmq.configlib import ConfigError
 from lrmq.data.prompts import load_prompt_dataset
 from lrmq.data.synthetic import make_splits
+from lrmq.model.config import ModelConfig
+from lrmq.model.presets import preset_config
 from lrmq.quant.training import prepare_for_training
 from lrmq.rl.config import TrainConfig
 
@@ -26,6 +31,18 @@ def load_datasets(cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
     train = [dict(r) for r in train]
     held = [dict(r) for r in load_prompt_dataset(d.eval_files, option="data.eval_files", **kw)] if d.eval_files else []
     return train, held
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The architecture: the checkpoint's config.json when it is here, else the `model.shapes` preset."""
+    m = cfg.model
+    path = resolve_checkpoint(m.checkpoint)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ModelConfig.from_hf_file(path, dtype=m.dtype, param_dtype=m.param_dtype)
+    if m.shapes:
+        return preset_config(m.shapes, dtype=m.dtype, param_dtype=m.param_dtype)
+    raise ConfigError(f"model.checkpoint={m.checkpoint!r} has no config.json here; set model.shapes to one of "
+                      f"the presets in lrmq/model/presets.py to compile without the weights")
 
 
 def build_model(cfg: TrainConfig, mesh):
