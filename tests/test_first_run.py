@@ -144,7 +144,9 @@ def test_tune_gc_freezes_what_exists_and_collects_the_young_less_often():
         gone = weakref.ref(a)
         del a, b
         gc.collect()
-        assert gone() is None and gc.get_freeze_count() >= frozen
+        # still frozen (a collection that unfroze them would leave ~0); a few frozen objects may have been freed
+        # meanwhile by another thread of this worker (a frozen object's refcount can still reach zero)
+        assert gone() is None and gc.get_freeze_count() > frozen - 1000
         gc.set_threshold(10 ** 6, *saved[1:])
         cli.tune_gc()  # a larger threshold set by the user is kept
         assert gc.get_threshold()[0] == 10 ** 6
