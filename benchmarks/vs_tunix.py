@@ -159,9 +159,10 @@ def worker_tunix(a) -> list[dict]:
     rollout_cfg = base_rollout.RolloutConfig(
         max_tokens_to_generate=cap, temperature=1.0, top_p=1.0, top_k=None, max_prompt_length=MAX_PROMPT_LEN,
         kv_cache_size=MAX_PROMPT_LEN + cap, eos_tokens=[vocab], seed=a.seed)  # an int: a fresh key per call (a key array is donated)
-    # one update of all PROMPTS x GROUP rows per step (Tunix counts its batch sizes in prompts); the heavy case's
-    # update runs in micro-batches of one prompt's group: Tunix's attention materializes [rows, heads, T, T]
-    micro = 1 if cap > 1024 else PROMPTS
+    # one update of all PROMPTS x GROUP rows per step (Tunix counts its batch sizes in prompts); past 256 tokens in
+    # micro-batches (gradient accumulation) of 2 prompts' groups (1 past 1,024): Tunix's attention materializes
+    # [rows, heads, T, T] scores, 64 x 4 x 1,056^2 floats = 1.1 GB per layer at 1,024 new tokens
+    micro = PROMPTS if cap <= 256 else 2 if cap <= 1024 else 1
     training = rl_cluster_lib.RLTrainingConfig(
         actor_optimizer=optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0),
         eval_every_n_steps=10 ** 9, max_steps=steps, mini_batch_size=PROMPTS, train_micro_batch_size=micro,
