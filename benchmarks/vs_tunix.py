@@ -47,7 +47,12 @@ rollout / update split (Tunix: ``_generate_and_compute_advantage``, i.e. generat
 rest; lrmq sync: the rollout taken inline vs the update; lrmq-split: the sampler's generation time, the time the
 loop waited for it and the update) and the ratio to Tunix's step time.
 
-    python benchmarks/vs_tunix.py --quick                                  # a smoke test (~2 min)
+A Tunix step on this 2-core machine (8 emulated devices) takes ~41 s at 256 fixed tokens and ~6.5 min at a 1,024 cap,
+so docs/figures/vs_tunix.json was measured with ``--cap 1024 --mean 256`` (the draws of vs_trl.py --heavy-tail), one
+round per case, and also on 1 device (``--devices 1 --contenders tunix,lrmq``); the commands are in
+docs/benchmarks.md.
+
+    python benchmarks/vs_tunix.py --quick                                  # a smoke test (~5 min on 2 cores)
     python benchmarks/vs_tunix.py --case fixed --out /tmp/vs_tunix_fixed.json
     python benchmarks/vs_tunix.py --case heavy --out /tmp/vs_tunix_heavy.json
     python benchmarks/vs_tunix.py --merge /tmp/vs_tunix_fixed.json /tmp/vs_tunix_heavy.json \\
@@ -405,7 +410,7 @@ def run_case(a, case: str, shape, scratch: str, files, info) -> dict:
             print(f"  {case} round {r} {kind}: steps {[round(s['step_s'], 2) for s in runs[kind][-1]]} "
                   f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
     res = {c: summarize(v, warmup) for c, v in runs.items()}
-    row = {"case": case, "max_new_tokens": max_new, "rounds": a.rounds, "timed_steps_per_round": steps,
+    row = {"case": case, "devices": a.devices, "max_new_tokens": max_new, "rounds": a.rounds, "timed_steps_per_round": steps,
            "warmup_steps_per_round": warmup, "results": res, "raw": runs,
            "lengths": [step_lengths(case, i, cap=max_new, mean=a.mean, seed=a.seed) for i in range(steps + warmup)]}
     if case == "heavy":
@@ -419,13 +424,13 @@ def run_case(a, case: str, shape, scratch: str, files, info) -> dict:
 
 
 def print_table(cases: list[dict]) -> None:
-    headers = ["case", "contender", "step s", "rollout s", "update s", "step / Tunix's", "rollout / Tunix's",
+    headers = ["case", "devices", "contender", "step s", "rollout s", "update s", "step / Tunix's", "rollout / Tunix's",
                "update / Tunix's", "timed steps"]
     rows = []
     for c in cases:
         for name, r in c["results"].items():
             q = c.get("ratio_over_tunix", {}).get(name)
-            rows.append([c["case"], name, r["step_s"], r["rollout_s"], r["update_s"],
+            rows.append([c["case"], c.get("devices", ""), name, r["step_s"], r["rollout_s"], r["update_s"],
                          f"{q['step_s']:.2f}x" if q else "-", f"{q['rollout_s']:.2f}x" if q else "-",
                          f"{q['update_s']:.2f}x" if q else "-", len(r["step_s_all"])])
     print(common.md_table(headers, rows))
@@ -463,9 +468,10 @@ def main(argv=None) -> int:
         return 0
     if a.merge:
         docs = [json.load(open(p)) for p in a.merge]
-        cases = [c for d in docs for c in d["cases"]]
+        cases = [{"devices": d["devices"], **c} for d in docs for c in d["cases"]]
         print_table(cases)
-        common.write_json(a.out, {**docs[-1], "cases": cases, "merged_from": [d["date_run"] for d in docs]})
+        common.write_json(a.out, {**docs[0], "cases": cases, "merged_from": [
+            {"date_run": d["date_run"], "machine": d["machine"], "devices": d["devices"]} for d in docs]})
         return 0
 
     a.contenders = [c.strip() for c in a.contenders.split(",")]
