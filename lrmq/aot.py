@@ -303,8 +303,10 @@ def pool_line(pool: dict, option: str) -> str:
            "smallest": "the smallest pool (one sequence), compiled because the worst case was refused",
            "fitted": f"fitted to the device's memory ({option}=0; the worst case is {pool['worst_case_pages']:,} "
                      f"pages, preemption covers the rest)"}[pool["sized"]]
+    groups = pool.get("groups", 1)
+    split = f", split over {groups} data groups" if groups > 1 else ""
     return (f"KV pool: {pool['pages']:,} pages of {pool['page_size']} tokens ({pool['tokens']:,} tokens for "
-            f"{pool['slots']} slots), {pool['bytes_per_device'] / GIB:.2f} GiB per device; {how}")
+            f"{pool['slots']} slots{split}), {pool['bytes_per_device'] / GIB:.2f} GiB per device; {how}")
 
 
 @dataclass
@@ -510,8 +512,10 @@ def _slot_guess(counts: list[int], slots: int, report: FitReport) -> int | None:
 
 
 def _min_pages(pool: dict) -> int:
-    """The smallest pool an engine call runs with: the null page and one sequence's pages."""
-    return 1 + (pool["worst_case_pages"] - 1) // pool["slots"]
+    """The smallest pool an engine call runs with: in each data group (`engine.pool_info`), the null page and one
+    sequence's pages."""
+    groups = pool.get("groups", 1)
+    return groups * (1 + (pool["worst_case_pages"] // groups - 1) // (pool["slots"] // groups))
 
 
 def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_updates: bool = True,

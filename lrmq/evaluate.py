@@ -27,12 +27,12 @@ from lrmq.evals.runner import (COMPLETIONS, RESULTS, TABLE, EvalError, markdown_
                                run_suite, score_records, summarize_records)
 from lrmq.atomic import atomic_write_text
 from lrmq.generation.engine import Engine
-from lrmq.generation.paged import pool_budget
+from lrmq.generation.paged import decode_fsdp, least_kv_heads, pool_budget
 from lrmq.model.config import ModelConfig
 from lrmq.model.presets import preset_config
 from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.quant.lora import DEFAULT_TARGETS, apply_lora
-from lrmq.sharding import bytes_per_device, make_mesh
+from lrmq.sharding import MeshConfig, bytes_per_device, make_mesh
 from lrmq.tokenizer import Tokenizer
 
 RUN_CONFIG = "eval_config.yaml"
@@ -127,11 +127,30 @@ def check_run_dir(cfg: EvalConfig, overwrite: bool) -> None:
     configlib.save_config(cfg, path)
 
 
+def eval_mesh(devices, kv_heads: int, kv_cache: str, log=print):
+    """The mesh an evaluation decodes on: data=1 x fsdp=all of `devices` (weights split the most ways), unless the
+    KV format cannot decode there (fp8 pages on TPU need >= 2 KV heads per chip: `paged.least_kv_heads`); then
+    data x fsdp with fsdp the largest that splits the KV heads into shares it runs at (`paged.decode_fsdp`),
+    printed. A data axis splits the decode slots and the KV pool's pages (`paged.kv_page_axes`)."""
+    devices = list(devices if devices is not None else jax.devices())
+    n, least = len(devices), least_kv_heads(kv_cache, devices[0].platform)
+    fsdp = n if kv_heads % n == 0 and kv_heads // n >= least or least == 1 else decode_fsdp(
+        n, kv_heads, kv_cache, devices[0].platform)
+    mesh = make_mesh(MeshConfig(n // fsdp, fsdp, 1), devices=devices)
+    if fsdp < n:
+        log(f"mesh: data={n // fsdp} x fsdp={fsdp} ({kv_heads // fsdp} of the {kv_heads} KV heads per chip for "
+            f"generation.kv_cache={kv_cache}; the decode slots and the KV pool's pages split over data)")
+    return mesh
+
+
 def load_eval_model(cfg: EvalConfig):
-    """(model, tokenizer, mesh): with several devices the weights are sharded on the default mesh and
-    the engine splits its decode slots over the data axes."""
+    """(model, tokenizer, mesh): with several devices the weights are sharded on `eval_mesh` and the engine splits
+    its decode slots and KV pages over the data axis."""
     ckpt = resolve_checkpoint(cfg.checkpoint)
-    mesh = make_mesh(None) if jax.device_count() > 1 else None
+    mesh = None
+    if jax.device_count() > 1:
+        heads = ModelConfig.from_hf_file(ckpt, dtype=cfg.dtype).num_kv_heads
+        mesh = eval_mesh(jax.devices(), heads, cfg.generation.kv_cache)
     model = load_model(ckpt, mesh=mesh, dtype=cfg.dtype)
     if cfg.adapter:
         rank, alpha = read_adapter_config(cfg.adapter)
@@ -188,9 +207,10 @@ def compile_only(cfg: EvalConfig, args) -> int:
                           f"{positions} positions")
     new = min(g.max_new_tokens, positions - args.prompt_len)
     devices = aot.target_devices(args.topology, args.platform)
-    mesh = make_mesh(None, devices=devices)
+    mesh = eval_mesh(devices, mcfg.num_kv_heads, g.kv_cache)
     graphdef, state = aot.abstract_model(mcfg, mesh, pack=args.pack)
-    print(f"target: {args.topology or 'local devices'} ({mesh.devices.size} devices); suite {cfg.suite}: "
+    axes = " x ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "one device"
+    print(f"target: {args.topology or 'local devices'} ({mesh.devices.size} devices, {axes}); suite {cfg.suite}: "
           f"{g.batch_size} decode slots, prompt {args.prompt_len} + {new} new tokens; weights "
           f"{args.pack or mcfg.param_dtype}", flush=True)
     report, line = aot.check_generate(graphdef, state, mesh, model_cfg=mcfg, engine=g.engine_config(),

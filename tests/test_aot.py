@@ -197,7 +197,7 @@ def test_evaluate_compile_only_for_a_tpu_topology(capsys, monkeypatch):
     assert main(["--checkpoint", "tiny", "--suite", "quantlrm", "--compile-only", "--topology", "v5e:2x2",
                  "--prompt-len", "64", "generation.batch_size=8"]) == 0
     out = capsys.readouterr().out
-    assert "target: v5e:2x2 (4 devices); suite quantlrm: 8 decode slots, prompt 64 + 192 new tokens" in out
+    assert "target: v5e:2x2 (4 devices, fsdp=4); suite quantlrm: 8 decode slots, prompt 64 + 192 new tokens" in out
     assert "| prefill |" in out and "| decode |" in out and "fits:" in out
     # the compiler refuses 65,536 slots on the chip's real HBM (~18 GB of prefill temporaries); the slot search
     # then runs against a 128 MiB budget, so it settles at 32 / 64 slots (2-3 s a compile) instead of compiling

@@ -121,7 +121,13 @@ def test_pool_heads_split_like_the_kv_projections():
     assert paged.kv_head_axes(mesh(2, 4, 1), 2) == ("data",)  # they are whole (4 does not divide 2): data
     assert paged.kv_head_axes(mesh(2, 2, 2), 2) == ("tensor",)
     assert paged.kv_head_axes(mesh(1, 8, 1), 2) == ()  # no axis divides: the pool stays whole
-    assert paged.pool_spec(mesh(2, 2, 2), 8) == jax.sharding.PartitionSpec(None, None, None, ("tensor", "fsdp"), None)
+    # the pages over the data axes left: each data group holds its own rows' pages
+    assert paged.pool_spec(mesh(2, 2, 2), 8) == jax.sharding.PartitionSpec(None, "data", None, ("tensor", "fsdp"), None)
+    assert paged.kv_page_axes(mesh(2, 4, 1), 8) == ("data",) and paged.kv_groups(mesh(2, 4, 1), 8) == 2
+    assert paged.kv_page_axes(mesh(1, 8, 1), 2) == ("fsdp",)  # heads whole: 8 groups of pages
+    assert paged.kv_page_axes(mesh(1, 8, 1), 8) == () and paged.kv_groups(None, 8) == 1
+    assert [paged.decode_fsdp(8, 8, kv, "tpu") for kv in ("auto", "fp8_e4m3", "int8")] == [8, 4, 8]
+    assert paged.decode_fsdp(8, 8, "fp8_e4m3", "gpu") == 8
 
 
 # ----------------------------------------------------------------------------- TPU compiles (libtpu)
@@ -311,15 +317,17 @@ def _sharded_engine() -> None:
         return eng.generate(model, prompts, max_new_tokens=[12, 30, 7, 30, 20] * 2, sampling=sampling, seed=3)
 
     ref = run(None)
-    # KV heads (2) over data; over tensor (rows over data x fsdp); the GPU kernel (interpret mode) on its split
-    # K/V pool, heads over tensor under the same shard_map
-    for shape, impl in (((2, 4, 1), "auto"), ((2, 2, 2), "auto"), ((2, 2, 2), "gpu")):
+    # KV heads (2) over data, pages over fsdp's 4 data groups; heads over tensor, pages over data x fsdp (rows
+    # there too); heads whole, pages over 8 groups; the GPU kernel (interpret mode) on its split K/V pool, heads
+    # over tensor under the same shard_map
+    for shape, impl in (((2, 4, 1), "auto"), ((2, 2, 2), "auto"), ((1, 8, 1), "auto"), ((2, 2, 2), "gpu")):
         mesh = make_mesh(shape)
         got = run(mesh, impl)
         np.testing.assert_array_equal(got.lengths, ref.lengths, err_msg=str(shape))
         np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=str(shape))
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4, err_msg=str(shape))
-        print(shape, "pool heads over", paged.kv_head_axes(mesh, 2))
+        assert got.stats["preempted"] == ref.stats["preempted"] == 0, got.stats
+        print(shape, "pool heads over", paged.kv_head_axes(mesh, 2), "pages over", paged.kv_page_axes(mesh, 2))
     print("OK")
 
 

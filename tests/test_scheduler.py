@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch, key_data
+from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch, keeps_decoding, key_data
 from lrmq.generation.paged import NULL_PAGE, pages_for
 from lrmq.generation.scheduler import (Scheduler, Seq, check_kv_pages, pages_for_one_sequence, prefill_batch,
                                       row_buckets, rows_for)
@@ -24,32 +24,37 @@ def expected(seq: Seq, upto: int) -> list[int]:
 
 
 class FakeDevice:
-    def __init__(self, pages: int, page_size: int, seqs: list[Seq], steps: int):
-        self.pool = np.full((pages, page_size), -1, np.int64)
-        self.ps, self.seqs, self.steps = page_size, seqs, steps
+    """groups: the pool split over data groups (page ids local to a group; row r of a batch of R rows reads and
+    writes group r // (R / groups) only, as a chip of that group does)."""
+
+    def __init__(self, pages: int, page_size: int, seqs: list[Seq], steps: int, groups: int = 1):
+        self.pool = np.full((groups, pages // groups, page_size), -1, np.int64)
+        self.ps, self.seqs, self.steps, self.groups = page_size, seqs, steps, groups
         self.batches: list[DecodeBatch] = []
 
-    def _cell(self, table_row, pos):
-        return table_row[pos // self.ps], pos % self.ps
+    def _cell(self, rows, r, table_row, pos):
+        return r // (rows // self.groups), table_row[pos // self.ps], pos % self.ps
 
     def prefill(self, batch: PrefillBatch):
         for r in range(batch.rows):
             for t, pos in zip(batch.tokens[r], batch.positions[r]):
                 if pos >= 0:
-                    self.pool[self._cell(batch.page_table[r], pos)] = t
+                    self.pool[self._cell(batch.rows, r, batch.page_table[r], pos)] = t
 
     def decode(self, batch: DecodeBatch) -> DecodeOutput:
         self.batches.append(batch)
-        self.pool[batch.copy_dst] = self.pool[batch.copy_src]
+        group = np.arange(batch.rows) // (batch.rows // self.groups)
+        self.pool[group, batch.copy_dst] = self.pool[group, batch.copy_src]
         tok, pos, gen, live = (np.array(x) for x in (batch.tokens, batch.positions, batch.generated, batch.live))
         out_tok = np.full((batch.rows, self.steps), PAD, np.int64)
         out_lp = np.zeros((batch.rows, self.steps), np.float32)
         i = 0
-        while i < self.steps and live.any() and live.sum() >= batch.stop_below:
+        while i < self.steps and keeps_decoding(live, batch.stop_below, batch.group_stop_below, self.groups):
             for r in np.flatnonzero(live):
                 seq = self.seqs[int(batch.keys[r, 0])]
-                self.pool[self._cell(batch.page_table[r], pos[r])] = tok[r]
-                context = [self.pool[self._cell(batch.page_table[r], p)] for p in range(pos[r] + 1)]
+                cell = lambda p: self._cell(batch.rows, r, batch.page_table[r], p)  # noqa: E731
+                self.pool[cell(pos[r])] = tok[r]
+                context = [self.pool[cell(p)] for p in range(pos[r] + 1)]
                 assert context == expected(seq, pos[r]), (seq.index, pos[r])
                 out_tok[r, i], out_lp[r, i] = 1000 * seq.index + pos[r] + 1, -(pos[r] + 1) / 1000
                 tok[r], pos[r], gen[r] = out_tok[r, i], pos[r] + 1, gen[r] + 1
@@ -58,12 +63,12 @@ class FakeDevice:
         return DecodeOutput(out_tok, out_lp, gen, live)
 
 
-def make(prompts, budgets, *, slots, pages, page_size=4, sync_steps=4, multiple=1):
+def make(prompts, budgets, *, slots, pages, page_size=4, sync_steps=4, multiple=1, groups=1):
     seqs = [Seq(i, tuple(p), b, np.array([i, 0], np.uint32)) for i, (p, b) in enumerate(zip(prompts, budgets))]
     width = max(pages_for(len(p), page_size) for p in prompts) + pages_for(max(budgets) + sync_steps, page_size) + 2
     sched = Scheduler(seqs, slots=slots, pages=pages, width=width, page_size=page_size, sync_steps=sync_steps,
-                      buckets=row_buckets(slots, multiple))
-    return sched, seqs, FakeDevice(pages, page_size, seqs, sync_steps)
+                      buckets=row_buckets(slots, multiple), groups=groups)
+    return sched, seqs, FakeDevice(pages, page_size, seqs, sync_steps, groups)
 
 
 def run(sched: Scheduler, device: FakeDevice, on_admit=None) -> list[int]:
@@ -75,7 +80,7 @@ def run(sched: Scheduler, device: FakeDevice, on_admit=None) -> list[int]:
             on_admit(prompts)
         if prompts:
             length = max(len(p.ids) - 1 for p in prompts)
-            device.prefill(prefill_batch(prompts, rows_for(len(prompts), sched.buckets), length, sched.page_size))
+            device.prefill(sched.prefill(prompts, length))
         sched.reserve()
         batch = sched.plan()
         finished += [s.index for s in sched.apply(batch, device.decode(batch))]
@@ -86,7 +91,9 @@ def check_done(sched: Scheduler, seqs: list[Seq]):
     for s in seqs:
         assert s.tokens == expected(s, len(s.prompt) + s.max_new - 1)[len(s.prompt):], s.index
         assert s.logprobs == pytest.approx([-(len(s.prompt) + t) / 1000 for t in range(s.max_new)])
-    assert sorted(sched.pool.free) == list(range(1, sched.pool.pages)) and not sched.prompts  # every page back
+    for pool in sched.pools:  # every page back
+        assert sorted(pool.free) == list(range(1, pool.pages))
+    assert not sched.prompts
 
 
 def test_admission_follows_the_queue_and_slots_refill():
@@ -111,21 +118,21 @@ def test_shared_prompt_counts_its_readers_and_returns_its_pages_after_the_last()
     shared = list(range(1, 11))  # 9 tokens before the last: 2 full pages of 4 and a partly filled one
     prompts = [shared, [20, 21, 22], shared, shared]
     sched, seqs, device = make(prompts, [2, 6, 9, 5], slots=4, pages=40)
-    free = len(sched.pool.free)
+    free = len(sched.pools[0].free)
     prefill = []
     seen = []
 
     def on_admit(prompts):
         prefill.extend(p.ids for p in prompts)
-        pr = sched.prompts.get(tuple(shared))
-        seen.append((pr.users if pr else 0, len(sched.pool.free)))
+        pr = sched.prompts.get((0, tuple(shared)))
+        seen.append((pr.users if pr else 0, len(sched.pools[0].free)))
 
     finished = run(sched, device, on_admit)
     assert prefill == [tuple(shared), (20, 21, 22)]  # the shared prompt prefilled once
     assert sched.stats["prefilled_prompts"] == 2 and sched.stats["prefill_calls"] == 1
     assert seen[0][0] == 3  # three slots read its pages
     assert finished[0] == 0 and seen[1][0] == 2  # one left: the pages stay for the two still reading them
-    assert len(sched.pool.free) == free
+    assert len(sched.pools[0].free) == free
     check_done(sched, seqs)
 
 
@@ -133,7 +140,7 @@ def test_copy_on_write_pairs_in_the_first_call_only():
     shared, whole = list(range(1, 11)), list(range(30, 39))  # 9 and 8 tokens before the last (page size 4)
     sched, seqs, device = make([shared, shared, whole], [9, 9, 9], slots=3, pages=40)
     device.prefill(prefill_batch(sched.admit(), 3, 9, 4))
-    pr = sched.prompts[tuple(shared)]
+    pr = sched.prompts[0, tuple(shared)]
     sched.reserve()
     batch = sched.plan()
     own = [s.pages[0] for s in sched.slots]
@@ -180,7 +187,7 @@ def test_live_rows_move_to_the_front_and_decode_in_a_smaller_bucket(multiple, bu
         n = int(b.live.sum())
         assert b.live.tolist() == [True] * n + [False] * (b.rows - n)
         smaller = [x for x in buckets if x < b.rows]
-        assert b.stop_below == (smaller[-1] + 1 if smaller else 0)
+        assert b.stop_below == 0 and b.group_stop_below == (smaller[-1] + 1 if smaller else 0)
     assert device.batches[-1].keys[0, 0] == 5  # the longest sequence ends in row 0
     check_done(sched, seqs)
 
@@ -230,3 +237,36 @@ def test_pages_for_one_sequence_is_the_smallest_pool_that_finishes_it(prompt_len
     with pytest.raises(ValueError, match=f"the smallest that works is x={need} "):
         check_kv_pages(need - 1, "x", prompt_tokens=prompt_len, max_new=max_new, page_size=page_size,
                        sync_steps=sync_steps)
+
+
+def test_data_groups_keep_each_sequence_on_its_own_groups_pages():
+    """groups=2 (the pool split over a mesh's data axis): every row reads only its group's pool in the fake device,
+    so a page id of the wrong group shows up as a wrong context; a prompt's samples share its pages where it is
+    resident; a dry group preempts its own youngest; the batch shrinks to the fullest group's bucket."""
+    prompts = [[1, 2, 3, 4, 5]] * 3 + [[6, 7]] * 3 + [[8, 9, 10]] * 2 + [[11]]
+    budgets = [9, 3, 14, 5, 12, 2, 7, 15, 4]
+    sched, seqs, device = make(prompts, budgets, slots=8, pages=2 * 9, multiple=2, groups=2)
+    victims, preempt = [], sched._preempt
+
+    def spy(slot):
+        group = [s for s in sched.slots if s is not None and s.group == sched.slots[slot].group]
+        victims.append((sched.slots[slot].admitted, max(s.admitted for s in group)))
+        preempt(slot)
+
+    sched._preempt = spy
+    prefilled = []
+    run(sched, device, on_admit=lambda ps: prefilled.extend((p.group, p.ids) for p in ps))
+    check_done(sched, seqs)
+    assert {g for g, _ in prefilled} == {0, 1} and sched.stats["preempted"] > 0
+    assert all(admitted == youngest for admitted, youngest in victims)
+    for b in device.batches:
+        if b.stop_below:  # sequences waited: no row moved
+            continue
+        half = b.rows // 2
+        for block in (b.live[:half], b.live[half:]):  # live rows at the front of each group's block
+            n = int(block.sum())
+            assert block.tolist() == [True] * n + [False] * (half - n)
+    shrunk = [b for b in device.batches if b.rows < 8]
+    assert shrunk and all(b.group_stop_below in (0, 2) for b in shrunk)
+    with pytest.raises(ValueError, match="split evenly over 2 data groups"):
+        Scheduler(seqs, slots=3, pages=18, width=8, page_size=4, sync_steps=4, groups=2)

@@ -102,6 +102,8 @@ class DecodeBatch(_Inputs):
     live: Any = _input(np.bool_)
     keys: Any = _input("key", "key")  # the sequence's raw key data
     stop_below: Any = _input(np.int32, per_row=False)  # back to the host once fewer rows than this are live
+    # ... or once every data group has fewer live rows than this (`keeps_decoding`; the scheduler's `group_rows`)
+    group_stop_below: Any = _input(np.int32, per_row=False)
 
     @classmethod
     def zeros(cls, rows: int, width: int) -> "DecodeBatch":
@@ -112,6 +114,15 @@ class DecodeBatch(_Inputs):
     def abstract(cls, rows: int, width: int, mesh=None) -> "DecodeBatch":
         """ShapeDtypeStructs of a batch of `rows`, laid out for `mesh`, for ahead-of-time compiles."""
         return cls._abstract(rows, mesh, width=width)
+
+
+def keeps_decoding(live, stop_below, group_stop_below, groups: int = 1):
+    """Whether a decode call goes on with these `live` rows [rows] (numpy on the host's fakes, jax in the program):
+    some row is live, at least `stop_below` in all, and at least `group_stop_below` in the fullest of `groups` data
+    groups (group g: rows [g * rows / groups, (g + 1) * rows / groups))."""
+    xp = np if isinstance(live, np.ndarray) else jax.numpy
+    per_group = xp.sum(live.reshape(groups, -1), axis=1)
+    return xp.any(live) & (xp.sum(live) >= stop_below) & (xp.max(per_group) >= group_stop_below)
 
 
 @struct.dataclass

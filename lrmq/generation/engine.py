@@ -42,14 +42,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch
+from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch, keeps_decoding
 from lrmq.generation.paged import (LAYOUTS, KVScales, PagedCache, QuantPool, abstract_pool, check_kv_cache,
-                                   check_kv_scales, copy_pages, fitted_pages, int8_bits, is_quantized, new_pool,
+                                   check_kv_scales, copy_pages, fitted_pages, int8_bits, is_quantized, kv_groups,
+                                   new_pool,
                                    page_bytes, pages_for, pool_scales, pool_shape, resolve_impl, storage_dtype,
                                    with_scales)
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.generation.scheduler import (Scheduler, Seq, SharedPrompt, check_kv_pages, pages_for_one_sequence,
-                                      prefill_batch, row_buckets, rows_for)
+                                      row_buckets)
 from lrmq.model.decoder import Decoder, layer_runs
 from lrmq.sharding import DECODE_RULES, batch_divisor, constrain_state, host_array, state_shardings, use_rules
 
@@ -73,7 +74,9 @@ class EngineConfig:
 
     slots: int = 0  # decode slots: sequences decoded at once (0 = all requests of a call, at most 256)
     page_size: int = 16  # tokens per KV page
-    pages: int = 0  # KV pages in the pool (0 = sized by pool_bytes, else enough that no request is ever preempted)
+    # KV pages in the pool (0 = sized by pool_bytes, else enough that no request is ever preempted); on a mesh whose
+    # data groups split the pages (`paged.kv_groups`), rounded up to a multiple of the groups, each holding its share
+    pages: int = 0
     # with pages=0: bytes per device the pool may take (`paged.pool_budget`: a share of the device's memory less
     # what else lives there); the pool is the worst case capped to it (`paged.fitted_pages`). 0 = no limit
     pool_bytes: int = 0
@@ -127,28 +130,35 @@ def sequence_keys(key: jax.Array, n: int) -> np.ndarray:
 def call_sizes(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt: int,
                max_new: int) -> tuple[int, int, int, int]:
     """(slots, pages, page-table width, the worst case's pages) of an engine call (`Engine.sizes`); the width
-    covers the longest prompt's bucket; slots are a multiple of the mesh's data-parallel divisor."""
+    covers the longest prompt's bucket; slots are a multiple of the mesh's data-parallel divisor. On a mesh whose
+    data groups split the pool (`paged.kv_groups`), each group is sized for its own slots (its worst case, or
+    its share of `pool_bytes` per device): `pages` is the groups' pages in all."""
     multiple = batch_divisor(mesh) if mesh is not None else 1
+    groups = kv_groups(mesh, model_cfg.num_kv_heads)
     slots = c.slots or min(n_requests, 256)
     slots = -(-slots // multiple) * multiple
     prompt = bucket_length(longest_prompt)
     own = pages_for(max_new + c.sync_steps, c.page_size) + 2  # from the prompt's partial page on
     width = pages_for(prompt, c.page_size) + own
     width = -(-width // c.block_pages) * c.block_pages
-    worst = 1 + slots * (own + pages_for(prompt, c.page_size))  # every slot at full length: no preemption
-    pages = c.pages or fitted_pages(c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh, c.kv_cache), worst,
-                                    minimum=1 + own + pages_for(prompt, c.page_size))
-    return slots, pages, width, worst
+    worst = 1 + slots // groups * (own + pages_for(prompt, c.page_size))  # every slot at full length: no preemption
+    per_group = -(-c.pages // groups) if c.pages else fitted_pages(
+        c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh, c.kv_cache), worst,
+        minimum=1 + own + pages_for(prompt, c.page_size))
+    return slots, groups * per_group, width, groups * worst
 
 
 def pool_info(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt: int, max_new: int) -> dict:
-    """The KV pool an engine call of these sizes allocates: its pages, the tokens they hold (the null page
-    aside), its bytes per device, the worst case's pages (nothing ever preempted), the slots, and how it was
-    sized ("kv_pages": set; "fitted": to `pool_bytes`, below the worst case; "worst case")."""
+    """The KV pool an engine call of these sizes allocates: its pages (in all), the tokens they hold (the null
+    pages aside), the data groups splitting them, its bytes per device (its group's pages), the worst case's pages
+    (nothing ever preempted), the slots, and how it was sized ("kv_pages": set; "fitted": to `pool_bytes`, below
+    the worst case; "worst case")."""
     slots, pages, _, worst = call_sizes(c, model_cfg, mesh, n_requests, longest_prompt, max_new)
-    return {"pages": pages, "tokens": (pages - 1) * c.page_size, "page_size": c.page_size,
-            "bytes_per_device": pages * page_bytes(model_cfg, c.page_size, mesh, c.kv_cache), "worst_case_pages": worst,
-            "slots": slots, "sized": "kv_pages" if c.pages else "fitted" if pages < worst else "worst case"}
+    groups = kv_groups(mesh, model_cfg.num_kv_heads)
+    return {"pages": pages, "tokens": (pages - groups) * c.page_size, "page_size": c.page_size, "groups": groups,
+            "bytes_per_device": pages // groups * page_bytes(model_cfg, c.page_size, mesh, c.kv_cache),
+            "worst_case_pages": worst, "slots": slots,
+            "sized": "kv_pages" if c.pages else "fitted" if pages < worst else "worst case"}
 
 
 def _merge(graphdef, state) -> Decoder:
@@ -165,9 +175,10 @@ def _prefill_fn(graphdef, state, pool, batch: PrefillBatch, *, engine: EngineCon
 
 
 def _decode_fn(graphdef, state, pool, batch: DecodeBatch, *, engine: EngineConfig, sampling: SamplingConfig,
-               eos: tuple[int, ...], pad_id: int, impl: str, layout) -> tuple[object, DecodeOutput]:
+               eos: tuple[int, ...], pad_id: int, impl: str, layout, groups: int) -> tuple[object, DecodeOutput]:
     """Up to `sync_steps` decode steps of the batch's live rows (a `lax.while_loop`), back to the host early
-    once fewer than `batch.stop_below` rows are live."""
+    when `keeps_decoding` says so (fewer than `batch.stop_below` rows live, or the fullest of `groups` data groups
+    under `batch.group_stop_below`)."""
     model = _merge(graphdef, state)
     runs = layout(model)  # once per call: the loop below reads these (and the embedding / lm head)
     pool = copy_pages(pool, batch.copy_src, batch.copy_dst)  # copy-on-write of shared prompts' last pages
@@ -177,9 +188,9 @@ def _decode_fn(graphdef, state, pool, batch: DecodeBatch, *, engine: EngineConfi
     out_tok = jnp.full((s, steps), pad_id, jnp.int32)
     out_lp = jnp.zeros((s, steps), jnp.float32)
 
-    def cond(c):  # up to sync_steps; back to the host once fewer than stop_below rows are live
+    def cond(c):  # up to sync_steps; back to the host once the live rows say so
         i, _, _, _, _, live, _, _ = c
-        return (i < steps) & jnp.any(live) & (jnp.sum(live) >= batch.stop_below)
+        return (i < steps) & keeps_decoding(live, batch.stop_below, batch.group_stop_below, groups)
 
     def body(c):
         i, pool, tok, pos, gen, live, out_tok, out_lp = c
@@ -253,8 +264,10 @@ class Engine:
         self.pad_id = int(pad_id)
         self.config = config  # complete and fixed: nothing changes it after construction
         self.mesh = mesh
-        # on a mesh: slots split over the data axes, weights in the decode layout (`decode_layout`)
+        # on a mesh: slots split over the data axes, weights in the decode layout (`decode_layout`), the pool's pages
+        # over the data groups (`paged.kv_groups`: the scheduler allocates each group's own)
         self.slot_multiple = batch_divisor(mesh) if mesh is not None else 1
+        self.groups = kv_groups(mesh, self.model_cfg.num_kv_heads)
         self.layout = decode_layout(mesh) if mesh is not None else (lambda model: layer_runs(model.layers))
         self._prefill = _on_mesh(jax.jit(partial(_prefill_fn, self.graphdef, engine=config, layout=self.layout),
                                          donate_argnums=(1,)), mesh)
@@ -273,7 +286,8 @@ class Engine:
         if (sampling, impl) not in self._decode:
             self._decode[sampling, impl] = _on_mesh(jax.jit(
                 partial(_decode_fn, self.graphdef, engine=self.config, sampling=sampling, eos=self.eos,
-                        pad_id=self.pad_id, impl=impl, layout=self.layout), donate_argnums=(1,)), self.mesh)
+                        pad_id=self.pad_id, impl=impl, layout=self.layout, groups=self.groups),
+                donate_argnums=(1,)), self.mesh)
         return self._decode[sampling, impl]
 
     # ------------------------------------------------------------------ weights
@@ -305,13 +319,21 @@ class Engine:
         """Row counts the programs are compiled for (`scheduler.row_buckets` over the data-parallel divisor)."""
         return row_buckets(slots, self.slot_multiple)
 
+    def pool(self, pages: int, impl: str, *, mesh=None, abstract: bool = False):
+        """The KV pool of a call (the one place it is built): `pages` pages in the layout and format decode
+        attention `impl` reads (`paged.LAYOUTS`, `paged.int8_bits`), laid out for `mesh` (default: the engine's);
+        zeroed on the devices, or its ShapeDtypeStructs (`abstract`, for ahead-of-time compiles)."""
+        c = self.config
+        make = abstract_pool if abstract else new_pool
+        return make(self.model_cfg, pages, c.page_size, mesh if mesh is not None else self.mesh, LAYOUTS[impl],
+                    c.kv_cache, int8_bits(c.kv_cache, impl))
+
     def warmup(self, state, *, n_requests: int, prompt_len: int, max_new: int, sampling: SamplingConfig):
         """Compile every program a `generate(..., prompt_capacity=prompt_len)` call of these sizes can run (each
         row bucket's prefill and decode), running them on idle inputs: later calls compile nothing."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
         impl, ps, length = self.resolved_impl(), self.config.page_size, bucket_length(prompt_len)
-        pool = new_pool(self.model_cfg, pages, ps, self.mesh, LAYOUTS[impl], self.config.kv_cache,
-                        int8_bits(self.config.kv_cache, impl))
+        pool = self.pool(pages, impl)
         decode = self._decode_for(sampling, impl)
         for rows in self.row_buckets(slots):
             pool = self._prefill(state, pool, PrefillBatch.zeros(rows, length, pages_for(length, ps)))
@@ -324,8 +346,7 @@ class Engine:
         every slot's prompt at once), for ahead-of-time compiles and memory checks."""
         slots, pages, width = self.sizes(n_requests, prompt_len, max_new)
         impl, ps, length = self.resolved_impl(mesh), self.config.page_size, bucket_length(prompt_len)
-        pool = abstract_pool(self.model_cfg, pages, ps, mesh, LAYOUTS[impl], self.config.kv_cache,
-                             int8_bits(self.config.kv_cache, impl))
+        pool = self.pool(pages, impl, mesh=mesh, abstract=True)
         prefill = PrefillBatch.abstract(slots, length, pages_for(length, ps), mesh)
         return {"prefill": (self._prefill, (state, pool, prefill)),
                 "decode": (self._decode_for(sampling, impl), (state, pool, DecodeBatch.abstract(slots, width, mesh)))}
@@ -353,20 +374,21 @@ class Engine:
         if self.config.pages:  # a set pool must hold the sequence that needs the most pages (else it never ends)
             c = self.config
             big = max(seqs, key=lambda s: pages_for_one_sequence(len(s.prompt), s.max_new, c.page_size, c.sync_steps))
-            check_kv_pages(c.pages, "the engine's KV pages", prompt_tokens=len(big.prompt), max_new=big.max_new,
-                           page_size=c.page_size, sync_steps=c.sync_steps)
+            check_kv_pages(-(-c.pages // self.groups), "the engine's KV pages"
+                           + (f" per data group ({c.pages} over {self.groups})" if self.groups > 1 else ""),
+                           prompt_tokens=len(big.prompt), max_new=big.max_new, page_size=c.page_size,
+                           sync_steps=c.sync_steps)
         slots, pages, width = self.sizes(len(seqs), prompt_capacity or longest, max(width_new, new_capacity))
         c, impl = self.config, self.resolved_impl()
         sched = Scheduler(seqs, slots=slots, pages=pages, width=width, page_size=c.page_size,
-                          sync_steps=c.sync_steps, buckets=self.row_buckets(slots))
-        pool = new_pool(self.model_cfg, pages, c.page_size, self.mesh, LAYOUTS[impl], c.kv_cache,
-                        int8_bits(c.kv_cache, impl))
+                          sync_steps=c.sync_steps, buckets=self.row_buckets(slots), groups=self.groups)
+        pool = self.pool(pages, impl)
         if kv_scales is not None:
             pool = with_scales(pool, kv_scales)
         decode = self._decode_for(sampling, impl)
         prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
         while sched.busy:  # plan -> prefill / decode -> apply
-            pool = self._prefill_prompts(state, pool, sched.admit(), sched.buckets, prefill_length)
+            pool = self._prefill_prompts(state, pool, sched, sched.admit(), prefill_length)
             sched.reserve()
             batch = sched.plan()
             pool, out = decode(state, pool, batch)
@@ -378,14 +400,13 @@ class Engine:
             stats["kv_saturated"] = int(np.sum(host_array(pool.saturated)))
         return dataclasses.replace(collect(seqs, width_new, self.pad_id, stats), kv_scales=pool_scales(pool))
 
-    def _prefill_prompts(self, state, pool, prompts: list[SharedPrompt], buckets: Sequence[int], length: int = 0):
-        """Write the first len - 1 tokens of each prompt into its pages; rows: a row bucket, length: the prompt
-        capacity's bucket (0 = the longest prompt's)."""
+    def _prefill_prompts(self, state, pool, sched: Scheduler, prompts: list[SharedPrompt], length: int = 0):
+        """Write the first len - 1 tokens of each prompt into its pages (`Scheduler.prefill`: a row bucket, each
+        data group's prompts in its rows); length: the prompt capacity's bucket (0 = the longest prompt's)."""
         if not prompts:
             return pool
         length = length or bucket_length(max(len(p.ids) - 1 for p in prompts))
-        batch = prefill_batch(prompts, rows_for(len(prompts), buckets), length, self.config.page_size)
-        return self._prefill(state, pool, batch)
+        return self._prefill(state, pool, sched.prefill(prompts, length))
 
 
 def requests(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], keys: np.ndarray | None,

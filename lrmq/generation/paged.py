@@ -28,9 +28,12 @@ target of `pallas_kernels.current_target()`, so ahead-of-time TPU compiles from 
   the same way). It has no sliding window: sliding-window layers take the XLA path on the same pool.
 
 On a mesh (`pool_sharding`) the pool's KV heads are split like the KV projections of the decode layout
-(tensor parallel over tensor x fsdp, `sharding.DECODE_RULES`; `kv_head_axes`), so each chip holds its share
-of the pool instead of all of it; `write` and `attend` run under `shard_map` on each chip's heads for every
-slot (rows split over the remaining data axes), and every slot's pages stay where they are.
+(tensor parallel over tensor x fsdp, `sharding.DECODE_RULES`; `kv_head_axes`), and its pages over the data
+axes that do not split heads (`kv_page_axes`): each data group holds only the pages of its own rows, with page
+ids local to the group (page 0 of each is its null page; the scheduler allocates per group:
+`Scheduler(groups=)`). So each chip holds its heads of its group's pages, not the whole pool; `write`, `attend`
+and `copy_pages` run under `shard_map` on each chip's heads for its group's rows, and every slot's pages stay
+where they are.
 """
 
 from __future__ import annotations
@@ -209,14 +212,19 @@ def pool_dtype(pool):
 FP8_HEADROOM = 4.0
 
 
-def quant_scales(x, live, scale, fmax):
+def quant_scales(x, live, scale, fmax, axes: tuple[str, ...] = ()):
     """(scale [KVH], clipped [KVH]) of a per-head write: x [R, T, KVH, D] at live [R, T]; `scale` 0 is
-    calibrated here (FP8_HEADROOM x absmax of the live entries / fmax)."""
+    calibrated here (FP8_HEADROOM x absmax of the live entries / fmax). axes: the mesh axes the rows are split
+    over inside a shard_map (the pool's data groups): the absmax and the count are taken over all of them, so
+    every group keeps the same pool-global scale."""
     amax = jnp.max(jnp.where(live[:, :, None, None], jnp.abs(x.astype(jnp.float32)), 0.0), axis=(0, 1, 3))
+    if axes:
+        amax = jax.lax.pmax(amax, axes)
     scale = jnp.where(scale > 0, scale, FP8_HEADROOM * amax / fmax)
     safe = jnp.where(scale > 0, scale, 1.0)
     over = (jnp.abs(x.astype(jnp.float32)) / safe[:, None]) > fmax
-    return scale, jnp.sum(over & live[:, :, None, None], axis=(0, 1, 3)).astype(jnp.int32)
+    clipped = jnp.sum(over & live[:, :, None, None], axis=(0, 1, 3)).astype(jnp.int32)
+    return scale, jax.lax.psum(clipped, axes) if axes else clipped
 
 
 def quantize(x, scale, dtype, fmax):
@@ -290,11 +298,21 @@ def read_pages(pool, layer, pages, fmt_dtype=None):
 
 def copy_pages(pool, src, dst):
     """Every layer's page src[i] copied to page dst[i] (copy on write of a shared prompt's last page); a
-    QuantPool's scale pages with them (its per-head scales are pool-global: nothing to copy)."""
+    QuantPool's scale pages with them (its per-head scales are pool-global: nothing to copy). On a mesh whose data
+    groups split the pages (`kv_page_axes`), src / dst [rows] are group-local ids and each group copies its rows'."""
+    mesh, heads, groups = _mesh_for(pool)
+    if not groups:
+        return _copy_local(pool, src, dst)
+    rows = P(spec_entry(groups))
+    return jax.shard_map(_copy_local, mesh=mesh, in_specs=(_spec_of(pool, mesh), rows, rows),
+                         out_specs=_spec_of(pool, mesh), check_vma=False)(pool, src, dst)
+
+
+def _copy_local(pool, src, dst):
     if isinstance(pool, QuantPool):
         token = {name: getattr(pool, name).at[:, :, dst].set(getattr(pool, name)[:, :, src])
                  for name in ("k_token", "v_token") if getattr(pool, name) is not None}
-        return pool.replace(pages=copy_pages(pool.pages, src, dst), **token)
+        return pool.replace(pages=_copy_local(pool.pages, src, dst), **token)
     if is_split(pool):
         return tuple(x.at[:, :, dst].set(x[:, :, src]) for x in pool)
     return pool.at[:, dst].set(pool[:, src])
@@ -661,18 +679,52 @@ def kv_head_axes(mesh, kv_heads: int) -> tuple[str, ...]:
     return best
 
 
+def kv_page_axes(mesh, kv_heads: int) -> tuple[str, ...]:
+    """Mesh axes (>1 device) the pool's pages are split over: the data axes (data, fsdp) that do not split its KV
+    heads (`kv_head_axes`), the axes a decode batch's rows are split over in `attend`. Each data group (a chip's
+    coordinates on them) holds only its own rows' pages, with group-local page ids (`Scheduler(groups=)`): the
+    pool per chip is its share of the heads of its group's pages. () without a mesh."""
+    if mesh is None:
+        return ()
+    heads = kv_head_axes(mesh, kv_heads)
+    return tuple(a for a in _BATCH_AXES if a in mesh.shape and mesh.shape[a] > 1 and a not in heads)
+
+
+def kv_groups(mesh, kv_heads: int) -> int:
+    """How many data groups split the pool's pages (`kv_page_axes`): 1 without a mesh."""
+    return axes_size(mesh, kv_page_axes(mesh, kv_heads)) if mesh is not None else 1
+
+
+def least_kv_heads(kv_cache: str, platform: str) -> int:
+    """The fewest KV heads per chip a pool of `kv_cache` pages decodes with on `platform`: 2 for fp8 pages on TPU
+    (JAX's ragged paged attention packs fp8 rows in pairs of heads; `fp8_heads_message`), else 1."""
+    return 2 if platform == "tpu" and kv_cache in KEPT_SCALE_FORMATS else 1
+
+
+def decode_fsdp(chips: int, kv_heads: int, kv_cache: str, platform: str) -> int:
+    """The fsdp axis of a decode mesh of `chips` chips (data the rest) that the KV format runs on: the largest that
+    splits the `kv_heads` KV heads into whole shares of at least what the format's kernel takes (>= 2 per chip for
+    fp8 pages on TPU: JAX's ragged paged attention packs fp8 rows in pairs of heads; docs/tpu.md), else >= 1. The
+    data axis left then splits the pool's pages (`kv_page_axes`)."""
+    least = least_kv_heads(kv_cache, platform)
+    fits = [d for d in range(1, chips + 1) if chips % d == 0 and kv_heads % d == 0 and kv_heads // d >= least]
+    return max(fits, default=1)
+
+
 def pool_spec(mesh, kv_heads: int, layout: str = "interleaved", kv_cache: str = "auto"):
     """PartitionSpec of the pool (a pair of them, "split"; a QuantPool of them, quantized): heads over
-    `kv_head_axes`, the rest whole. A contiguous share of the interleaved heads is whole (K, V) pairs, so each
-    chip's share is itself a pool; a QuantPool's scales have the heads first, split the same way."""
+    `kv_head_axes`, pages over `kv_page_axes`, the rest whole. A contiguous share of the interleaved heads is
+    whole (K, V) pairs, so each chip's share is itself a pool; a QuantPool's scales have the heads first, split
+    the same way (its scale pages split over the groups like the pages; its per-head scales whole: pool-global)."""
     heads = spec_entry(kv_head_axes(mesh, kv_heads))
+    groups = spec_entry(kv_page_axes(mesh, kv_heads))
     if layout == "split":
-        pages = (P(heads, None, None, None, None),) * 2
+        pages = (P(heads, None, groups, None, None),) * 2
     else:
-        pages = P(None, None, None, heads, None)
+        pages = P(None, groups, None, heads, None)
     if not is_quantized(kv_cache):
         return pages
-    token = P(heads, None, None, None) if per_token_scales(kv_cache, layout) else None
+    token = P(heads, None, groups, None) if per_token_scales(kv_cache, layout) else None
     return QuantPool(pages, P(heads, None), P(heads, None), P(heads), token, token, fmt=kv_cache)
 
 
@@ -731,13 +783,14 @@ def new_pool(cfg, pages: int, page_size: int, mesh=None, layout: str = "interlea
                         abstract_pool(cfg, pages, page_size, mesh, layout, kv_cache, fp8_as_int8))
 
 
-def _mesh_for(pool) -> tuple[object, tuple[str, ...]] | tuple[None, tuple]:
-    """(mesh, KV-head axes) when the program being traced is partitioned over a multi-device mesh (not
-    already inside a shard_map), else (None, ())."""
+def _mesh_for(pool) -> tuple[object, tuple[str, ...], tuple[str, ...]]:
+    """(mesh, KV-head axes, page axes: `kv_page_axes`) when the program being traced is partitioned over a
+    multi-device mesh (not already inside a shard_map), else (None, (), ())."""
     mesh = pk.mesh_in_effect()
     if mesh is None or mesh.size == 1 or is_manual(mesh):
-        return None, ()
-    return mesh, kv_head_axes(mesh, kv_heads_of(pool))
+        return None, (), ()
+    kvh = kv_heads_of(pool)
+    return mesh, kv_head_axes(mesh, kvh), kv_page_axes(mesh, kvh)
 
 
 @struct.dataclass
@@ -777,6 +830,8 @@ class PagedCache:
         page = jnp.where(live, jnp.take_along_axis(self.page_table, index, axis=1), NULL_PAGE)
         offset = jnp.where(live, q_pos % self.page_size, 0)
 
+        mesh, heads, groups = _mesh_for(self.pool)
+
         def store(pool, k, v, page, offset, layer, live):
             if isinstance(pool, QuantPool):
                 return store_quant(pool, k, v, page, offset, layer, live)
@@ -791,7 +846,7 @@ class PagedCache:
             if qp.fmt == "int8":  # per token and head: absmax / 127, nothing clips
                 ks, vs = (jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / fmax for x in (k, v))  # [R, T, KVH]
             else:  # per head, pool-global: calibrated by the first write that sees the layer, then clipped
-                (ks, k_sat), (vs, v_sat) = (quant_scales(x, live, sc[:, layer], fmax)
+                (ks, k_sat), (vs, v_sat) = (quant_scales(x, live, sc[:, layer], fmax, groups)
                                             for x, sc in ((k, k_scale), (v, v_scale)))
                 k_scale, v_scale = k_scale.at[:, layer].set(ks), v_scale.at[:, layer].set(vs)
                 saturated = saturated + k_sat + v_sat
@@ -805,12 +860,13 @@ class PagedCache:
             return qp.replace(pages=store(qp.pages, kq, vq, page, offset, layer, live), k_scale=k_scale,
                               v_scale=v_scale, saturated=saturated, **token)
 
-        mesh, heads = _mesh_for(self.pool)
-        if not heads:  # one device, or a pool whole on every chip: XLA partitions the scatter
+        if not heads and not groups:  # one device, or a pool whole on every chip: XLA partitions the scatter
             return self.replace(pool=store(self.pool, k, v, page, offset, self.layer, live))
-        # each chip stores its KV heads of every row (rows gathered over the data axes: activation-sized)
-        kv, pool = P(None, None, spec_entry(heads), None), self._spec(mesh)
-        fn = jax.shard_map(store, mesh=mesh, in_specs=(pool, kv, kv, P(), P(), P(), P()), out_specs=pool,
+        # each chip stores its KV heads of its data group's rows (the rest of the rows gathered: activation-sized)
+        _check_rows(k.shape[0], mesh, groups)
+        rows = spec_entry(groups)
+        kv, pool, idx = P(rows, None, spec_entry(heads), None), self._spec(mesh), P(rows, None)
+        fn = jax.shard_map(store, mesh=mesh, in_specs=(pool, kv, kv, idx, idx, P(), idx), out_specs=pool,
                            check_vma=False)
         return self.replace(pool=fn(self.pool, k, v, page, offset, jnp.asarray(self.layer, jnp.int32), live))
 
@@ -827,18 +883,25 @@ class PagedCache:
             raise ValueError(f"decode attention {impl!r} reads a {LAYOUTS[impl]!r} pool; this one is not "
                              f"(make it with new_pool(..., layout=LAYOUTS[{impl!r}]))")
         fn = functools.partial(DECODE_ATTENTION[impl], window=window, block_pages=self.block_pages)
-        mesh, heads = _mesh_for(self.pool)
-        if mesh is None or (impl == "xla" and not heads):  # XLA partitions the plain path itself
+        mesh, heads, groups = _mesh_for(self.pool)
+        if mesh is None or (impl == "xla" and not heads and not groups):  # XLA partitions the plain path itself
             return fn(q[:, 0], self.pool, self.layer, self.page_table, lengths)[:, None]
-        # Mosaic kernels are not partitioned automatically, and a head-split pool must be read where it lies:
-        # each chip attends with its heads for the rows of its remaining data axes
-        # (the data axes not splitting heads, trailing ones dropped until they divide the rows)
-        rows = spec_entry(dividing_axes(mesh, _BATCH_AXES, q.shape[0], exclude=heads))
+        # Mosaic kernels are not partitioned automatically, and a split pool must be read where it lies: each chip
+        # attends with its heads for its data group's rows (group-local page tables); with the pages whole, the
+        # rows of the data axes not splitting heads, trailing ones dropped until they divide the rows
+        _check_rows(q.shape[0], mesh, groups)
+        rows = spec_entry(groups or dividing_axes(mesh, _BATCH_AXES, q.shape[0], exclude=heads))
         qs = P(rows, spec_entry(heads), None)
         run = jax.shard_map(lambda q, pool, layer, table, lengths: fn(q, pool, layer, table, lengths), mesh=mesh,
                             in_specs=(qs, self._spec(mesh), P(), P(rows, None), P(rows)),
                             out_specs=qs, check_vma=False)
         return run(q[:, 0], self.pool, jnp.asarray(self.layer, jnp.int32), self.page_table, lengths)[:, None]
+
+
+def _check_rows(rows: int, mesh, groups: tuple[str, ...]) -> None:
+    if groups and rows % axes_size(mesh, groups):
+        raise ValueError(f"{rows} rows do not split over the pool's {axes_size(mesh, groups)} data groups "
+                         f"({' x '.join(groups)}): a batch on this mesh needs a multiple of them")
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -847,7 +910,8 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 # ----------------------------------------------------------------------------- sizing the pool to the device
 def page_bytes(cfg, page_size: int, mesh=None, kv_cache: str = "auto", layout: str | None = None) -> int:
-    """Bytes one page of the pool takes on each device: K and V of every layer for `page_size` tokens, the
+    """Bytes one page of the pool takes on each device of the data group holding it (a pool of P pages takes
+    P / `kv_groups` of them per device): K and V of every layer for `page_size` tokens, the
     device's share of the KV heads (`kv_head_axes`), in the cache's format (with its scale pages, when it keeps
     them: `per_token_scales`; layout None: "split" when compiling for a GPU (the mesh's devices, else the
     target in effect), where "auto" takes the GPU kernel's pool, else "interleaved")."""

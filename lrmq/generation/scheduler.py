@@ -16,6 +16,14 @@ per turn of its loop:
   next smaller bucket.
 * `apply(batch, output)` records the tokens a call sampled and returns the sequences that finished; their slots
   and pages are free for the next `admit`.
+
+Data groups (`groups` > 1: the engine's pool is split over the mesh's data axes, `paged.kv_page_axes`): each
+group holds its own pages (page ids local to the group, 0 its null page) and its own block of slots, and a
+batch of `rows` rows gives group g the rows [g * rows / groups, (g + 1) * rows / groups) -- the rows its chips
+hold. A sequence decodes in one group, on that group's pages; a prompt is resident per group (its samples are
+admitted where it is resident first, else where the most pages are free); preemption takes the youngest of the
+same group; live rows move to the front of their group's block, and a batch shrinks to the bucket that holds
+the fullest group. One group is today's scheduler, row for row.
 """
 
 from __future__ import annotations
@@ -40,9 +48,16 @@ def row_buckets(slots: int, multiple: int = 1) -> list[int]:
     return sorted(out)
 
 
-def rows_for(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket holding `n` rows."""
-    return next(b for b in buckets if b >= n)
+def rows_for(n: int, buckets: Sequence[int], groups: int = 1) -> int:
+    """The smallest bucket holding `n` rows in each of `groups` data groups (a bucket's rows are split evenly)."""
+    return next(b for b in buckets if b // groups >= n)
+
+
+def group_rows(rows: int, per_group: int, groups: int) -> list[tuple[int, int]]:
+    """(row, slot) pairs of a batch of `rows` rows over `groups` groups of `per_group` slots: group g's first
+    rows / groups slots take its block of rows."""
+    n = rows // groups
+    return [(g * n + k, g * per_group + k) for g in range(groups) for k in range(n)]
 
 
 def pages_for_one_sequence(prompt_tokens: int, max_new: int, page_size: int, sync_steps: int) -> int:
@@ -94,6 +109,7 @@ class SharedPrompt:
     ids: tuple[int, ...]
     pages: list[int]  # pages of its first len - 1 tokens (the last is fed as the first decode input)
     users: int = 0  # slots reading its pages
+    group: int = 0  # the data group whose pages hold it
 
 
 @dataclass(eq=False)
@@ -109,6 +125,7 @@ class Seq:
     pages: list[int] = field(default_factory=list)  # own pages (from the prompt's partly filled one on)
     admitted: int = 0  # admission order (the youngest is preempted first)
     copy: tuple[int, int] | None = None  # (prompt page, own page) to copy before its first decode step
+    group: int = 0  # the data group it decodes in (its pages are that group's)
 
     def shared_pages(self, page_size: int) -> int:
         """Full pages of the prompt's first len - 1 tokens: read from the prompt's pages as they are."""
@@ -121,14 +138,18 @@ class Seq:
 
 class Scheduler:
     """Admission, page reservation, preemption and row planning of one `Engine.generate` call (module docstring).
+    pages: the pool's pages in all (`groups` x the pages of a group); slots: a multiple of `groups`.
     stats: decode and prefill calls, prompts prefilled, sequences preempted and decode steps run."""
 
     def __init__(self, seqs: Sequence[Seq], *, slots: int, pages: int, width: int, page_size: int,
-                 sync_steps: int, buckets: Sequence[int] = ()):
+                 sync_steps: int, buckets: Sequence[int] = (), groups: int = 1):
+        if slots % groups or pages % groups:
+            raise ValueError(f"{slots} slots and {pages} pages must split evenly over {groups} data groups")
         self.queue: deque[Seq] = deque(seqs)
         self.slots: list[Seq | None] = [None] * slots
-        self.pool = PagePool(pages)
-        self.prompts: dict[tuple[int, ...], SharedPrompt] = {}
+        self.groups, self.per_group = groups, slots // groups
+        self.pools = [PagePool(pages // groups) for _ in range(groups)]
+        self.prompts: dict[tuple[int, tuple[int, ...]], SharedPrompt] = {}  # (group, ids) -> resident prompt
         self.width, self.page_size, self.sync_steps = width, page_size, sync_steps
         self.buckets = list(buckets) or [slots]
         self.clock = 0
@@ -142,65 +163,72 @@ class Scheduler:
     def _running(self) -> list[int]:
         return [j for j, s in enumerate(self.slots) if s is not None]
 
+    def _group_slots(self, g: int) -> range:
+        return range(g * self.per_group, (g + 1) * self.per_group)
+
     # ------------------------------------------------------------------ admission
     def admit(self) -> list[SharedPrompt]:
         """Fill free slots from the front of the queue while the pool has pages; the prompts to prefill (those
         not resident before, with tokens before their last: a one-token prompt has nothing to write)."""
         new: list[SharedPrompt] = []
-        for slot in range(len(self.slots)):
-            if self.slots[slot] is not None:
-                continue
-            if not self.queue:
-                break
+        while self.queue:
             s = self.queue[0]
-            resident = s.prompt in self.prompts
-            if not self._admit(s, slot):
+            admitted = next((g for g in self._groups_for(s.prompt) if self._admit(s, g)), None)
+            if admitted is None:
                 break
-            if not resident and self.prompts[s.prompt].pages:
-                new.append(self.prompts[s.prompt])
+            pr = self.prompts[admitted, s.prompt]
+            if pr.users == 1 and pr.pages:
+                new.append(pr)
         if new:
             self.stats["prefill_calls"] += 1
             self.stats["prefilled_prompts"] += len(new)
         return new
 
-    def _admit(self, s: Seq, slot: int) -> bool:
-        """Put `s` in `slot` with its prompt's pages (taken when it is not resident) and its own; False, taking
-        nothing, when the pool is short."""
-        ps = self.page_size
-        pr = self.prompts.get(s.prompt)
+    def _groups_for(self, prompt: tuple[int, ...]) -> list[int]:
+        """The groups with a free slot, in the order a sequence of `prompt` tries them: where the prompt is
+        resident, then the most free pages, then the lowest index."""
+        free = [g for g in range(self.groups) if any(self.slots[j] is None for j in self._group_slots(g))]
+        return sorted(free, key=lambda g: ((g, prompt) not in self.prompts, -len(self.pools[g].free), g))
+
+    def _admit(self, s: Seq, g: int) -> bool:
+        """Put `s` in group `g`'s first free slot with its prompt's pages (taken when it is not resident there)
+        and its own; False, taking nothing, when the group's pages are short."""
+        ps, pool = self.page_size, self.pools[g]
+        pr = self.prompts.get((g, s.prompt))
         if pr is None:
-            got = self.pool.take(pages_for(len(s.prompt) - 1, ps))
+            got = pool.take(pages_for(len(s.prompt) - 1, ps))
             if got is None:
                 return False
-            pr = self.prompts[s.prompt] = SharedPrompt(s.prompt, got)
-        own = self.pool.take(s.own_pages_needed(ps, self.sync_steps))
+            pr = self.prompts[g, s.prompt] = SharedPrompt(s.prompt, got, group=g)
+        own = pool.take(s.own_pages_needed(ps, self.sync_steps))
         if own is None:
             if pr.users == 0:  # taken just now
-                self.pool.release(pr.pages)
-                del self.prompts[s.prompt]
+                pool.release(pr.pages)
+                del self.prompts[g, s.prompt]
             return False
         self.queue.popleft()
         pr.users += 1
-        s.pages = own
+        s.pages, s.group = own, g
         if (len(s.prompt) - 1) % ps:  # the prompt's partly filled page becomes this sequence's own
             s.copy = (pr.pages[s.shared_pages(ps)], own[0])
-        self.slots[slot] = s
+        self.slots[next(j for j in self._group_slots(g) if self.slots[j] is None)] = s
         self.clock += 1
         s.admitted = self.clock
         return True
 
     # ------------------------------------------------------------------ pages ahead, preemption
     def reserve(self) -> None:
-        """Give each running sequence, oldest first, its own pages `sync_steps` tokens ahead; when the pool runs
-        dry, preempt the youngest (possibly the sequence itself) until the pages are there."""
+        """Give each running sequence, oldest first, its own pages `sync_steps` tokens ahead; when its group's
+        pages run dry, preempt the group's youngest (possibly the sequence itself) until the pages are there."""
         for s in sorted((self.slots[j] for j in self._running()), key=lambda s: s.admitted):
             while s in self.slots and not self._grow(s):
-                self._preempt(max(self._running(), key=lambda j: self.slots[j].admitted))
+                group = [j for j in self._running() if self.slots[j].group == s.group]
+                self._preempt(max(group, key=lambda j: self.slots[j].admitted))
 
     def _grow(self, s: Seq) -> bool:
-        """Take the pages `s` lacks; False (taking none) when the pool has too few."""
+        """Take the pages `s` lacks; False (taking none) when its group has too few."""
         missing = s.own_pages_needed(self.page_size, self.sync_steps) - len(s.pages)
-        got = self.pool.take(max(missing, 0))
+        got = self.pools[s.group].take(max(missing, 0))
         if got is None:
             return False
         s.pages += got
@@ -218,13 +246,14 @@ class Scheduler:
     def _free(self, slot: int) -> None:
         """Empty `slot`: its own pages go back, and its prompt's once no other slot reads them."""
         s = self.slots[slot]
-        self.pool.release(s.pages)
+        pool = self.pools[s.group]
+        pool.release(s.pages)
         s.pages = []
-        pr = self.prompts[s.prompt]
+        pr = self.prompts[s.group, s.prompt]
         pr.users -= 1
         if pr.users == 0:
-            self.pool.release(pr.pages)
-            del self.prompts[s.prompt]
+            pool.release(pr.pages)
+            del self.prompts[s.group, s.prompt]
         self.slots[slot] = None
 
     # ------------------------------------------------------------------ the device call
@@ -232,24 +261,31 @@ class Scheduler:
         """The decode batch of the running slots (module docstring: rows and when the device hands back)."""
         running = self._running()
         if not running:  # the queue waits, and not even its first sequence fits the empty pool
-            raise RuntimeError(f"the KV pool of {self.pool.pages} pages of {self.page_size} tokens cannot hold one "
-                               f"sequence of {len(self.queue[0].prompt)} prompt tokens plus {self.sync_steps} decode "
-                               f"steps; raise engine pages")
-        rows, stop_below = len(self.slots), len(running)  # back when a row finishes: a waiting one takes its slot
-        if not self.queue:  # live rows to the front, decoded in the smallest bucket that holds them, until they
-            # fit the next smaller one
-            self.slots.sort(key=lambda s: s is None)
-            rows = rows_for(len(running), self.buckets)
+            raise RuntimeError(f"the KV pool of {self.pools[0].pages} pages of {self.page_size} tokens"
+                               f"{' per data group' if self.groups > 1 else ''} cannot hold one sequence of "
+                               f"{len(self.queue[0].prompt)} prompt tokens plus {self.sync_steps} decode steps; "
+                               f"raise engine pages")
+        # back when a row finishes: a waiting one takes its slot
+        rows, stop_below, group_below = len(self.slots), len(running), 0
+        if not self.queue:  # live rows to the front of their group, decoded in the smallest bucket that holds the
+            # fullest group, until every group fits the next smaller one
+            for g in range(self.groups):
+                block = self._group_slots(g)
+                self.slots[block.start:block.stop] = sorted(self.slots[block.start:block.stop],
+                                                            key=lambda s: s is None)
+            fullest = max(sum(self.slots[j] is not None for j in self._group_slots(g)) for g in range(self.groups))
+            rows = rows_for(fullest, self.buckets, self.groups)
             smaller = [b for b in self.buckets if b < rows]
-            stop_below = smaller[-1] + 1 if smaller else 0
-        batch = DecodeBatch.zeros(rows, self.width).replace(stop_below=np.asarray(stop_below, np.int32))
-        for row, s in enumerate(self.slots[:rows]):
-            if s is not None:
-                self._fill(batch, row, s)
+            stop_below, group_below = 0, smaller[-1] // self.groups + 1 if smaller else 0
+        batch = DecodeBatch.zeros(rows, self.width).replace(stop_below=np.asarray(stop_below, np.int32),
+                                                            group_stop_below=np.asarray(group_below, np.int32))
+        for row, slot in group_rows(rows, self.per_group, self.groups):
+            if self.slots[slot] is not None:
+                self._fill(batch, row, self.slots[slot])
         return batch
 
     def _fill(self, batch: DecodeBatch, row: int, s: Seq) -> None:
-        pages = self.prompts[s.prompt].pages[:s.shared_pages(self.page_size)] + s.pages
+        pages = self.prompts[s.group, s.prompt].pages[:s.shared_pages(self.page_size)] + s.pages
         batch.page_table[row, :len(pages)] = pages
         batch.copy_src[row], batch.copy_dst[row] = s.copy or (NULL_PAGE, NULL_PAGE)
         s.copy = None
@@ -264,23 +300,35 @@ class Scheduler:
         self.stats["decode_calls"] += 1
         self.stats["steps"] += int((out.generated - batch.generated).max())
         finished = []
-        for row, s in enumerate(self.slots[:batch.rows]):
+        for row, slot in group_rows(batch.rows, self.per_group, self.groups):
+            s = self.slots[slot]
             if s is None:
                 continue
             k = int(out.generated[row] - batch.generated[row])
             s.tokens += out.tokens[row, :k].tolist()
             s.logprobs += out.logprobs[row, :k].tolist()
             if not out.live[row]:
-                self._free(row)
+                self._free(slot)
                 finished.append(s)
         return finished
 
+    def prefill(self, prompts: Sequence[SharedPrompt], length: int) -> PrefillBatch:
+        """The `PrefillBatch` of `admit`'s prompts (`prefill_batch`), `length` tokens wide, in the smallest row
+        bucket that holds each group's prompts in its block of rows."""
+        counts = [sum(p.group == g for p in prompts) for g in range(self.groups)]
+        return prefill_batch(prompts, rows_for(max(counts), self.buckets, self.groups), length, self.page_size,
+                             self.groups)
 
-def prefill_batch(prompts: Sequence[SharedPrompt], rows: int, length: int, page_size: int) -> PrefillBatch:
-    """The first len - 1 tokens of each prompt (row r: prompts[r]) at positions 0.., with its pages; rows past
-    the prompts are padding."""
+
+def prefill_batch(prompts: Sequence[SharedPrompt], rows: int, length: int, page_size: int,
+                  groups: int = 1) -> PrefillBatch:
+    """The first len - 1 tokens of each prompt at positions 0.., with its pages: group g's prompts in order in
+    its block of rows / groups rows (one group: row r is prompts[r]); rows past them are padding."""
     batch = PrefillBatch.zeros(rows, length, pages_for(length, page_size))
-    for r, p in enumerate(prompts):
+    taken = [0] * groups
+    for p in prompts:
+        r = p.group * (rows // groups) + taken[p.group]
+        taken[p.group] += 1
         n = len(p.ids) - 1
         batch.tokens[r, :n] = p.ids[:n]
         batch.positions[r, :n] = np.arange(n)

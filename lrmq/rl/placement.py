@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from lrmq.configlib import ConfigError
-from lrmq.generation.paged import is_quantized
+from lrmq.generation.paged import decode_fsdp
 from lrmq.rl.setup import model_config
 from lrmq.sharding import MeshConfig, make_mesh
 
@@ -50,8 +50,9 @@ def split_devices(devices, fraction: float) -> tuple[list, list]:
     return sampler, learner
 
 
-def placement_meshes(cfg, devices=None):
-    """(learner mesh, sampler mesh) of a TrainConfig: the same mesh twice when colocated."""
+def placement_meshes(cfg, devices=None, kv_heads: int | None = None):
+    """(learner mesh, sampler mesh) of a TrainConfig: the same mesh twice when colocated. kv_heads: the model's KV
+    heads, when the caller has its config (else read from the checkpoint's, for mesh.rollout_fsdp=0)."""
     m = cfg.mesh
     devices = list(devices if devices is not None else jax.devices())
     if cfg.rollout.placement == "colocated":
@@ -60,22 +61,19 @@ def placement_meshes(cfg, devices=None):
     sampler_devs, learner_devs = split_devices(devices, m.rollout_fraction)
     learner = _mesh(MeshConfig(m.data, m.fsdp, m.tensor), learner_devs,
                     f"mesh.data / mesh.fsdp / mesh.tensor (the learner's {len(learner_devs)} devices)")
-    fsdp = m.rollout_fsdp or sampler_fsdp(cfg, len(sampler_devs) // m.rollout_tensor, sampler_devs[0].platform)
+    fsdp = m.rollout_fsdp or sampler_fsdp(cfg, len(sampler_devs) // m.rollout_tensor, sampler_devs[0].platform,
+                                          model_config(cfg).num_kv_heads if kv_heads is None else kv_heads)
     sampler = _mesh(MeshConfig(m.rollout_data, fsdp, m.rollout_tensor), sampler_devs,
                     f"mesh.rollout_data / rollout_fsdp / rollout_tensor (the sampler's {len(sampler_devs)} devices)")
     return learner, sampler
 
 
-def sampler_fsdp(cfg, chips: int, platform: str) -> int:
+def sampler_fsdp(cfg, chips: int, platform: str, kv_heads: int) -> int:
     """mesh.rollout_fsdp=0: the largest fsdp axis over `chips` sampler chips (the rest is data) that splits the
-    model's KV heads into whole shares its KV format runs at: >= 2 heads per chip for fp8 pages on TPU (JAX's ragged
-    paged attention kernel packs fp8 rows in pairs of heads; docs/tpu.md), else >= 1. Logged."""
-    heads = model_config(cfg).num_kv_heads
-    least = 2 if platform == "tpu" and is_quantized(cfg.rollout.kv_cache) and cfg.rollout.kv_cache != "int8" else 1
-    fits = [d for d in range(1, chips + 1) if chips % d == 0 and heads % d == 0 and heads // d >= least]
-    fsdp = max(fits, default=1)
+    model's `kv_heads` KV heads into whole shares its KV format runs at (`paged.decode_fsdp`). Logged."""
+    fsdp = decode_fsdp(chips, kv_heads, cfg.rollout.kv_cache, platform)
     log.info("mesh.rollout_fsdp=0: the sampler's %d chips as data=%d x fsdp=%d (%d of the %d KV heads per chip, "
-             "rollout.kv_cache=%s)", chips, chips // fsdp, fsdp, heads // fsdp, heads, cfg.rollout.kv_cache)
+             "rollout.kv_cache=%s)", chips, chips // fsdp, fsdp, kv_heads // fsdp, kv_heads, cfg.rollout.kv_cache)
     return fsdp
 
 
