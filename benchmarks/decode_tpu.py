@@ -167,7 +167,9 @@ def measure(spec: dict) -> dict:
     # the compiled program's pool argument on each chip (its input sharding, its dtypes): the leaves with a page
     # axis (the pages, and int8's per-token scale pages) per token held, and the per-head scales (read whole)
     pool_chip = pool_leaf_bytes(args[1], compiled)
-    per_token = sum(b for b, per_page in pool_chip if per_page) / (pages * engine.page_size)
+    # the pool's pages split over the data groups (each chip holds its group's pages/groups: `paged.kv_page_axes`)
+    groups = paged.kv_groups(mesh, cfg.num_kv_heads)
+    per_token = sum(b for b, per_page in pool_chip if per_page) * groups / (pages * engine.page_size)
     scale_bytes = sum(b for b, per_page in pool_chip if not per_page)
     impl = "tpu" if "ragged_paged_attention" in text else "xla"
     pool_dtype = paged.storage_dtype(cfg, kv_cache)
@@ -189,7 +191,7 @@ def measure(spec: dict) -> dict:
     loop = decode_loop(module)
     kernel_pages = kernel_pool_operands(module, engine.page_size, 2 * cfg.num_kv_heads // head_shards, cfg.head_dim)
     # whole-pool relayouts inside the decode loop (each reads and writes the chip's pool): HBM traffic of the step
-    chip_pool = (cfg.num_layers, pages, engine.page_size, 2 * cfg.num_kv_heads // head_shards, cfg.head_dim)
+    chip_pool = (cfg.num_layers, pages // groups, engine.page_size, 2 * cfg.num_kv_heads // head_shards, cfg.head_dim)
     copies = pool_copies(module, loop, chip_pool)
     pages_leaf = max((b for b, per_page in pool_chip if per_page), default=0)
     copy_bytes = sum(2 * pages_leaf * c["times"] for c in copies)
@@ -210,7 +212,7 @@ def measure(spec: dict) -> dict:
     out.update(
         impl=impl, compile_s=round(secs, 1), memory=mem, hbm_bytes=hbm,
         fits=bool(hbm) and mem["total"] <= hbm * (1 - aot.HEADROOM),
-        pool_bytes_per_chip=sum(b for b, _ in pool_chip), kv_head_axes=list(heads),
+        pool_bytes_per_chip=sum(b for b, _ in pool_chip), kv_head_axes=list(heads), kv_groups=groups,
         kv_cache=kv_cache, kv_bytes_per_token_per_chip=per_token, kv_bf16_formula_bytes_per_token=per_token_formula,
         kv_scale_bytes_per_chip=scale_bytes, kernel_pool_operands=kernel_pages, pool_copies_per_step=copies,
         pool_copy_bytes_per_step=copy_bytes, pool_copies_per_call=call_copies, sync_steps=engine.sync_steps,

@@ -67,8 +67,10 @@ DECODE = dict([
     *_rows("qwen3-8b", "v5e:2x4", 16, 512, 32256, KERNEL_FP8, prefill=True),
 ])
 
-# the command the issue names, with fp8 pages (its mesh: data=1 x fsdp=8)
+# the command issue 49 names, with fp8 pages: 32 slots of 512 + 32,256 tokens; with no mesh given, evaluate takes
+# data=2 x fsdp=4 (2 KV heads per chip for the fp8 kernel) and the KV pool's pages split over data
 EVALUATE = {f"qwen3-8b/quantlrm/v5e:2x4/kv={FP8}": ("v5e:2x4", FP8)}
+EVALUATE_ARGS = ("--prompt-len", "512", "generation.batch_size=32")
 
 
 def baseline(name: str) -> str:
@@ -162,7 +164,8 @@ def main():
         if not todo(name, "evaluate"):
             continue
         print(f"compiling {name} ...", flush=True)
-        r = run_evaluate(topology, "qwen3-8b", "quantlrm", args.timeout, overrides=(f"generation.kv_cache={kv}",))
+        r = run_evaluate(topology, "qwen3-8b", "quantlrm", args.timeout,
+                         overrides=(*EVALUATE_ARGS, f"generation.kv_cache={kv}"))
         data["evaluate"][name] = r = {**r, "kv_cache": kv}
         print(r.get("verdict") or r.get("error"), f"(exit {r.get('exit_status')})", flush=True)
         write_json(args.out, data)
