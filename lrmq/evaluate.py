@@ -133,9 +133,8 @@ def eval_mesh(devices, kv_heads: int, kv_cache: str, log=print):
     data x fsdp with fsdp the largest that splits the KV heads into shares it runs at (`paged.decode_fsdp`),
     printed. A data axis splits the decode slots and the KV pool's pages (`paged.kv_page_axes`)."""
     devices = list(devices if devices is not None else jax.devices())
-    n, least = len(devices), least_kv_heads(kv_cache, devices[0].platform)
-    fsdp = n if kv_heads % n == 0 and kv_heads // n >= least or least == 1 else decode_fsdp(
-        n, kv_heads, kv_cache, devices[0].platform)
+    n, platform = len(devices), devices[0].platform
+    fsdp = n if least_kv_heads(kv_cache, platform) == 1 else decode_fsdp(n, kv_heads, kv_cache, platform)
     mesh = make_mesh(MeshConfig(n // fsdp, fsdp, 1), devices=devices)
     if fsdp < n:
         log(f"mesh: data={n // fsdp} x fsdp={fsdp} ({kv_heads // fsdp} of the {kv_heads} KV heads per chip for "

@@ -50,9 +50,8 @@ def split_devices(devices, fraction: float) -> tuple[list, list]:
     return sampler, learner
 
 
-def placement_meshes(cfg, devices=None, kv_heads: int | None = None):
-    """(learner mesh, sampler mesh) of a TrainConfig: the same mesh twice when colocated. kv_heads: the model's KV
-    heads, when the caller has its config (else read from the checkpoint's, for mesh.rollout_fsdp=0)."""
+def placement_meshes(cfg, devices=None):
+    """(learner mesh, sampler mesh) of a TrainConfig: the same mesh twice when colocated."""
     m = cfg.mesh
     devices = list(devices if devices is not None else jax.devices())
     if cfg.rollout.placement == "colocated":
@@ -62,7 +61,7 @@ def placement_meshes(cfg, devices=None, kv_heads: int | None = None):
     learner = _mesh(MeshConfig(m.data, m.fsdp, m.tensor), learner_devs,
                     f"mesh.data / mesh.fsdp / mesh.tensor (the learner's {len(learner_devs)} devices)")
     fsdp = m.rollout_fsdp or sampler_fsdp(cfg, len(sampler_devs) // m.rollout_tensor, sampler_devs[0].platform,
-                                          model_config(cfg).num_kv_heads if kv_heads is None else kv_heads)
+                                          model_config(cfg).num_kv_heads)
     sampler = _mesh(MeshConfig(m.rollout_data, fsdp, m.rollout_tensor), sampler_devs,
                     f"mesh.rollout_data / rollout_fsdp / rollout_tensor (the sampler's {len(sampler_devs)} devices)")
     return learner, sampler
