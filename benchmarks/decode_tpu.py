@@ -92,7 +92,10 @@ def measure(spec: dict) -> dict:
     import jax
 
     from lrmq import aot, sharding
-    from lrmq.generation import engine as engine_mod, paged
+    from lrmq.generation import attention, kv_pool
+    from lrmq.generation import engine as engine_mod
+    from lrmq.generation.attention import tpu as attn_tpu
+    from lrmq.generation.kv_format import KVFormat
     from lrmq.generation.engine import Engine, EngineConfig
     from lrmq.generation.sampling import SamplingConfig
     from lrmq.hlo import Module, array_shapes, decode_loop
@@ -100,9 +103,9 @@ def measure(spec: dict) -> dict:
     from lrmq.sharding import MeshConfig, make_mesh, state_shardings
 
     if spec["layout"] != "tp":  # the decode layout before: weights whole over the data axes
-        sharding.DECODE_RULES = engine_mod.DECODE_RULES = paged.DECODE_RULES = {**sharding.RULES, "embed": None}
+        sharding.DECODE_RULES = engine_mod.DECODE_RULES = kv_pool.DECODE_RULES = {**sharding.RULES, "embed": None}
     if spec["layout"] == "replicated":
-        paged.kv_head_axes = lambda mesh, kv_heads: ()
+        kv_pool.kv_head_axes = attention.kv_head_axes = lambda mesh, kv_heads: ()
     DECODE_RULES = sharding.DECODE_RULES
     cfg = preset_config(spec["model"], dtype="bfloat16", param_dtype="bfloat16")
     devices = list(aot.topology_devices(spec["topology"]))
@@ -158,7 +161,7 @@ def measure(spec: dict) -> dict:
     if not cfg.tie_word_embeddings:  # the embedding is looked up (one row per slot), not read whole
         embed = sum(weights.pop(k) for k in [k for k in weights if "embedding" in k])
     weight_bytes = sum(weights.values())
-    heads = paged.kv_head_axes(mesh, cfg.num_kv_heads)
+    heads = kv_pool.kv_head_axes(mesh, cfg.num_kv_heads)
     head_shards = math.prod(mesh.shape[a] for a in heads) if heads else 1
     # rows each chip attends for: all slots when the KV heads split over every data axis, else its batch share
     row_shards = chips // head_shards
@@ -167,14 +170,14 @@ def measure(spec: dict) -> dict:
     # the compiled program's pool argument on each chip (its input sharding, its dtypes): the leaves with a page
     # axis (the pages, and int8's per-token scale pages) per token held, and the per-head scales (read whole)
     pool_chip = pool_leaf_bytes(args[1], compiled)
-    # the pool's pages split over the data groups (each chip holds its group's pages/groups: `paged.kv_page_axes`)
-    groups = paged.kv_groups(mesh, cfg.num_kv_heads)
+    # the pool's pages split over the data groups (each chip holds its group's pages/groups: `kv_pool.kv_page_axes`)
+    groups = kv_pool.kv_groups(mesh, cfg.num_kv_heads)
     per_token = sum(b for b, per_page in pool_chip if per_page) * groups / (pages * engine.page_size)
     scale_bytes = sum(b for b, per_page in pool_chip if not per_page)
     impl = "tpu" if "ragged_paged_attention" in text else "xla"
-    pool_dtype = paged.storage_dtype(cfg, kv_cache)
+    pool_dtype = KVFormat(kv_cache).dtype(cfg)
     if impl == "tpu":
-        blk, _, _ = paged.tpu_block_sizes(kind, q_heads=cfg.num_heads // head_shards,
+        blk, _, _ = attn_tpu.tpu_block_sizes(kind, q_heads=cfg.num_heads // head_shards,
                                           pool_shape=(cfg.num_layers, pages, engine.page_size,
                                                       2 * cfg.num_kv_heads // head_shards, cfg.head_dim),
                                           dtype=pool_dtype, width=width, slots=slots // row_shards)

@@ -141,7 +141,9 @@ def _program(case, sd):
 def _paged_program(case, sd):
     import jax.numpy as jnp
 
-    from lrmq.generation import paged
+    from lrmq.generation import kv_pool
+    from lrmq.generation.attention import gpu as attn_gpu
+    from lrmq.generation.kv_format import KVFormat
 
     s, h, kvh, d, ps = case["slots"], case["q_heads"], case["kv_heads"], case["head_dim"], case["page_size"]
     width = case["context"] // ps
@@ -154,10 +156,10 @@ def _paged_program(case, sd):
         pool = kv
     else:
         scale, token = sd((kvh, 1), jnp.float32), sd((kvh, 1, pages, ps), jnp.float32)
-        pool = paged.QuantPool(kv, scale, scale, sd((kvh,), jnp.int32), token, token,
-                               fmt="int8" if dt == jnp.int8 else "fp8_e4m3" if "e4m3" in dt.name else "fp8_e5m2")
-    why = paged.gpu_unsupported(h, (1, pages, ps, 2 * kvh, d), dt, scaled=quant)
-    fn = lambda q, pool, t, l: paged.decode_attention_gpu(q, pool, 0, t, l, None)  # noqa: E731
+        name = "int8" if dt == jnp.int8 else "fp8_e4m3" if "e4m3" in dt.name else "fp8_e5m2"
+        pool = kv_pool.QuantPool(kv, scale, scale, sd((kvh,), jnp.int32), token, token, fmt=KVFormat(name, "split"))
+    why = attn_gpu.gpu_unsupported(h, (1, pages, ps, 2 * kvh, d), dt, scaled=quant)
+    fn = lambda q, pool, t, l: attn_gpu.decode_attention_gpu(q, pool, 0, t, l, None)  # noqa: E731
     return fn, (q, pool, sd((s, width), jnp.int32), sd((s,), jnp.int32)), why
 
 

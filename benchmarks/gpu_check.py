@@ -355,7 +355,9 @@ def part_paged(out):
     import numpy as np
 
     sys.path.insert(0, TESTS)
-    from lrmq.generation import paged
+    from lrmq.generation import attention, kv_format, kv_pool
+    from lrmq.generation.attention import gpu as attn_gpu
+    from lrmq.generation.attention import xla as attn_xla
 
     checks = Checks(out)
 
@@ -366,7 +368,7 @@ def part_paged(out):
             pool = (k.astype(dtype), v.astype(dtype))
             ref_pool = pool
         else:  # int8 / fp8 pages with per-token scale pages, as the engine's QuantPool holds them
-            qdt = paged.QUANT_DTYPES[quant]
+            qdt = kv_format.QUANT_DTYPES[quant]
             qmax = 127.0 if quant == "int8" else float(jnp.finfo(qdt).max)
             ks = jnp.max(jnp.abs(k), -1) / qmax
             vs = jnp.max(jnp.abs(v), -1) / qmax
@@ -376,18 +378,19 @@ def part_paged(out):
                 kq, vq = jnp.round(kq), jnp.round(vq)
             kq, vq = kq.astype(qdt), vq.astype(qdt)
             kvh_, layers = k.shape[:2]
-            pool = paged.QuantPool(pages=(kq, vq), k_scale=jnp.ones((kvh_, layers)), v_scale=jnp.ones((kvh_, layers)),
-                                   saturated=jnp.zeros((kvh_,), jnp.int32), k_token=ks, v_token=vs, fmt=quant)
+            pool = kv_pool.QuantPool(pages=(kq, vq), k_scale=jnp.ones((kvh_, layers)),
+                                     v_scale=jnp.ones((kvh_, layers)), saturated=jnp.zeros((kvh_,), jnp.int32),
+                                     k_token=ks, v_token=vs, fmt=kv_format.KVFormat(quant, "split"))
             ref_pool = ((kq.astype(jnp.float32) * ks[..., None]).astype(dtype),
                         (vq.astype(jnp.float32) * vs[..., None]).astype(dtype))
         q = q.astype(dtype)
-        gpu = jax.jit(lambda q, pool, t, n: paged.decode_attention_gpu(q, pool, layer, t, n, window))
+        gpu = jax.jit(lambda q, pool, t, n: attn_gpu.decode_attention_gpu(q, pool, layer, t, n, window))
         got = np.asarray(gpu(q, pool, table, lengths), np.float32)
         res = dict(idle_slot_zero=bool(np.all(got[0] == 0)), finite=bool(np.isfinite(got).all()))
         for prec in ("default", "highest"):
             with jax.default_matmul_precision(prec):
-                xla = jax.jit(lambda q, pool, t, n: paged.decode_attention_xla(q, pool, layer, t, n, window,
-                                                                                block_pages=min(8, width)))
+                xla = jax.jit(lambda q, pool, t, n: attn_xla.decode_attention_xla(q, pool, layer, t, n, window,
+                                                                                  block_pages=min(8, width)))
                 want = np.asarray(xla(q, ref_pool, table, lengths), np.float32)
             res[f"max_abs_err_vs_xla_{prec}"] = float(np.abs(got - want).max())
         tol = 2e-2 if dtype != jnp.float32 or quant else 2e-5
@@ -408,7 +411,7 @@ def part_paged(out):
                    f"{width * ps} tokens, {what}, layer {layer}", compare, s_, h, kvh, d, ps, width, dtype, layer,
                    None, quant)
     checks.run("gpu_unsupported / resolve_impl('auto') on the GPU: the kernel for bf16, page 16, D=128",
-               lambda: dict(passed=paged.resolve_impl("auto", 32, (2, 9, 16, 16, 128), jnp.bfloat16) == "gpu"))
+               lambda: dict(passed=attention.resolve_impl("auto", 32, (2, 9, 16, 16, 128), jnp.bfloat16) == "gpu"))
 
 
 def part_pytest_paged(out):
@@ -432,7 +435,8 @@ def part_bench(out):
     import jax
     import jax.numpy as jnp
 
-    from lrmq.generation import paged
+    from lrmq.generation.attention import gpu as attn_gpu
+    from lrmq.generation.attention import xla as attn_xla
     from lrmq.model.attention import attention
 
     sys.path.insert(0, TESTS)
@@ -447,9 +451,9 @@ def part_bench(out):
         dtype = jnp.dtype(dtype)
         lengths = [width * ps] * s if full else None
         q, (k, v), table, n = _paged_inputs(s, h, kvh, d, ps, width, 2, dtype, lengths=lengths)
-        gpu = jax.jit(lambda q, pool, t, n: paged.decode_attention_gpu(q, pool, 1, t, n, None))
-        xla = jax.jit(lambda q, pool, t, n: paged.decode_attention_xla(q, pool, 1, t, n, None,
-                                                                        block_pages=min(8, width)))
+        gpu = jax.jit(lambda q, pool, t, n: attn_gpu.decode_attention_gpu(q, pool, 1, t, n, None))
+        xla = jax.jit(lambda q, pool, t, n: attn_xla.decode_attention_xla(q, pool, 1, t, n, None,
+                                                                          block_pages=min(8, width)))
         t_gpu = time_dispatched(gpu, q, (k, v), table, n, iters=15, reps=10)
         t_xla = time_dispatched(xla, q, (k, v), table, n, iters=15, reps=10)
         live = int(jnp.sum(n)) * kvh * d * 2 * dtype.itemsize  # K and V bytes of the live tokens

@@ -3,7 +3,7 @@
 Issue 36 asks for the per-token log-prob error and the greedy agreement of fp8 / int8 KV caches against the float
 cache "at long context: the tiny models at 2k+ positions, with and without QK-norm (Qwen3 vs Qwen2 / Llama
 families)". This script measures them through the engine the trainer's rollouts use (`lrmq.generation.engine`,
-XLA decode attention on CPU, the quantized pool `paged.QuantPool`), per family lrmq supports:
+XLA decode attention on CPU, the quantized pool `kv_pool.QuantPool`), per family lrmq supports:
 
 * qwen3 (QK-norm per head), olmo3 (QK-norm over all heads; its sliding-window layers get Olmo-3's 4,096-token
   window, so at these lengths every layer sees the whole context), qwen2 (no QK-norm, q/k/v biases), llama
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from lrmq.generation.engine import Engine, EngineConfig, sequence_keys
-    from lrmq.generation.paged import FP8_HEADROOM, format_max
+    from lrmq.generation.kv_format import KVFormat
+    from lrmq.generation.kv_pool import FP8_HEADROOM
     from lrmq.generation.sampling import SamplingConfig
 
     t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
                        "seconds": round(time.perf_counter() - t0, 1)}
                 scales = got["sampled"].kv_scales
                 if scales is not None:
-                    row["key_absmax"] = float(scales.k.max() * format_max(fmt) / FP8_HEADROOM)
+                    row["key_absmax"] = float(scales.k.max() * KVFormat(fmt).fmax / FP8_HEADROOM)
                 rows.append(row)
                 print(f"{family:6s} {variant:13s} {fmt:9s} err mean {row['mean_abs_logprob_err']:.4f} "
                       f"max {row['max_abs_logprob_err']:.3f}  sampled agree {row['sampled_agreement']:.3f}  "

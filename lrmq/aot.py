@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from lrmq import compile_cache
 from lrmq.configlib import ConfigError
 from lrmq.generation.engine import Engine, EngineConfig, pool_info
-from lrmq.generation.paged import page_bytes, pool_budget
+from lrmq.generation.kv_pool import pool_budget
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
@@ -523,7 +523,7 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
     """Compile the train step and the rollout for `devices` (default: this process's view of all devices)
     and compare per-device memory with HBM minus HEADROOM. When the step does not fit, find the largest
     micro-batch that does (compiling smaller ones, largest first). With rollout.kv_pages = 0 the rollout's KV
-    pool is sized to the device (`paged.pool_budget`): rollout.kv_memory_fraction of HBM less the update's
+    pool is sized to the device (`kv_pool.pool_budget`): rollout.kv_memory_fraction of HBM less the update's
     per-device total (its weights, optimizer state and peak; the fitting micro-batch's when the configured one
     does not fit), at most the worst case, then shrunk until the rollout's programs fit (`fit_pool`); a set
     rollout.kv_pages that does not fit gets the largest pool that does (`fitting_kv_pages`). A program the

@@ -27,7 +27,7 @@ from lrmq.evals.runner import (COMPLETIONS, RESULTS, TABLE, EvalError, markdown_
                                run_suite, score_records, summarize_records)
 from lrmq.atomic import atomic_write_text
 from lrmq.generation.engine import Engine
-from lrmq.generation.paged import decode_fsdp, least_kv_heads, pool_budget
+from lrmq.generation.kv_pool import decode_fsdp, least_kv_heads, pool_budget
 from lrmq.model.config import ModelConfig
 from lrmq.model.presets import preset_config
 from lrmq.ptq.qat_export import refuse_float_qat_policy
@@ -129,9 +129,9 @@ def check_run_dir(cfg: EvalConfig, overwrite: bool) -> None:
 
 def eval_mesh(devices, kv_heads: int, kv_cache: str, log=print):
     """The mesh an evaluation decodes on: data=1 x fsdp=all of `devices` (weights split the most ways), unless the
-    KV format cannot decode there (fp8 pages on TPU need >= 2 KV heads per chip: `paged.least_kv_heads`); then
-    data x fsdp with fsdp the largest that splits the KV heads into shares it runs at (`paged.decode_fsdp`),
-    printed. A data axis splits the decode slots and the KV pool's pages (`paged.kv_page_axes`)."""
+    KV format cannot decode there (fp8 pages on TPU need >= 2 KV heads per chip: `kv_pool.least_kv_heads`); then
+    data x fsdp with fsdp the largest that splits the KV heads into shares it runs at (`kv_pool.decode_fsdp`),
+    printed. A data axis splits the decode slots and the KV pool's pages (`kv_pool.kv_page_axes`)."""
     devices = list(devices if devices is not None else jax.devices())
     n, platform = len(devices), devices[0].platform
     fsdp = n if least_kv_heads(kv_cache, platform) == 1 else decode_fsdp(n, kv_heads, kv_cache, platform)

@@ -22,7 +22,8 @@ from lrmq.checkpoint.load import check_checkpoint, load_model, load_tokenizer, r
 from lrmq.cli import ArgumentParser, UsageError, number, run_main, select_platforms, tune_gc
 from lrmq.data.text import read_documents
 from lrmq.generation.engine import Engine, EngineConfig
-from lrmq.generation.paged import DECODE_ATTENTION, KV_CACHE_FORMATS
+from lrmq.generation.attention import DECODE_ATTENTION
+from lrmq.generation.kv_format import KV_CACHE_FORMATS
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.generation.scheduler import check_kv_pages, pages_for_one_sequence
 from lrmq.model.config import check_position_limit

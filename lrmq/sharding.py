@@ -68,7 +68,7 @@ def make_mesh(cfg: MeshConfig | tuple[int, int, int] | None = None, devices=None
 # tensor parallel over "tensor" and "fsdp": attention heads, MLP columns and the vocabulary split, the model
 # dimension whole; replicated over "data". Each chip reads 1/(tensor x fsdp) of the weights per decode step
 # (FSDP shards gathered whole would have it read all of them), and its KV heads are the ones of its share of
-# the paged KV pool (`lrmq.generation.paged.kv_head_axes`). An axis that does not divide a dimension leaves
+# the paged KV pool (`lrmq.generation.kv_pool.kv_head_axes`). An axis that does not divide a dimension leaves
 # that weight whole (`logical_to_spec`).
 DECODE_TP = ("tensor", "fsdp")
 DECODE_RULES = {**RULES, "batch": ("data",), "embed": None, "heads": DECODE_TP, "kv_heads": DECODE_TP,

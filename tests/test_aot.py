@@ -219,7 +219,7 @@ def test_kv_pool_sized_to_the_device():
     search that shrinks a pool whose programs do not fit (on a linear memory model, no compile)."""
     from lrmq import aot
     from lrmq.generation.engine import EngineConfig, call_sizes, pool_info
-    from lrmq.generation.paged import fitted_pages, page_bytes, pool_budget
+    from lrmq.generation.kv_pool import fitted_pages, page_bytes, pool_budget
     from lrmq.model.presets import preset_config
 
     gib = 2 ** 30

@@ -1,6 +1,6 @@
 """rollout.decode_attention / generation.decode_attention / `lrmq.generate --decode-attention`: the engine's
-decode attention (`paged.DECODE_ATTENTION`, "auto" by default) as a setting of every command, so the fp8
-refusal's advice (`paged.fp8_heads_message`: the XLA path given explicitly) can be followed. Nothing compiles:
+decode attention (`attention.DECODE_ATTENTION`, "auto" by default) as a setting of every command, so the fp8
+refusal's advice (`attention.fp8_heads_message`: the XLA path given explicitly) can be followed. Nothing compiles:
 the Engine is replaced by a recorder that stops the call once it has seen its `impl`."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lrmq import aot
 from lrmq.config_help import NAMES
 from lrmq.configlib import ConfigError, load_config
 from lrmq.evals.config import GenerationSection, eval_config
-from lrmq.generation.paged import DECODE_ATTENTION
+from lrmq.generation.attention import DECODE_ATTENTION
 from lrmq.rl.config import RolloutSection, TrainConfig
 
 TINY_DEMO = os.path.join(REPO_ROOT, "configs", "tiny_demo.yaml")
@@ -39,7 +39,7 @@ def recorder(seen: list, stop: bool = True):
 
 
 def test_the_settings_offer_the_engines_names():
-    """"auto" and paged.DECODE_ATTENTION, taken from the engine (an implementation added there is offered)."""
+    """"auto" and attention.DECODE_ATTENTION, taken from the engine (an implementation added there is offered)."""
     assert typing.get_args(typing.get_type_hints(RolloutSection)["decode_attention"]) == NAMES_OFFERED
     field = {f.name: f for f in dataclasses.fields(GenerationSection)}["decode_attention"]
     assert tuple(field.metadata[NAMES]) == NAMES_OFFERED

@@ -17,7 +17,8 @@ from flax import nnx
 from conftest import REPO_ROOT, TINY_MODEL_DIR
 from lrmq.checkpoint.hf import load_hf_model
 from lrmq.generation.engine import Engine, EngineConfig, bucket_length, generate, left_pad
-from lrmq.generation.paged import decode_attention_xla, interleave
+from lrmq.generation.attention.xla import decode_attention_xla
+from lrmq.generation.kv_pool import interleave
 from lrmq.generation.sampling import SamplingConfig, _top_p_mask, sample
 from lrmq.model.decoder import attend, positions_from_mask
 

@@ -21,7 +21,9 @@ import pytest
 
 import pallas_kernels as pk
 from lrmq import hlo, targets
-from lrmq.generation import paged
+from lrmq.generation import kv_pool
+from lrmq.generation.attention import gpu as attn_gpu
+from lrmq.generation.kv_format import KVFormat
 from pallas_kernels import gpu as pk_gpu
 from pallas_kernels.target import gpu_of
 from test_gpu_compile import _require_plugin
@@ -84,10 +86,10 @@ def test_paged_decode_attention_compiles_for_sm90a(h200, tmp_path, pages):
         pool = kv
     else:
         scale, token = sd((kvh, 1), jnp.float32), sd((kvh, 1, n_pages, ps), jnp.float32)
-        pool = paged.QuantPool(kv, scale, scale, sd((kvh,), jnp.int32), token, token,
-                               fmt="int8" if dt == jnp.int8 else "fp8_e4m3")
+        pool = kv_pool.QuantPool(kv, scale, scale, sd((kvh,), jnp.int32), token, token,
+                                 fmt=KVFormat("int8" if dt == jnp.int8 else "fp8_e4m3", "split"))
     args = (sd((slots, heads, d), jnp.bfloat16), pool, sd((slots, width), jnp.int32), sd((slots,), jnp.int32))
-    fn = lambda q, pool, t, l: paged.decode_attention_gpu(q, pool, 0, t, l, None)  # noqa: E731
+    fn = lambda q, pool, t, l: attn_gpu.decode_attention_gpu(q, pool, 0, t, l, None)  # noqa: E731
     kernels = _compile(mesh, fn, args, tmp_path)
     [name] = [n for n in kernels if n.startswith("paged_attention")]
     assert kernels[name]["target"] == "sm_90a" and sum(kernels[name]["tensor_core"].values()) > 0
@@ -97,7 +99,7 @@ def test_paged_decode_attention_compiles_for_sm90a(h200, tmp_path, pages):
         on_a100 = jax.sharding.NamedSharding(a100, jax.P())
         a_args = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on_a100), args)
         with jax.set_mesh(a100):
-            why = paged.gpu_unsupported(heads, (1, n_pages, ps, 2 * kvh, d), dt, scaled=True)
+            why = attn_gpu.gpu_unsupported(heads, (1, n_pages, ps, 2 * kvh, d), dt, scaled=True)
             if dt == jnp.int8:
                 assert why is None
             else:  # "auto" takes the XLA path; the kernel forced is refused before the compiler aborts

@@ -1,4 +1,4 @@
-"""The quantized KV cache (lrmq.generation.paged.QuantPool; docs/generation.md, "Quantized KV cache").
+"""The quantized KV cache (lrmq.generation.kv_pool.QuantPool; docs/generation.md, "Quantized KV cache").
 
 * `kv_cache=auto` is the model's dtype: the pool is the plain array it always was and the engine's tokens,
   log-probs and stats are exactly the default's.
@@ -34,8 +34,13 @@ import pytest
 
 from conftest import TINY_MODEL_DIR, tiny_train_config
 from lrmq.checkpoint.hf import load_hf_model
+from lrmq.generation import attention, kv_format, kv_pool
+from lrmq.generation.attention import gpu as attn_gpu
+from lrmq.generation.attention import tpu as attn_tpu
+from lrmq.generation.attention import xla as attn_xla
+from lrmq.generation.kv_format import KVFormat
 from lrmq.generation import paged
-from lrmq.generation.engine import Engine, EngineConfig
+from lrmq.generation.engine import Engine, EngineConfig, engine_format
 from lrmq.generation.sampling import SamplingConfig
 
 QUANT = ("fp8_e4m3", "fp8_e5m2", "int8")
@@ -46,8 +51,8 @@ def tiny():
     return load_hf_model(TINY_MODEL_DIR)
 
 
-def _cfg(layers=2, kvh=2, d=32, dtype="float32"):
-    return type("Cfg", (), dict(num_layers=layers, num_kv_heads=kvh, head_dim=d, dtype=dtype))()
+def _cfg(layers=2, kvh=2, d=32, dtype="float32", heads=4):
+    return type("Cfg", (), dict(num_layers=layers, num_kv_heads=kvh, head_dim=d, dtype=dtype, num_heads=heads))()
 
 
 def _keys(n, seed=7):
@@ -90,10 +95,10 @@ def _gen(eng, tiny, prompts, max_new, keys, kv_scales=None, sampling=SAMPLING):
 # ------------------------------------------------------------------------------------------ the pool
 def test_auto_is_the_plain_pool_and_the_default_engine(tiny, engine):
     cfg = tiny.cfg
-    auto = paged.new_pool(cfg, 5, 8, kv_cache="auto")
-    plain = paged.new_pool(cfg, 5, 8)
-    assert not isinstance(auto, paged.QuantPool) and auto.dtype == plain.dtype == jnp.dtype(cfg.dtype)
-    assert paged.page_bytes(cfg, 8, kv_cache="auto") == paged.page_bytes(cfg, 8)
+    auto = kv_pool.new_pool(cfg, 5, 8, fmt=KVFormat("auto"))
+    plain = kv_pool.new_pool(cfg, 5, 8)
+    assert not isinstance(auto, kv_pool.QuantPool) and auto.dtype == plain.dtype == jnp.dtype(cfg.dtype)
+    assert kv_pool.page_bytes(cfg, 8, fmt=KVFormat("auto")) == kv_pool.page_bytes(cfg, 8)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 4]]
     default = Engine(tiny, eos_ids=[EOS], pad_id=0, config=EngineConfig(**ENGINE))  # the engine before kv_cache
     runs = [_gen(e, tiny, prompts, 10, _keys(3)) for e in (default, engine("auto"))]
@@ -118,9 +123,9 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
     past the calibrated range clips at the format's max and is counted."""
     rng = np.random.default_rng(0)
     cfg, ps, pages, t = _cfg(), 4, 9, 8
-    pool = paged.new_pool(cfg, pages, ps, layout=layout, kv_cache=fmt)
-    assert isinstance(pool, paged.QuantPool) and paged.pool_dtype(pool) == paged.storage_dtype(cfg, fmt)
-    assert (pool.k_token is not None) == paged.per_token_scales(fmt, layout)
+    pool = kv_pool.new_pool(cfg, pages, ps, fmt=KVFormat(fmt, layout))
+    assert isinstance(pool, kv_pool.QuantPool) and kv_pool.pool_dtype(pool) == KVFormat(fmt).dtype(cfg)
+    assert (pool.k_token is not None) == KVFormat(fmt, layout).token_scales
     table = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
     q_pos = jnp.broadcast_to(jnp.arange(t), (2, t))
     k = rng.normal(size=(2, t, 2, 32)).astype(np.float32) * np.array([1.0, 30.0])[:, None]  # heads' ranges differ
@@ -128,13 +133,13 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
     for layer in (0, 1):
         pool = _write(pool, jnp.asarray(k), jnp.asarray(v) * (layer + 1), table, q_pos, layer)
     for layer in (0, 1):
-        gk, gv = (np.asarray(x) for x in paged.read_pages(pool, layer, table))
+        gk, gv = (np.asarray(x) for x in kv_pool.read_pages(pool, layer, table))
         for got, want, head_scale, token in ((gk, k, pool.k_scale, pool.k_token),
                                              (gv, v * (layer + 1), pool.v_scale, pool.v_token)):
             if fmt == "int8":  # per token: absmax / 127
                 scale = np.abs(want).max(-1, keepdims=True) / 127
             else:  # per head: FP8_HEADROOM x the absmax of what the first write saw, on the format's max
-                scale = paged.FP8_HEADROOM * np.abs(want).max((0, 1, 3)) / paged.format_max(fmt)
+                scale = kv_pool.FP8_HEADROOM * np.abs(want).max((0, 1, 3)) / KVFormat(fmt).fmax
                 np.testing.assert_allclose(np.asarray(head_scale)[:, layer], scale, rtol=1e-6)
                 scale = scale[:, None]
             assert np.all(np.abs(got - want) <= _bound(fmt, want, scale) * (1 + 1e-5) + 1e-12)
@@ -145,9 +150,9 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
     assert int(np.sum(pool.saturated)) == 0
     # copy on write of a page (a shared prompt's partly filled last page) carries its scale pages: page 6 then reads
     # as page 2 (per-head scales are pool-global); without them it would read as zeros
-    copied = paged.copy_pages(pool, jnp.asarray([2, 0]), jnp.asarray([6, 0]))
+    copied = kv_pool.copy_pages(pool, jnp.asarray([2, 0]), jnp.asarray([6, 0]))
     for layer in (0, 1):
-        src, dst = (paged.read_pages(copied, layer, jnp.asarray([[p]])) for p in (2, 6))
+        src, dst = (kv_pool.read_pages(copied, layer, jnp.asarray([[p]])) for p in (2, 6))
         for a, b in zip(src, dst):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert np.abs(np.asarray(b)).max() > 0
@@ -156,11 +161,11 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
         np.testing.assert_array_equal(np.asarray(copied.v_token[:, :, 6]), np.asarray(pool.v_token[:, :, 2]))
     # a later write beyond the calibrated range is clipped at the format's max and counted (fp8; int8 never clips)
     pool = _write(pool, jnp.asarray(k) * 10, jnp.asarray(v), table, q_pos, 0)
-    gk, _ = paged.read_pages(pool, 0, table)
+    gk, _ = kv_pool.read_pages(pool, 0, table)
     if fmt == "int8":
         assert int(np.sum(pool.saturated)) == 0
     else:
-        limit = np.asarray(pool.k_scale)[:, 0] * paged.format_max(fmt)
+        limit = np.asarray(pool.k_scale)[:, 0] * KVFormat(fmt).fmax
         over = np.abs(k * 10) > limit[:, None] * (1 + 2.0 ** -3)
         assert over.any() and int(np.sum(pool.saturated)) >= over.sum()
         np.testing.assert_allclose(np.abs(np.asarray(gk))[over], np.broadcast_to(limit[:, None], over.shape)[over],
@@ -169,7 +174,7 @@ def test_quantized_pages_round_trip_within_the_format(fmt, layout):
 
 @pytest.mark.parametrize("layout", ["interleaved", "split"])
 def test_fp8_pages_held_as_int8_bits_read_and_write_the_same(layout):
-    """The XLA path's fp8 pool holds its pages as int8 (`paged.int8_bits`: on TPU an f8 pool was relaid whole per
+    """The XLA path's fp8 pool holds its pages as int8 (`attention.int8_bits`: on TPU an f8 pool was relaid whole per
     layer and step): the same writes store the same bits and read back the same keys and values and attention as
     the f8 pool; a kernel is refused on it; the engine makes it for "xla" only."""
     rng = np.random.default_rng(1)
@@ -178,22 +183,23 @@ def test_fp8_pages_held_as_int8_bits_read_and_write_the_same(layout):
     k, v = (jnp.asarray(rng.normal(size=(2, t, 2, 32)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(2, 4, 32)), jnp.float32)
     for fmt in ("fp8_e4m3", "fp8_e5m2"):
-        f8, bits = (paged.new_pool(cfg, pages, ps, layout=layout, kv_cache=fmt, fp8_as_int8=b) for b in (False, True))
-        assert paged.pool_dtype(bits) == jnp.int8 and paged.pool_dtype(f8) == paged.QUANT_DTYPES[fmt]
+        f8, bits = (kv_pool.new_pool(cfg, pages, ps, fmt=KVFormat(fmt, layout, b)) for b in (False, True))
+        assert kv_pool.pool_dtype(bits) == jnp.int8 and kv_pool.pool_dtype(f8) == kv_format.QUANT_DTYPES[fmt]
         f8, bits = (_write(p, k, v, table, q_pos, 1) for p in (f8, bits))
         for a, b in zip(jax.tree.leaves(f8.pages), jax.tree.leaves(bits.pages)):
             np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(a, jnp.int8)), np.asarray(b))
-        for a, b in zip(paged.read_pages(f8, 1, table), paged.read_pages(bits, 1, table)):
+        for a, b in zip(kv_pool.read_pages(f8, 1, table), kv_pool.read_pages(bits, 1, table)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         lengths = jnp.asarray([t, t - 3])
         np.testing.assert_array_equal(
-            *(np.asarray(paged.decode_attention_xla(q, p, 1, table, lengths, None, block_pages=2)) for p in (f8, bits)))
+            *(np.asarray(attn_xla.decode_attention_xla(q, p, 1, table, lengths, None, block_pages=2)) for p in (f8, bits)))
         kernel = "gpu" if layout == "split" else "tpu"
         with pytest.raises(ValueError, match="as int8 bits"):
             paged.PagedCache(bits, table, jnp.ones(2, bool), layer=1, impl=kernel).attend(q[:, None], q_pos[:, -1:],
                                                                                           None)
-        assert paged.int8_bits(fmt, "xla") and not paged.int8_bits(fmt, "tpu") and not paged.int8_bits(fmt, "gpu")
-    assert not paged.int8_bits("int8", "xla") and not paged.int8_bits("bf16", "xla")
+        assert attention.int8_bits(fmt, "xla") and not attention.int8_bits(fmt, "tpu")
+        assert not attention.int8_bits(fmt, "gpu")
+    assert not attention.int8_bits("int8", "xla") and not attention.int8_bits("bf16", "xla")
 
 
 # ------------------------------------------------------------------------------------------ the engine
@@ -270,17 +276,17 @@ def test_kv_scales_are_refused_where_they_do_not_apply(tiny, tmp_path):
     kvh, layers = tiny.cfg.num_kv_heads, tiny.cfg.num_layers
     ones = np.ones((kvh, layers), np.float32)
     with pytest.raises(ValueError, match="int8 scales each token"):
-        paged.KVScales("int8", ones, ones)
+        kv_pool.KVScales("int8", ones, ones)
     with pytest.raises(ValueError, match="finite"):
-        paged.KVScales("fp8_e4m3", ones * np.nan, ones)
-    scales = paged.KVScales("fp8_e4m3", ones, ones)
+        kv_pool.KVScales("fp8_e4m3", ones * np.nan, ones)
+    scales = kv_pool.KVScales("fp8_e4m3", ones, ones)
     for kv_cache, match in (("int8", "int8 scales each token"), ("auto", "no scales"), ("fp8_e5m2", "calibrated for")):
         with pytest.raises(ValueError, match=match):
             Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(kv_cache=kv_cache)).generate(
                 tiny, [[5, 6]], max_new_tokens=2, kv_scales=scales)
     with pytest.raises(ValueError, match="kv_heads, layers"):
         Engine(tiny, eos_ids=[127], pad_id=0, config=EngineConfig(kv_cache="fp8_e4m3")).generate(
-            tiny, [[5, 6]], max_new_tokens=2, kv_scales=paged.KVScales("fp8_e4m3", ones[:, :1], ones[:, :1]))
+            tiny, [[5, 6]], max_new_tokens=2, kv_scales=kv_pool.KVScales("fp8_e4m3", ones[:, :1], ones[:, :1]))
     assert tiny_train_config(str(tmp_path)).rollout.kv_scale_refresh == 0
     assert tiny_train_config(str(tmp_path), rollout={"kv_cache": "fp8_e5m2", "kv_scale_refresh": 3}
                              ).rollout.kv_scale_refresh == 3
@@ -295,7 +301,7 @@ def test_kv_scales_are_refused_where_they_do_not_apply(tiny, tmp_path):
 def _reference_tpu_kernel(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, num_kv_pages_per_block,
                           num_queries_per_block, vmem_limit_bytes, **kw):
     """The TPU kernel's own reference, after its static and dynamic validators (as tests/test_paged_tpu.py)."""
-    rpa = paged._rpa_module()
+    rpa = attn_tpu._rpa_module()
     assert kw["k_scale"] == 1.0 and kw["v_scale"] == 1.0 and pages.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
     rpa.static_validate_inputs(q, pages, kv_lens, table, cu_q_lens, num_seqs, **kw,
                                num_kv_pages_per_block=num_kv_pages_per_block,
@@ -318,7 +324,7 @@ def _quant_pools(fmt, layouts, d, kvh=2, layers=2, ps=16, width=4, slots=4, seed
     out = {}
     for layout in layouts:
         for name, kv_cache in (("quant", fmt), ("float", "auto")):
-            pool = paged.new_pool(cfg, pages, ps, layout=layout, kv_cache=kv_cache)
+            pool = kv_pool.new_pool(cfg, pages, ps, fmt=KVFormat(kv_cache, layout))
             for layer in range(layers):
                 pool = _write(pool, k * (layer + 1), v, table, q_pos, layer)
             out[name, layout] = pool
@@ -328,19 +334,19 @@ def _quant_pools(fmt, layouts, d, kvh=2, layers=2, ps=16, width=4, slots=4, seed
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_tpu_kernel_with_folded_scales_equals_xla(monkeypatch, fmt):
     pools, table = _quant_pools(fmt, ["interleaved"], d=128)
-    monkeypatch.setattr(paged, "_tpu_kernel", lambda: _reference_tpu_kernel)
+    monkeypatch.setattr(attn_tpu, "_tpu_kernel", lambda: _reference_tpu_kernel)
     rng = np.random.default_rng(4)
     s, h = table.shape[0], 8  # GQA: 4 query heads per KV head
     q = jnp.asarray(rng.normal(size=(s, h, 128)).astype(np.float32))
     lengths = jnp.asarray([1, 37, 64, 0], jnp.int32)
     pool = pools["quant", "interleaved"]
-    assert paged.tpu_unsupported(h, paged.interleaved_shape(pool), paged.pool_dtype(pool), scaled=True) is None
+    assert attn_tpu.tpu_unsupported(h, kv_pool.interleaved_shape(pool), kv_pool.pool_dtype(pool), scaled=True) is None
     # the XLA path as one compiled program (per pool type and layer), not op by op; the kernel's reference reads
     # its lengths on the host, so it runs eagerly
-    xla = jax.jit(paged.decode_attention_xla, static_argnums=(2,), static_argnames=("block_pages",))
+    xla = jax.jit(attn_xla.decode_attention_xla, static_argnums=(2,), static_argnames=("block_pages",))
     for layer in (0, 1):
         want = np.asarray(xla(q, pool, layer, table, lengths, None, block_pages=2))
-        got = np.asarray(paged.decode_attention_tpu(q, pool, layer, table, lengths, None))
+        got = np.asarray(attn_tpu.decode_attention_tpu(q, pool, layer, table, lengths, None))
         flt = np.asarray(xla(q, pools["float", "interleaved"], layer, table, lengths, None, block_pages=2))
         assert np.isfinite(got).all() and np.all(got[3] == 0)
         np.testing.assert_allclose(got, want, atol=2e-5)  # the scales fold exactly
@@ -353,26 +359,30 @@ def test_page_bytes_count_the_scale_pages():
 
     cfg = _cfg(layers=2, kvh=2, d=32)
     entries = 2 * 16 * 2 * 2  # layers x page_size x (K, V) x KV heads
-    assert paged.page_bytes(cfg, 16) == entries * 32 * 4  # f32, as before
-    assert paged.page_bytes(cfg, 16, kv_cache="bf16") == entries * 32 * 2
-    assert paged.page_bytes(cfg, 16, kv_cache="fp8_e4m3") == entries * 32  # per-head scales: pool-global
-    assert paged.page_bytes(cfg, 16, kv_cache="int8") == entries * (32 + 4)  # a float32 scale per token and head
+    assert kv_pool.page_bytes(cfg, 16) == entries * 32 * 4  # f32, as before
+    assert kv_pool.page_bytes(cfg, 16, fmt=KVFormat("bf16")) == entries * 32 * 2
+    assert kv_pool.page_bytes(cfg, 16, fmt=KVFormat("fp8_e4m3")) == entries * 32  # per-head scales: pool-global
+    assert kv_pool.page_bytes(cfg, 16, fmt=KVFormat("int8")) == entries * (32 + 4)  # a float32 scale per token and head
     with pk.target("gpu"):  # the GPU kernel's pool keeps fp8 scale pages too
-        assert paged.page_bytes(cfg, 16, kv_cache="fp8_e5m2") == entries * (32 + 4)
+        assert kv_pool.page_bytes(cfg, 16, fmt=KVFormat("fp8_e5m2", "split")) == entries * (32 + 4)
+        # the engine resolves its format once, from the attention the target takes: the GPU kernel's split pool
+        fmt = engine_format(EngineConfig(kv_cache="fp8_e5m2", page_size=16), cfg)
+        assert fmt == KVFormat("fp8_e5m2", "split") and fmt.token_scales
+    assert engine_format(EngineConfig(kv_cache="fp8_e5m2"), cfg) == KVFormat("fp8_e5m2", "interleaved", True)
 
 
 def test_tpu_refuses_int8_and_takes_fp8_with_scales():
     shape = (2, 9, 16, 4, 128)
-    assert "int8" in paged.tpu_unsupported(8, shape, jnp.int8, scaled=True)
-    assert paged.tpu_unsupported(8, shape, jnp.float8_e4m3fn, scaled=True) is None
-    assert paged.tpu_unsupported(8, shape, jnp.float8_e4m3fn) is not None  # fp8 pages without scales
+    assert "int8" in attn_tpu.tpu_unsupported(8, shape, jnp.int8, scaled=True)
+    assert attn_tpu.tpu_unsupported(8, shape, jnp.float8_e4m3fn, scaled=True) is None
+    assert attn_tpu.tpu_unsupported(8, shape, jnp.float8_e4m3fn) is not None  # fp8 pages without scales
     import pallas_kernels as pk
     with pk.target("tpu", "TPU v5 lite"):
-        assert paged.resolve_impl("auto", 8, shape, jnp.float8_e5m2, scaled=True) == "tpu"
-        assert paged.resolve_impl("auto", 8, shape, jnp.int8, scaled=True) == "xla"
+        assert attention.resolve_impl("auto", 8, shape, jnp.float8_e5m2, scaled=True) == "tpu"
+        assert attention.resolve_impl("auto", 8, shape, jnp.int8, scaled=True) == "xla"
     with pk.target("gpu"):
-        assert paged.resolve_impl("auto", 8, shape, jnp.int8, scaled=True) == "gpu"
-        assert paged.resolve_impl("auto", 8, shape, jnp.int8) == "xla"  # int8 pages without scale pages
+        assert attention.resolve_impl("auto", 8, shape, jnp.int8, scaled=True) == "gpu"
+        assert attention.resolve_impl("auto", 8, shape, jnp.int8) == "xla"  # int8 pages without scale pages
 
 
 def test_fp8_pages_at_one_kv_head_per_tpu_chip_are_refused_up_front():
@@ -395,16 +405,16 @@ def test_fp8_pages_at_one_kv_head_per_tpu_chip_are_refused_up_front():
     one, two = make_mesh(MeshConfig(1, 8, 1), devices=devices), make_mesh(MeshConfig(2, 4, 1), devices=devices)
     shape = (28, 9, 16, 16, 128)  # [L, P, page_size, 2 x 8 KV heads, D], 16 query heads
     for dtype, fmt in ((jnp.float8_e4m3fn, "fp8_e4m3"), (jnp.float8_e5m2, "fp8_e5m2")):
-        assert paged.tpu_unsupported(16, shape, dtype, scaled=True) is None  # the whole pool's 8 heads: fine
+        assert attn_tpu.tpu_unsupported(16, shape, dtype, scaled=True) is None  # the whole pool's 8 heads: fine
         with pytest.raises(ValueError, match=f"kv_cache={fmt} .*generation.kv_cache.* data=1 x fsdp=8 x tensor=1 "
                                              "splits the 8 KV heads 8 ways, 1 per chip") as e:
-            paged.resolve_impl("auto", 16, shape, dtype, mesh=one, scaled=True)
+            attention.resolve_impl("auto", 16, shape, dtype, mesh=one, scaled=True)
         for works in ("data=2 x fsdp=4, 2 per chip", "kv_cache=int8", "kv_cache=bf16", "impl='xla'"):
             assert works in str(e.value)
-        assert paged.resolve_impl("auto", 16, shape, dtype, mesh=two, scaled=True) == "tpu"
-        assert paged.resolve_impl("xla", 16, shape, dtype, mesh=one, scaled=True) == "xla"
-    assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16, mesh=one) == "tpu"  # bf16 packs 2: 1 head is fine
-    assert paged.resolve_impl("auto", 16, shape, jnp.int8, mesh=one, scaled=True) == "xla"
+        assert attention.resolve_impl("auto", 16, shape, dtype, mesh=two, scaled=True) == "tpu"
+        assert attention.resolve_impl("xla", 16, shape, dtype, mesh=one, scaled=True) == "xla"
+    assert attention.resolve_impl("auto", 16, shape, jnp.bfloat16, mesh=one) == "tpu"  # bf16 packs 2: 1 head is fine
+    assert attention.resolve_impl("auto", 16, shape, jnp.int8, mesh=one, scaled=True) == "xla"
     cfg = ModelConfig.from_hf_dict(dict(TINY), dtype="bfloat16", param_dtype="bfloat16")  # 8 KV heads, head_dim 128
     graphdef, _ = aot.abstract_model(cfg, one)
     make = lambda mesh, kv, impl="auto": Engine(None, eos_ids=(0,), pad_id=0, graphdef=graphdef,  # noqa: E731
@@ -424,11 +434,11 @@ def test_gpu_kernel_with_scale_pages_equals_xla(fmt):
     q = jnp.asarray(rng.normal(size=(s, h, 16)).astype(np.float32))
     lengths = jnp.asarray([1, 37, 64, 0], jnp.int32)
     split = pools["quant", "split"]
-    assert split.k_token is not None and paged.gpu_unsupported(h, paged.interleaved_shape(split), paged.pool_dtype(
+    assert split.k_token is not None and attn_gpu.gpu_unsupported(h, kv_pool.interleaved_shape(split), kv_pool.pool_dtype(
         split), scaled=True) is None
     # each path one compiled program (per pool layout and layer), not op by op
     gpu, xla = (jax.jit(f, static_argnums=(2,), static_argnames=("block_pages",))
-                for f in (paged.decode_attention_gpu, paged.decode_attention_xla))
+                for f in (attn_gpu.decode_attention_gpu, attn_xla.decode_attention_xla))
     for layer in (0, 1):
         got = np.asarray(gpu(q, split, layer, table, lengths, None, block_pages=2))
         want = np.asarray(xla(q, split, layer, table, lengths, None, block_pages=2))
@@ -630,7 +640,7 @@ def test_every_config_offers_the_engine_formats():
 
     from lrmq.config_help import NAMES
     from lrmq.evals.config import GenerationSection
-    from lrmq.generation.paged import KV_CACHE_FORMATS
+    from lrmq.generation.kv_format import KV_CACHE_FORMATS
     from lrmq.rl.config import RolloutSection
 
     hint = typing.get_type_hints(RolloutSection)["kv_cache"]

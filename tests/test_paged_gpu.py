@@ -25,7 +25,9 @@ import pytest
 
 import pallas_kernels as pk
 from lrmq.checkpoint.hf import load_hf_model
-from lrmq.generation import paged
+from lrmq.generation import attention, kv_pool, paged
+from lrmq.generation.attention import gpu as attn_gpu
+from lrmq.generation.attention import xla as attn_xla
 from lrmq.generation.engine import Engine, EngineConfig
 from lrmq.generation.sampling import SamplingConfig
 
@@ -33,7 +35,7 @@ from lrmq.generation.sampling import SamplingConfig
 def _pools(rng, layers, pages, ps, kvh, d):
     k = rng.normal(size=(layers, pages, ps, kvh, d)).astype(np.float32)
     v = rng.normal(size=(layers, pages, ps, kvh, d)).astype(np.float32)
-    inter = np.asarray(paged.interleave(jnp.asarray(k), jnp.asarray(v)))
+    inter = np.asarray(kv_pool.interleave(jnp.asarray(k), jnp.asarray(v)))
     split = (np.moveaxis(k, 3, 0), np.moveaxis(v, 3, 0))  # [KVH, L, P, ps, D]
     return inter, split
 
@@ -49,9 +51,9 @@ def test_gpu_decode_attention_equals_xla(window, dtype):
     q = rng.normal(size=(s, h, d)).astype(np.float32)
     for layer in (0, 1):
         args = (jnp.asarray(table), jnp.asarray(lengths))
-        want = paged.decode_attention_xla(jnp.asarray(q, dtype), jnp.asarray(inter, dtype), layer, *args, window,
+        want = attn_xla.decode_attention_xla(jnp.asarray(q, dtype), jnp.asarray(inter, dtype), layer, *args, window,
                                           block_pages=2)
-        got = paged.decode_attention_gpu(jnp.asarray(q, dtype), tuple(jnp.asarray(x, dtype) for x in split), layer,
+        got = attn_gpu.decode_attention_gpu(jnp.asarray(q, dtype), tuple(jnp.asarray(x, dtype) for x in split), layer,
                                          *args, window)
         assert got.dtype == dtype and got.shape == (s, h, d)
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -63,37 +65,37 @@ def test_xla_path_reads_both_layouts_and_copies_pages():
     rng = np.random.default_rng(1)
     inter, split = _pools(rng, 2, 12, 4, 2, 8)
     table = np.array([[3, 5, 7, 9], [2, 4, 6, 8]], np.int32)
-    k1, v1 = paged.read_pages(jnp.asarray(inter), 1, jnp.asarray(table))
-    k2, v2 = paged.read_pages(tuple(map(jnp.asarray, split)), 1, jnp.asarray(table))
+    k1, v1 = kv_pool.read_pages(jnp.asarray(inter), 1, jnp.asarray(table))
+    k2, v2 = kv_pool.read_pages(tuple(map(jnp.asarray, split)), 1, jnp.asarray(table))
     np.testing.assert_array_equal(k1, k2)
     np.testing.assert_array_equal(v1, v2)
     src, dst = jnp.asarray([3, 0]), jnp.asarray([10, 0])
-    a = paged.copy_pages(jnp.asarray(inter), src, dst)
-    b = paged.copy_pages(tuple(map(jnp.asarray, split)), src, dst)
-    ka, _ = paged.read_pages(a, 0, jnp.asarray([[10]]))
-    kb, _ = paged.read_pages(b, 0, jnp.asarray([[10]]))
+    a = kv_pool.copy_pages(jnp.asarray(inter), src, dst)
+    b = kv_pool.copy_pages(tuple(map(jnp.asarray, split)), src, dst)
+    ka, _ = kv_pool.read_pages(a, 0, jnp.asarray([[10]]))
+    kb, _ = kv_pool.read_pages(b, 0, jnp.asarray([[10]]))
     np.testing.assert_array_equal(ka, kb)
     np.testing.assert_array_equal(ka[0], inter[0, 3][:, 0::2])
 
 
 def test_auto_takes_the_gpu_kernel_for_a_gpu_target():
     shape = (2, 9, 16, 4, 64)  # [L, P, page_size, 2*KVH, D]
-    assert paged.resolve_impl("auto", 8, shape, jnp.bfloat16) == "xla"  # this CPU host
+    assert attention.resolve_impl("auto", 8, shape, jnp.bfloat16) == "xla"  # this CPU host
     with pk.target("gpu"):
-        assert paged.resolve_impl("auto", 8, shape, jnp.bfloat16) == "gpu"
-        assert paged.resolve_impl("auto", 8, shape[:-1] + (24,), jnp.float32) == "xla"  # head_dim 24
-        assert paged.resolve_impl("auto", 8, (2, 9, 8, 4, 64), jnp.float32) == "xla"  # page_size 8
-        assert paged.resolve_impl("auto", 8, shape, jnp.int8) == "xla"
-    assert paged.gpu_unsupported(8, (2, 9, 8, 4, 64), jnp.float32) == "page_size 8 (a power of two >= 16)"
+        assert attention.resolve_impl("auto", 8, shape, jnp.bfloat16) == "gpu"
+        assert attention.resolve_impl("auto", 8, shape[:-1] + (24,), jnp.float32) == "xla"  # head_dim 24
+        assert attention.resolve_impl("auto", 8, (2, 9, 8, 4, 64), jnp.float32) == "xla"  # page_size 8
+        assert attention.resolve_impl("auto", 8, shape, jnp.int8) == "xla"
+    assert attn_gpu.gpu_unsupported(8, (2, 9, 8, 4, 64), jnp.float32) == "page_size 8 (a power of two >= 16)"
     for width, block in ((8, 8), (24, 8), (12, 8), (7, 8), (256, 8), (6, 1)):
-        per_block, splits = paged.gpu_blocks(width, block)
-        assert per_block <= block and width % (per_block * splits) == 0 and splits <= paged.GPU_MAX_K_SPLITS
-    assert paged.gpu_blocks(256, 8) == (8, 16) and paged.gpu_blocks(24, 8) == (8, 3)
+        per_block, splits = attn_gpu.gpu_blocks(width, block)
+        assert per_block <= block and width % (per_block * splits) == 0 and splits <= attn_gpu.GPU_MAX_K_SPLITS
+    assert attn_gpu.gpu_blocks(256, 8) == (8, 16) and attn_gpu.gpu_blocks(24, 8) == (8, 3)
 
 
 def test_a_pool_of_the_wrong_layout_is_refused():
     cfg = type("Cfg", (), dict(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float32"))()
-    cache = paged.PagedCache(paged.new_pool(cfg, 4, 16), jnp.zeros((1, 1), jnp.int32), jnp.ones(1, bool), impl="gpu")
+    cache = paged.PagedCache(kv_pool.new_pool(cfg, 4, 16), jnp.zeros((1, 1), jnp.int32), jnp.ones(1, bool), impl="gpu")
     with pytest.raises(ValueError, match="reads a 'split' pool"):
         cache.attend(jnp.zeros((1, 1, 2, 16)), jnp.zeros((1, 1), jnp.int32), None)
 
@@ -131,7 +133,8 @@ def test_decode_lowers_to_the_triton_kernel_for_a_gpu_target(hf_checkpoint, kv_c
     (fp8 / int8 pages in their own dtype, float32 scales)."""
     from flax import nnx
 
-    from lrmq.generation.paged import QUANT_DTYPES, QuantPool
+    from lrmq.generation.kv_format import QUANT_DTYPES
+    from lrmq.generation.kv_pool import QuantPool
 
     model = load_hf_model(hf_checkpoint("olmo3")[0])  # layers: sliding (XLA), full (the kernel)
     eng = Engine(model, eos_ids=[127], pad_id=0, config=EngineConfig(slots=4, page_size=16, kv_cache=kv_cache))
@@ -168,6 +171,6 @@ def test_gpu_kernel_dots_are_full_precision():
     q, k = jnp.zeros((2, 8, 16)), jnp.zeros((2, 2, 10, 16, 16))
     table, lengths = jnp.zeros((2, 8), jnp.int32), jnp.ones(2, jnp.int32)
     with pk.target("gpu"):
-        jaxpr = jax.make_jaxpr(lambda q, pool: paged.decode_attention_gpu(q, pool, 1, table, lengths, None))(q, (k, k))
+        jaxpr = jax.make_jaxpr(lambda q, pool: attn_gpu.decode_attention_gpu(q, pool, 1, table, lengths, None))(q, (k, k))
     precisions = _dot_precisions(jaxpr.jaxpr, [])
     assert len(precisions) == 2 and all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in precisions)

@@ -34,7 +34,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from lrmq.generation import paged  # noqa: E402
+from lrmq.generation import attention, kv_pool  # noqa: E402
+from lrmq.generation.attention import tpu as attn_tpu  # noqa: E402
+from lrmq.generation.attention import xla as attn_xla  # noqa: E402
+from lrmq.generation.kv_format import KVFormat  # noqa: E402
 
 # A tiny Qwen3 the kernel takes (head_dim 128) with 8 KV heads (one per chip of a v5e:2x4), weights far larger
 # than any decode activation of 16 slots: a weight gathered per step cannot pass for an activation.
@@ -54,7 +57,7 @@ def _require_libtpu():
 
 # ----------------------------------------------------------------------------------- numerics (CPU)
 def _reference_kernel(width):
-    rpa = paged._rpa_module()
+    rpa = attn_tpu._rpa_module()
 
     def kernel(q, pages, kv_lens, table, cu_q_lens, num_seqs, *, num_kv_pages_per_block, num_queries_per_block,
                vmem_limit_bytes, **kw):
@@ -76,58 +79,58 @@ def test_tpu_decode_attention_equals_xla(monkeypatch, window, dtype):
     lengths = np.array([1, 7, 23, 0, 32], np.int32)  # slot 3 idle; slot 4 fills its table
     pages = 1 + s * width
     table = rng.permutation(np.arange(1, pages)).reshape(s, width).astype(np.int32)
-    table[3] = paged.NULL_PAGE
+    table[3] = kv_pool.NULL_PAGE
     pool = rng.normal(size=(layers, pages, ps, 2 * kvh, d)).astype(np.float32)
     q = rng.normal(size=(s, h, d)).astype(np.float32)
-    monkeypatch.setattr(paged, "_tpu_kernel", lambda: _reference_kernel(width))
+    monkeypatch.setattr(attn_tpu, "_tpu_kernel", lambda: _reference_kernel(width))
     for layer in range(layers):  # the later layer reads its pages through the offset table
         args = (jnp.asarray(q, dtype), jnp.asarray(pool, dtype), layer, jnp.asarray(table), jnp.asarray(lengths),
                 window)
-        want = np.asarray(paged.decode_attention_xla(*args, block_pages=2), np.float32)
-        got = np.asarray(paged.decode_attention_tpu(*args), np.float32)
+        want = np.asarray(attn_xla.decode_attention_xla(*args, block_pages=2), np.float32)
+        got = np.asarray(attn_tpu.decode_attention_tpu(*args), np.float32)
         assert np.all(np.isfinite(got)) and np.all(got[3] == 0)
         np.testing.assert_allclose(got, want, atol=2e-6 if dtype == jnp.float32 else 2e-2)
 
 
 def test_auto_follows_the_compile_target():
     shape = (2, 9, 16, 16, 128)  # [L, P, page_size, 2 * KVH, D]
-    assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "xla"  # this CPU host
+    assert attention.resolve_impl("auto", 16, shape, jnp.bfloat16) == "xla"  # this CPU host
     with pk.target("tpu", "TPU v5 lite"):
-        assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "tpu"
-        assert paged.resolve_impl("auto", 16, shape[:-1] + (32,), jnp.bfloat16) == "xla"  # head_dim 32
-        assert paged.resolve_impl("xla", 16, shape, jnp.bfloat16) == "xla"
+        assert attention.resolve_impl("auto", 16, shape, jnp.bfloat16) == "tpu"
+        assert attention.resolve_impl("auto", 16, shape[:-1] + (32,), jnp.bfloat16) == "xla"  # head_dim 32
+        assert attention.resolve_impl("xla", 16, shape, jnp.bfloat16) == "xla"
     with pk.target("gpu"):  # JAX's GPU paged attention (tests/test_paged_gpu.py)
-        assert paged.resolve_impl("auto", 16, shape, jnp.bfloat16) == "gpu"
+        assert attention.resolve_impl("auto", 16, shape, jnp.bfloat16) == "gpu"
     with pytest.raises(ValueError, match="splash"):
-        paged.resolve_impl("splash", 16, shape, jnp.bfloat16)
+        attention.resolve_impl("splash", 16, shape, jnp.bfloat16)
 
 
 def test_tpu_block_sizes_follow_the_generation():
     small = dict(q_heads=16, pool_shape=(28, 999, 16, 16, 128), dtype=jnp.bfloat16, width=72, slots=256)
     for kind, vmem in (("TPU v5 lite", 96), ("TPU v5", 48), ("TPU v6 lite", 96)):
-        assert paged.tpu_block_sizes(kind, **small) == (16, 32, vmem << 20)  # 16 pages of 16 tokens
-    assert paged.tpu_block_sizes("TPU v5 lite", **dict(small, width=8, slots=4))[:2] == (8, 4)
+        assert attn_tpu.tpu_block_sizes(kind, **small) == (16, 32, vmem << 20)  # 16 pages of 16 tokens
+    assert attn_tpu.tpu_block_sizes("TPU v5 lite", **dict(small, width=8, slots=4))[:2] == (8, 4)
     big = dict(small, pool_shape=(28, 99, 256, 16, 128))  # 1 MiB pages: VMEM decides
-    assert paged.tpu_block_sizes("TPU v5", **big)[0] == 6 and paged.tpu_block_sizes("TPU v6 lite", **big)[0] == 12
+    assert attn_tpu.tpu_block_sizes("TPU v5", **big)[0] == 6 and attn_tpu.tpu_block_sizes("TPU v6 lite", **big)[0] == 12
 
 
 def test_pool_heads_split_like_the_kv_projections():
     from jax.sharding import AbstractMesh
 
     mesh = lambda d, f, t: AbstractMesh((d, f, t), ("data", "fsdp", "tensor"))  # noqa: E731
-    assert paged.kv_head_axes(mesh(1, 8, 1), 8) == ("fsdp",)
-    assert paged.kv_head_axes(mesh(4, 8, 1), 8) == ("fsdp",)  # v5p-64: 32 chips, 8 KV heads
-    assert paged.kv_head_axes(mesh(2, 2, 2), 8) == ("tensor", "fsdp")  # as the KV projections (DECODE_RULES)
-    assert paged.kv_head_axes(mesh(2, 4, 1), 2) == ("data",)  # they are whole (4 does not divide 2): data
-    assert paged.kv_head_axes(mesh(2, 2, 2), 2) == ("tensor",)
-    assert paged.kv_head_axes(mesh(1, 8, 1), 2) == ()  # no axis divides: the pool stays whole
+    assert kv_pool.kv_head_axes(mesh(1, 8, 1), 8) == ("fsdp",)
+    assert kv_pool.kv_head_axes(mesh(4, 8, 1), 8) == ("fsdp",)  # v5p-64: 32 chips, 8 KV heads
+    assert kv_pool.kv_head_axes(mesh(2, 2, 2), 8) == ("tensor", "fsdp")  # as the KV projections (DECODE_RULES)
+    assert kv_pool.kv_head_axes(mesh(2, 4, 1), 2) == ("data",)  # they are whole (4 does not divide 2): data
+    assert kv_pool.kv_head_axes(mesh(2, 2, 2), 2) == ("tensor",)
+    assert kv_pool.kv_head_axes(mesh(1, 8, 1), 2) == ()  # no axis divides: the pool stays whole
     # the pages over the data axes left: each data group holds its own rows' pages
-    assert paged.pool_spec(mesh(2, 2, 2), 8) == jax.sharding.PartitionSpec(None, "data", None, ("tensor", "fsdp"), None)
-    assert paged.kv_page_axes(mesh(2, 4, 1), 8) == ("data",) and paged.kv_groups(mesh(2, 4, 1), 8) == 2
-    assert paged.kv_page_axes(mesh(1, 8, 1), 2) == ("fsdp",)  # heads whole: 8 groups of pages
-    assert paged.kv_page_axes(mesh(1, 8, 1), 8) == () and paged.kv_groups(None, 8) == 1
-    assert [paged.decode_fsdp(8, 8, kv, "tpu") for kv in ("auto", "fp8_e4m3", "int8")] == [8, 4, 8]
-    assert paged.decode_fsdp(8, 8, "fp8_e4m3", "gpu") == 8
+    assert kv_pool.pool_spec(mesh(2, 2, 2), 8) == jax.sharding.PartitionSpec(None, "data", None, ("tensor", "fsdp"), None)
+    assert kv_pool.kv_page_axes(mesh(2, 4, 1), 8) == ("data",) and kv_pool.kv_groups(mesh(2, 4, 1), 8) == 2
+    assert kv_pool.kv_page_axes(mesh(1, 8, 1), 2) == ("fsdp",)  # heads whole: 8 groups of pages
+    assert kv_pool.kv_page_axes(mesh(1, 8, 1), 8) == () and kv_pool.kv_groups(None, 8) == 1
+    assert [kv_pool.decode_fsdp(8, 8, kv, "tpu") for kv in ("auto", "fp8_e4m3", "int8")] == [8, 4, 8]
+    assert kv_pool.decode_fsdp(8, 8, "fp8_e4m3", "gpu") == 8
 
 
 # ----------------------------------------------------------------------------- TPU compiles (libtpu)
@@ -192,7 +195,7 @@ def test_the_fp8_pool_is_half_the_bf16_pool_on_tpu():
         return _compile_one_chip("v5e:2x2", kv)["decode"][0].memory_analysis().argument_size_in_bytes
 
     pages = call_sizes(EngineConfig(slots=8, sync_steps=4), cfg, None, 8, 64, 64)[1]
-    saved = pages * paged.page_bytes(cfg, 16, kv_cache="fp8_e4m3")  # half the bf16 pool (fp8: 1 byte an entry)
+    saved = pages * kv_pool.page_bytes(cfg, 16, fmt=KVFormat("fp8_e4m3"))  # half the bf16 pool (fp8: 1 byte an entry)
     assert abs((size("auto") - size("fp8_e4m3")) - saved) < 0.01 * saved
     assert "ragged_paged_attention" not in _compile_one_chip("v5e:2x2", "int8")["decode"][0].as_text()
 
@@ -327,7 +330,7 @@ def _sharded_engine() -> None:
         np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=str(shape))
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4, err_msg=str(shape))
         assert got.stats["preempted"] == ref.stats["preempted"] == 0, got.stats
-        print(shape, "pool heads over", paged.kv_head_axes(mesh, 2), "pages over", paged.kv_page_axes(mesh, 2))
+        print(shape, "pool heads over", kv_pool.kv_head_axes(mesh, 2), "pages over", kv_pool.kv_page_axes(mesh, 2))
     print("OK")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch, keeps_decoding, key_data
-from lrmq.generation.paged import NULL_PAGE, pages_for
+from lrmq.generation.kv_pool import NULL_PAGE, pages_for
 from lrmq.generation.scheduler import (Scheduler, Seq, check_kv_pages, pages_for_one_sequence, prefill_batch,
                                       row_buckets, rows_for)
 

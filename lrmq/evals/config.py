@@ -10,7 +10,8 @@ from typing import Any, Optional, Sequence
 from lrmq.configlib import ConfigError, apply_overrides, config_from_dict, opt
 from lrmq.evals.benchmarks import EVAL_PROMPTS, resolve_suite
 from lrmq.generation.engine import EngineConfig
-from lrmq.generation.paged import DECODE_ATTENTION, KV_CACHE_FORMATS
+from lrmq.generation.attention import DECODE_ATTENTION
+from lrmq.generation.kv_format import KV_CACHE_FORMATS
 from lrmq.generation.scheduler import check_kv_pages
 
 
@@ -63,7 +64,7 @@ class GenerationSection:
 
     def engine_config(self, pool_bytes: int = 0) -> EngineConfig:
         """The engine of these settings, whole: `pool_bytes` is the KV pool's budget per device when kv_pages is 0
-        (`paged.pool_budget`; 0 = the worst case)."""
+        (`kv_pool.pool_budget`; 0 = the worst case)."""
         return EngineConfig(slots=self.batch_size, page_size=self.page_size, pages=self.kv_pages,
                             kv_cache=self.kv_cache, attention=self.decode_attention, pool_bytes=int(pool_bytes))
 

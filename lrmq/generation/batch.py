@@ -21,7 +21,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lrmq.generation.paged import NULL_PAGE
+from lrmq.generation.kv_pool import NULL_PAGE
 from lrmq.sharding import batch_sharding
 
 

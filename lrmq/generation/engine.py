@@ -1,4 +1,4 @@
-"""The generation engine: continuous batching over a paged KV cache (`lrmq.generation.paged`).
+"""The generation engine: continuous batching over a paged KV cache (`lrmq.generation.paged`, `kv_pool`).
 
 A fixed number of decode slots share a pool of fixed-size KV pages; each slot has a page table. A
 request (prompt, per-sequence key, token budget) waits in a queue until a slot is free, then decodes in
@@ -43,11 +43,11 @@ import numpy as np
 from flax import nnx
 
 from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch, keeps_decoding
-from lrmq.generation.paged import (LAYOUTS, KVScales, PagedCache, QuantPool, abstract_pool, check_kv_cache,
-                                   check_kv_scales, copy_pages, fitted_pages, int8_bits, is_quantized, kv_groups,
-                                   new_pool,
-                                   page_bytes, pages_for, pool_scales, pool_shape, resolve_impl, storage_dtype,
-                                   with_scales)
+from lrmq.generation.attention import kv_format, resolve_impl
+from lrmq.generation.kv_format import KVFormat, check_kv_cache
+from lrmq.generation.kv_pool import (KVScales, QuantPool, abstract_pool, check_kv_scales, copy_pages, fitted_pages,
+                                     kv_groups, new_pool, page_bytes, pages_for, pool_scales, pool_shape, with_scales)
+from lrmq.generation.paged import PagedCache
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.generation.scheduler import (Scheduler, Seq, SharedPrompt, check_kv_pages, pages_for_one_sequence,
                                       row_buckets)
@@ -61,7 +61,7 @@ class GenerationResult:
     logprobs: np.ndarray  # [B, max_new_tokens] float32, 0 after the end
     lengths: np.ndarray  # [B] int32, generated tokens including EOS
     # what the call did (`Scheduler.stats`): decode_calls, prefill_calls, prefilled_prompts, preempted, steps;
-    # with a quantized KV cache also kv_saturated: K / V entries clipped at the format's max (`paged.QuantPool`)
+    # with a quantized KV cache also kv_saturated: K / V entries clipped at the format's max (`kv_pool.QuantPool`)
     stats: dict[str, int] = field(default_factory=dict)
     # fp8 KV cache: the per-layer / KV-head scales the call wrote under (calibrated on its first prefill, or the
     # `kv_scales` it was given); pass them to a later call to keep them (`rollout.kv_scale_refresh`). None else
@@ -75,17 +75,17 @@ class EngineConfig:
     slots: int = 0  # decode slots: sequences decoded at once (0 = all requests of a call, at most 256)
     page_size: int = 16  # tokens per KV page
     # KV pages in the pool (0 = sized by pool_bytes, else enough that no request is ever preempted); on a mesh whose
-    # data groups split the pages (`paged.kv_groups`), rounded up to a multiple of the groups, each holding its share
+    # data groups split the pages (`kv_pool.kv_groups`), rounded up to a multiple of the groups, each holding its share
     pages: int = 0
-    # with pages=0: bytes per device the pool may take (`paged.pool_budget`: a share of the device's memory less
-    # what else lives there); the pool is the worst case capped to it (`paged.fitted_pages`). 0 = no limit
+    # with pages=0: bytes per device the pool may take (`kv_pool.pool_budget`: a share of the device's memory less
+    # what else lives there); the pool is the worst case capped to it (`kv_pool.fitted_pages`). 0 = no limit
     pool_bytes: int = 0
     block_pages: int = 8  # pages read per block of decode attention
     sync_steps: int = 64  # decode steps per device call at most (pages are reserved this far ahead)
-    # the pages' format (`paged.KV_CACHE_FORMATS`): auto = the model's dtype; bf16; fp8_e4m3 / fp8_e5m2 / int8
-    # quantized with their scales (`paged.QuantPool`)
+    # the pages' format (`kv_format.KV_CACHE_FORMATS`): auto = the model's dtype; bf16; fp8_e4m3 / fp8_e5m2 / int8
+    # quantized with their scales (`kv_pool.QuantPool`); resolved with the attention into one `KVFormat`
     kv_cache: str = "auto"
-    # decode attention (`paged.DECODE_ATTENTION`; "auto": the compile target's kernel where it takes the call, else
+    # decode attention (`attention.DECODE_ATTENTION`; "auto": the compile target's kernel where it takes the call, else
     # XLA): rollout.decode_attention / generation.decode_attention / --decode-attention
     attention: str = "auto"
 
@@ -127,11 +127,24 @@ def sequence_keys(key: jax.Array, n: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- device programs
 
 
+def engine_impl(c: EngineConfig, model_cfg, mesh=None) -> str:
+    """The decode attention a call of an engine of config `c` takes (`attention.resolve_impl` for the compile target:
+    the mesh's devices, or a `pallas_kernels.target`)."""
+    requested = KVFormat(c.kv_cache)
+    return resolve_impl(c.attention, model_cfg.num_heads, pool_shape(model_cfg, 1, c.page_size),
+                        requested.dtype(model_cfg), mesh=mesh, scaled=requested.quantized)
+
+
+def engine_format(c: EngineConfig, model_cfg, mesh=None) -> KVFormat:
+    """The resolved KV format of an engine's pool (`attention.kv_format` of its `engine_impl`)."""
+    return kv_format(c.kv_cache, engine_impl(c, model_cfg, mesh))
+
+
 def call_sizes(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt: int,
                max_new: int) -> tuple[int, int, int, int]:
     """(slots, pages, page-table width, the worst case's pages) of an engine call (`Engine.sizes`); the width
     covers the longest prompt's bucket; slots are a multiple of the mesh's data-parallel divisor. On a mesh whose
-    data groups split the pool (`paged.kv_groups`), each group is sized for its own slots (its worst case, or
+    data groups split the pool (`kv_pool.kv_groups`), each group is sized for its own slots (its worst case, or
     its share of `pool_bytes` per device): `pages` is the groups' pages in all."""
     multiple = batch_divisor(mesh) if mesh is not None else 1
     groups = kv_groups(mesh, model_cfg.num_kv_heads)
@@ -143,7 +156,7 @@ def call_sizes(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt
     width = -(-width // c.block_pages) * c.block_pages
     worst = 1 + slots // groups * (own + pages_for(prompt, c.page_size))  # every slot at full length: no preemption
     per_group = -(-c.pages // groups) if c.pages else fitted_pages(
-        c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh, c.kv_cache), worst,
+        c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh, engine_format(c, model_cfg, mesh)), worst,
         minimum=1 + own + pages_for(prompt, c.page_size))
     return slots, groups * per_group, width, groups * worst
 
@@ -156,7 +169,8 @@ def pool_info(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt:
     slots, pages, _, worst = call_sizes(c, model_cfg, mesh, n_requests, longest_prompt, max_new)
     groups = kv_groups(mesh, model_cfg.num_kv_heads)
     return {"pages": pages, "tokens": (pages - groups) * c.page_size, "page_size": c.page_size, "groups": groups,
-            "bytes_per_device": pages // groups * page_bytes(model_cfg, c.page_size, mesh, c.kv_cache),
+            "bytes_per_device": pages // groups * page_bytes(model_cfg, c.page_size, mesh,
+                                                             engine_format(c, model_cfg, mesh)),
             "worst_case_pages": worst, "slots": slots,
             "sized": "kv_pages" if c.pages else "fitted" if pages < worst else "worst case"}
 
@@ -265,7 +279,7 @@ class Engine:
         self.config = config  # complete and fixed: nothing changes it after construction
         self.mesh = mesh
         # on a mesh: slots split over the data axes, weights in the decode layout (`decode_layout`), the pool's pages
-        # over the data groups (`paged.kv_groups`: the scheduler allocates each group's own)
+        # over the data groups (`kv_pool.kv_groups`: the scheduler allocates each group's own)
         self.slot_multiple = batch_divisor(mesh) if mesh is not None else 1
         self.groups = kv_groups(mesh, self.model_cfg.num_kv_heads)
         self.layout = decode_layout(mesh) if mesh is not None else (lambda model: layer_runs(model.layers))
@@ -275,12 +289,13 @@ class Engine:
         self.resolved_impl()  # a choice it refuses (fp8 pages at 1 KV head per TPU chip) fails here, before compiling
 
     def resolved_impl(self, mesh=None) -> str:
-        """The decode attention a call made now takes (`paged.resolve_impl` for the compile target: the mesh's
-        devices, or a `pallas_kernels.target`); its pool layout is `paged.LAYOUTS[...]` of it."""
-        cfg = self.model_cfg
-        return resolve_impl(self.config.attention, cfg.num_heads, pool_shape(cfg, 1, self.config.page_size),
-                            storage_dtype(cfg, self.config.kv_cache), mesh=mesh if mesh is not None else self.mesh,
-                            scaled=is_quantized(self.config.kv_cache))
+        """The decode attention a call made now takes (`engine_impl`: for the compile target of the mesh's devices,
+        or a `pallas_kernels.target`); its pool's format is `kv_format(impl)`."""
+        return engine_impl(self.config, self.model_cfg, mesh if mesh is not None else self.mesh)
+
+    def kv_format(self, impl: str) -> KVFormat:
+        """The resolved format of this engine's pool as decode attention `impl` reads it (`attention.kv_format`)."""
+        return kv_format(self.config.kv_cache, impl)
 
     def _decode_for(self, sampling: SamplingConfig, impl: str):
         if (sampling, impl) not in self._decode:
@@ -320,13 +335,12 @@ class Engine:
         return row_buckets(slots, self.slot_multiple)
 
     def pool(self, pages: int, impl: str, *, mesh=None, abstract: bool = False):
-        """The KV pool of a call (the one place it is built): `pages` pages in the layout and format decode
-        attention `impl` reads (`paged.LAYOUTS`, `paged.int8_bits`), laid out for `mesh` (default: the engine's);
-        zeroed on the devices, or its ShapeDtypeStructs (`abstract`, for ahead-of-time compiles)."""
-        c = self.config
+        """The KV pool of a call (the one place it is built): `pages` pages in the format decode attention `impl`
+        reads (`kv_format`), laid out for `mesh` (default: the engine's); zeroed on the devices, or its
+        ShapeDtypeStructs (`abstract`, for ahead-of-time compiles)."""
         make = abstract_pool if abstract else new_pool
-        return make(self.model_cfg, pages, c.page_size, mesh if mesh is not None else self.mesh, LAYOUTS[impl],
-                    c.kv_cache, int8_bits(c.kv_cache, impl))
+        return make(self.model_cfg, pages, self.config.page_size, mesh if mesh is not None else self.mesh,
+                    self.kv_format(impl))
 
     def warmup(self, state, *, n_requests: int, prompt_len: int, max_new: int, sampling: SamplingConfig):
         """Compile every program a `generate(..., prompt_capacity=prompt_len)` call of these sizes can run (each
@@ -366,7 +380,7 @@ class Engine:
         state = nnx.state(state) if isinstance(state, nnx.Module) else state
         seqs = requests(prompts, max_new_tokens, keys, seed)
         if kv_scales is not None:
-            check_kv_scales(kv_scales, self.config.kv_cache, self.model_cfg)
+            check_kv_scales(kv_scales, KVFormat(self.config.kv_cache), self.model_cfg)
         longest = max(len(s.prompt) for s in seqs)
         if prompt_capacity and longest > prompt_capacity:
             raise ValueError(f"a prompt has {longest} tokens, more than prompt_capacity {prompt_capacity}")

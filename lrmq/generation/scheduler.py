@@ -17,7 +17,7 @@ per turn of its loop:
 * `apply(batch, output)` records the tokens a call sampled and returns the sequences that finished; their slots
   and pages are free for the next `admit`.
 
-Data groups (`groups` > 1: the engine's pool is split over the mesh's data axes, `paged.kv_page_axes`): each
+Data groups (`groups` > 1: the engine's pool is split over the mesh's data axes, `kv_pool.kv_page_axes`): each
 group holds its own pages (page ids local to the group, 0 its null page) and its own block of slots, and a
 batch of `rows` rows gives group g the rows [g * rows / groups, (g + 1) * rows / groups) -- the rows its chips
 hold. A sequence decodes in one group, on that group's pages; a prompt is resident per group (its samples are
@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from lrmq.generation.batch import DecodeBatch, DecodeOutput, PrefillBatch
-from lrmq.generation.paged import NULL_PAGE, pages_for
+from lrmq.generation.kv_pool import NULL_PAGE, pages_for
 
 
 def row_buckets(slots: int, multiple: int = 1) -> list[int]:

@@ -13,7 +13,8 @@ from typing import ClassVar, Literal
 from lrmq.configlib import ConfigError, check_data_parallel_batch, opt
 from lrmq.data.prompts import PROMPT_TEMPLATES
 from lrmq.generation.engine import EngineConfig
-from lrmq.generation.paged import DECODE_ATTENTION, KEPT_SCALE_FORMATS, is_quantized
+from lrmq.generation.attention import DECODE_ATTENTION
+from lrmq.generation.kv_format import KEPT_SCALE_FORMATS, KVFormat
 from lrmq.generation.scheduler import check_kv_pages
 from lrmq.model.presets import PRESETS
 from lrmq.rl.advantages import ADVANTAGES
@@ -21,7 +22,7 @@ from lrmq.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, LossConfi
 from lrmq.rl.rewards import REWARDS
 
 
-# rollout.decode_attention: "auto" and the engine's decode attention names (paged.DECODE_ATTENTION), not restated
+# rollout.decode_attention: "auto" and the engine's decode attention names (attention.DECODE_ATTENTION), not restated
 DecodeAttention = Literal[("auto", *DECODE_ATTENTION)]
 
 
@@ -154,7 +155,7 @@ class RolloutSection:
 
     def engine_config(self, pool_bytes: int = 0) -> EngineConfig:
         """The rollout engine, whole: `pool_bytes` is the KV pool's budget per device when kv_pages is 0
-        (`paged.pool_budget`; 0 = the worst case)."""
+        (`kv_pool.pool_budget`; 0 = the worst case)."""
         return EngineConfig(slots=self.generation_batch or self.prompts_per_step * self.group_size,
                             page_size=self.page_size, pages=self.kv_pages, sync_steps=self.sync_steps,
                             kv_cache=self.kv_cache, attention=self.decode_attention, pool_bytes=int(pool_bytes))
@@ -419,7 +420,7 @@ class TrainConfig:
         start: a packed rollout copy (rollout.quant), a quantized KV cache (rollout.kv_cache fp8 / int8) or a stale
         version (rollout.max_staleness > 0). algo.rollout_correction=auto turns the correction on then (the
         decoupled objective: docs/grpo.md)."""
-        return self.quantized_rollout or is_quantized(self.rollout.kv_cache) or self.rollout.max_staleness > 0
+        return self.quantized_rollout or KVFormat(self.rollout.kv_cache).quantized or self.rollout.max_staleness > 0
 
     def loss_config(self) -> LossConfig:
         """The loss part of algo.* as `grpo_loss` takes it: rollout.max_new_tokens is the Dr.GRPO constant and

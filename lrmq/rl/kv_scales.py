@@ -1,7 +1,7 @@
 """rollout.kv_scale_refresh: which fp8 KV-cache scales a rollout's engine call writes under.
 
 With rollout.kv_cache fp8_e4m3 / fp8_e5m2 the engine keeps one scale per layer and KV head for K and for V
-(`lrmq.generation.paged.QuantPool`). By default (refresh 0) each `Engine.generate` calibrates its own on its first
+(`lrmq.generation.kv_pool.QuantPool`). By default (refresh 0) each `Engine.generate` calibrates its own on its first
 prefill, from the prompts of that call. With refresh k > 0 the trainer keeps the scales a calibrating rollout
 returned (`GenerationResult.kv_scales`) and passes them to the following rollouts (`Engine.generate(kv_scales=)`),
 so they stay the same between refreshes, and lets the next rollout calibrate anew once k policy updates have
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lrmq.generation.engine import GenerationResult
-from lrmq.generation.paged import KVScales
+from lrmq.generation.kv_pool import KVScales
 
 
 @dataclass

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from lrmq.configlib import ConfigError
-from lrmq.generation.paged import decode_fsdp
+from lrmq.generation.kv_pool import decode_fsdp
 from lrmq.rl.setup import model_config
 from lrmq.sharding import MeshConfig, make_mesh
 
@@ -69,7 +69,7 @@ def placement_meshes(cfg, devices=None):
 
 def sampler_fsdp(cfg, chips: int, platform: str, kv_heads: int) -> int:
     """mesh.rollout_fsdp=0: the largest fsdp axis over `chips` sampler chips (the rest is data) that splits the
-    model's `kv_heads` KV heads into whole shares its KV format runs at (`paged.decode_fsdp`). Logged."""
+    model's `kv_heads` KV heads into whole shares its KV format runs at (`kv_pool.decode_fsdp`). Logged."""
     fsdp = decode_fsdp(chips, kv_heads, cfg.rollout.kv_cache, platform)
     log.info("mesh.rollout_fsdp=0: the sampler's %d chips as data=%d x fsdp=%d (%d of the %d KV heads per chip, "
              "rollout.kv_cache=%s)", chips, chips // fsdp, fsdp, kv_heads // fsdp, kv_heads, cfg.rollout.kv_cache)

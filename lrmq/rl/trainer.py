@@ -23,7 +23,7 @@ from lrmq import compile_cache, paths
 from lrmq.checkpoint.load import check_checkpoint
 from lrmq.configlib import ConfigError, check_data_parallel_batch, save_config
 from lrmq.data.pipeline import PromptPipeline
-from lrmq.generation.paged import pool_budget
+from lrmq.generation.kv_pool import pool_budget
 from lrmq.model.config import check_position_limit
 from lrmq.ptq.qat_export import QUANTIZED_POLICY
 from lrmq.rl.config import TrainConfig

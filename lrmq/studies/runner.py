@@ -34,7 +34,8 @@ from lrmq.atomic import atomic_write_text
 from lrmq.checkpoint.load import read_model_config
 from lrmq.config_help import to_plain
 from lrmq.configlib import dump_config, load_config
-from lrmq.generation.paged import page_bytes
+from lrmq.generation.kv_format import KVFormat
+from lrmq.generation.kv_pool import page_bytes
 from lrmq.ptq.methods import needs_calibration
 from lrmq.ptq.qat_export import QUANTIZED_POLICY
 from lrmq.rl.config import TrainConfig
@@ -414,12 +415,12 @@ def last_metrics(path: str) -> dict:
 def rollout_kv_bytes_per_token(run_config: str) -> float:
     """Bytes one cached token takes in the rollout engine's KV pool of the run whose config.yaml this is: K and V
     of every layer and KV head in `rollout.kv_cache`'s format, with its per-token scales where it keeps them
-    (`paged.page_bytes` on one device, the interleaved pool of the XLA and TPU paths; the model's config only,
+    (`kv_pool.page_bytes` on one device, the interleaved pool of the XLA and TPU paths; the model's config only,
     no weights read)."""
     cfg = load_config(TrainConfig, run_config)
     model_cfg = read_model_config(cfg.model.checkpoint, dtype=cfg.model.dtype)
     page = cfg.rollout.page_size
-    return page_bytes(model_cfg, page, kv_cache=cfg.rollout.kv_cache, layout="interleaved") / page
+    return page_bytes(model_cfg, page, fmt=KVFormat(cfg.rollout.kv_cache)) / page
 
 
 def _progress(total: int, initial: int, enabled: bool):
