@@ -25,12 +25,26 @@ VARIANTS = {
                   rms_norm_eps=1e-6),
 }
 
+# Qwen3-MoE (kept apart from VARIANTS: PTQ, which every VARIANTS entry also runs, refuses experts for now).
+# Routers get weights of std 0.5 (transformers' 0.02 leaves near-ties that float noise could flip).
+_MOE = dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_VARIANTS = {
+    # layers 0 and 2 sparse, 1 dense (mlp_only_layers); weights renormalised
+    "qwen3_moe": dict(_MOE, num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True),
+    # decoder_sparse_step 2: layer 0 dense, layer 1 sparse; raw softmax weights; tied embeddings
+    "qwen3_moe_step": dict(_MOE, decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=True),
+    # every router's rows 0 = 1 and 2 = 3: each token's two experts tie exactly (torch.topk and jax.lax.top_k
+    # order them differently; the set is the same)
+    "qwen3_moe_ties": dict(_MOE, norm_topk_prob=False, router_ties=True),
+}
+
 
 def make_hf_model(variant: str, seed: int = 0):
     import transformers
 
-    kw = dict(BASE, **VARIANTS[variant])
+    kw = dict(BASE, **(VARIANTS[variant] if variant in VARIANTS else MOE_VARIANTS[variant]))
     model_type = kw.pop("model_type")
+    router_ties = kw.pop("router_ties", False)
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -40,6 +54,10 @@ def make_hf_model(variant: str, seed: int = 0):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a Qwen3-MoE router [experts, hidden]
+                p.copy_(0.5 * torch.randn_like(p))
+                if router_ties:
+                    p[1], p[3] = p[0], p[2]
     return model.eval()
 
 

@@ -56,7 +56,7 @@ TOKENS = np.random.RandomState(0).randint(0, 128, (2, 10))
 
 
 @pytest.mark.parametrize("variant,dtype", [("qwen3", "float32"), ("llama_linear", "float32"),
-                                           ("qwen2", "bfloat16"), ("olmo3", "bfloat16")])
+                                           ("qwen2", "bfloat16"), ("olmo3", "bfloat16"), ("qwen3_moe", "bfloat16")])
 def test_round_trip_is_bit_exact(variant, dtype, hf_checkpoint, tmp_path):
     import transformers
 

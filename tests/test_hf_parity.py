@@ -1,4 +1,5 @@
-"""lrmq vs transformers, every family variant: logits on a left-padded batch, greedy decoding, bf16."""
+"""lrmq vs transformers, every family variant: logits on a left-padded batch, greedy decoding, bf16; Qwen3-MoE
+(`MOE_VARIANTS`: dense layers among sparse ones, norm_topk_prob both ways, tied router scores)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from flax import nnx
 
-from hf_fixtures import VARIANTS
+from hf_fixtures import MOE_VARIANTS, VARIANTS
 from lrmq.checkpoint.load import load_model
 from lrmq.model.decoder import positions_from_mask
 
@@ -41,7 +42,7 @@ def lrmq_logits(model, tokens, mask):
     return np.asarray(out.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + sorted(MOE_VARIANTS))
 def test_logits_match_transformers_f32(variant, hf_checkpoint):
     path, hf_model = hf_checkpoint(variant)
     model = load_model(path)
@@ -82,7 +83,7 @@ def hf_greedy(hf_model, tokens, mask, n_new):
     return out[:, tokens.shape[1]:].numpy()
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["qwen3_moe"])
 def test_greedy_matches_transformers_generate(variant, hf_checkpoint):
     path, hf_model = hf_checkpoint(variant)
     model = load_model(path)
@@ -92,7 +93,7 @@ def test_greedy_matches_transformers_generate(variant, hf_checkpoint):
     np.testing.assert_array_equal(lrmq_greedy(model, tokens, mask, NEW_TOKENS), ref)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "olmo3"])
+@pytest.mark.parametrize("variant", ["qwen3", "olmo3", "qwen3_moe"])
 def test_generation_engine_matches_transformers(variant, hf_checkpoint):
     from lrmq.generation import engine
 
@@ -110,7 +111,7 @@ def test_generation_engine_matches_transformers(variant, hf_checkpoint):
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["qwen3_moe"])
 def test_bf16_checkpoint_loads_and_runs(variant, hf_checkpoint):
     path, hf_model = hf_checkpoint(variant, "bfloat16")
     model = load_model(path)

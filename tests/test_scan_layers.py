@@ -143,3 +143,18 @@ def test_scan_is_an_option_of_the_forward_without_a_cache():
     assert "scan" not in inspect.signature(model.hidden_runs).parameters
     with pytest.raises(TypeError):
         model.hidden(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), object(), scan=True)
+
+
+def test_moe_layers_scan_and_differentiate():
+    """Qwen3-MoE: a dense layer among sparse ones splits the runs; scan and loop agree on the forward and on
+    every gradient, the router's and the stacked experts' (through ragged_dot) included."""
+    model = _model(model_type="qwen3_moe", num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, mlp_only_layers=[1], norm_topk_prob=True)
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["MoE", "MLP", "MoE", "MoE"]
+    assert len({nnx.split(layer)[0] for layer in model.layers}) == 2
+    scanned = _grads(model, nnx.Param, scan=True)
+    _assert_same(scanned, _grads(model, nnx.Param, scan=False))
+    grads = nnx.to_flat_state(scanned[0])
+    for name in ("router", "gate_proj", "up_proj", "down_proj"):
+        g = [np.asarray(v.get_value()) for p, v in grads if p[:2] == ("layers", 2) and name in p]
+        assert g and np.abs(g[0]).max() > 0, name

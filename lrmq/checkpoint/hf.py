@@ -28,7 +28,7 @@ from safetensors import safe_open
 from lrmq import paths
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint import remote
-from lrmq.checkpoint.hf_names import expand
+from lrmq.checkpoint.hf_names import Slot, expand, fused_views
 from lrmq.checkpoint.shards import ShardWriter
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
@@ -174,10 +174,10 @@ def _check_complete(path: str, size: int) -> None:
 
 def match_names(model: nnx.Module, cfg: ModelConfig, index: dict[str, str], shapes: dict[str, tuple[int, ...]],
                 source: str, consumed: frozenset[str] = frozenset(), preset: frozenset[str] = frozenset()
-                ) -> dict[str, tuple[str, str]]:
+                ) -> dict[str, Slot]:
     """Check every tensor against the model; one error lists all problems. `consumed`: tensors already read
     by another reader (a quantized Linear's packed tensors, `lrmq.checkpoint.quantized`), `preset`: the params
-    it set (not read here)."""
+    it set (not read here). Per-expert names may be views of fused tensors (`with_fused_views`)."""
     params = flat_params(model)
     mapping = expand(set(params) - preset, cfg)
     problems = []
@@ -188,17 +188,59 @@ def match_names(model: nnx.Module, cfg: ModelConfig, index: dict[str, str], shap
                         and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
     if unexpected:
         problems.append("unexpected tensors: " + ", ".join(unexpected))
-    for h, (ours, tr) in sorted(mapping.items()):
+    for h, slot in sorted(mapping.items()):
         if h not in shapes:
             continue
-        want = tuple(params[ours].get_value().shape)
-        if tr == "T":
-            want = want[::-1]
+        want = stored_shape(tuple(params[slot.path].get_value().shape), slot)
         if shapes[h] != want:
             problems.append(f"wrong shape for {h}: expected {want}, found {shapes[h]}")
     if problems:
         raise CheckpointError(f"{source}: checkpoint does not match the {cfg.family} config:\n  " + "\n  ".join(problems))
     return mapping
+
+
+def stored_shape(param_shape: tuple[int, ...], slot: Slot) -> tuple[int, ...]:
+    """The shape of the HF tensor that fills `slot` of a parameter of `param_shape`."""
+    shape = param_shape[1:] if slot.expert is not None else param_shape
+    return shape[::-1] if slot.transform == "T" else shape
+
+
+def with_fused_views(cfg: ModelConfig, index: dict[str, str], shapes: dict[str, tuple[int, ...]], source: str
+                     ) -> tuple[dict[str, str], dict[str, tuple[int, ...]], dict[str, tuple[str, tuple]]]:
+    """(index, shapes, views) with transformers 5's fused expert tensors (`hf_names.FUSED_EXPERTS`) replaced by
+    the per-expert tensors they hold: views maps each such name to (fused name, its block's numpy index). A fused
+    tensor of the wrong shape is a CheckpointError naming it."""
+    views = fused_views(index, cfg)
+    if not views:
+        return index, shapes, views
+    index, shapes = dict(index), dict(shapes)
+    blocks: dict[str, list[str]] = {}
+    for name, (fused, _) in views.items():
+        blocks.setdefault(fused, []).append(name)
+    for fused, names in blocks.items():
+        parts = len(names) // cfg.num_experts
+        e, rows = views[names[0]][1]
+        shape = shapes.get(fused)
+        if shape is None or len(shape) != 3 or shape[0] != cfg.num_experts or shape[1] % parts:
+            raise CheckpointError(f"{source}: fused expert tensor {fused} has shape {shape}, expected "
+                                  f"[{cfg.num_experts} experts, {parts} x rows, columns]")
+        for name in names:
+            index[name] = index[fused]
+            shapes[name] = (shape[1] // parts, shape[2])
+        del index[fused], shapes[fused]
+    return index, shapes, views
+
+
+def _read_stored(path: str, name: str, views: dict[str, tuple[str, tuple]], handles: dict[str, Any]) -> np.ndarray:
+    """HF tensor `name` from safetensors file `path` (a URL: range reads), a fused tensor's block when `views`
+    says it is one."""
+    src, idx = views.get(name, (name, None))
+    if paths.is_url(path):
+        reader = _remote(path)
+        return reader.tensor(src) if idx is None else reader.tensor(src, slice(idx[0], idx[0] + 1))[0][idx[1:]]
+    if path not in handles:
+        handles[path] = safe_open(path, framework="numpy").__enter__()
+    return handles[path].get_tensor(src) if idx is None else handles[path].get_slice(src)[idx]
 
 
 def load_hf_model(ckpt_dir: str, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None,
@@ -211,38 +253,48 @@ def load_hf_model(ckpt_dir: str, *, mesh=None, dtype: str | None = None, param_d
 def fill_hf_params(abstract: Decoder, ckpt_dir: str, index: dict[str, str], *, mesh=None,
                    consumed: frozenset[str] = frozenset()) -> Decoder:
     """Read every `nnx.Param` of `abstract` (built by `nnx.eval_shape`) from the checkpoint's tensors `index`
-    (`tensor_index`), checked first by `match_names`; `consumed` tensors were read by another reader."""
+    (`tensor_index`), checked first by `match_names`; `consumed` tensors were read by another reader. A stacked
+    expert parameter is assembled on the host from its per-expert tensors, then placed."""
     cfg = abstract.cfg
     shapes = _shapes({k: v for k, v in index.items() if k not in consumed})
+    index, shapes, views = with_fused_views(cfg, index, shapes, ckpt_dir)
     preset = frozenset(p for p, v in flat_params(abstract).items() if not isinstance(v.get_value(), jax.ShapeDtypeStruct))
     mapping = match_names(abstract, cfg, index, shapes, ckpt_dir, consumed, preset)
     params = flat_params(abstract)
+    pieces: dict[str, list[tuple[str, Slot]]] = {}
+    for hf_name, slot in mapping.items():
+        pieces.setdefault(slot.path, []).append((hf_name, slot))
     handles: dict[str, Any] = {}
     try:
-        for hf_name, (ours, tr) in mapping.items():
-            path = index[hf_name]
-            if paths.is_url(path):  # streamed: this host's rows of each tensor, nothing on disk
-                var = params[ours]
-                var.set_value(_place_remote(_remote(path), hf_name, tr, var.get_value().dtype,
-                                            var.get_metadata().get(LOGICAL_AXES_KEY), mesh))
-                continue
-            if path not in handles:
-                handles[path] = safe_open(path, framework="numpy").__enter__()
+        for ours, parts in pieces.items():
             var = params[ours]
             target = var.get_value()
-            arr = handles[path].get_tensor(hf_name)
-            if tr == "T":
-                arr = arr.T
-            if not _finite(arr):
-                raise CheckpointError(f"{path}: tensor {hf_name} has non-finite values (NaN or Inf)")
-            arr = np.asarray(arr).astype(target.dtype)
-            if not _finite(arr):
-                raise CheckpointError(f"{path}: tensor {hf_name} overflows {target.dtype} (values past its range)")
-            var.set_value(_place(arr, var.get_metadata().get(LOGICAL_AXES_KEY), mesh))
+            axes = var.get_metadata().get(LOGICAL_AXES_KEY)
+            hf_name, slot = parts[0]
+            path = index[hf_name]
+            if slot.expert is None and paths.is_url(path):
+                # streamed: this host's rows of each tensor, nothing on disk
+                var.set_value(_place_remote(_remote(path), hf_name, slot.transform, target.dtype, axes, mesh))
+                continue
+            if slot.expert is None:
+                var.set_value(_place(_oriented(_read_stored(path, hf_name, views, handles), slot, target.dtype,
+                                               path, hf_name), axes, mesh))
+                continue
+            stacked = np.empty(target.shape, target.dtype)
+            for hf_name, slot in parts:
+                path = index[hf_name]
+                stacked[slot.expert] = _oriented(_read_stored(path, hf_name, views, handles), slot, target.dtype,
+                                                 path, hf_name)
+            var.set_value(_place(stacked, axes, mesh))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
     return abstract
+
+
+def _oriented(arr: np.ndarray, slot: Slot, dtype, path: str, name: str) -> np.ndarray:
+    """A stored tensor in lrmq's orientation and `dtype`, refused when non-finite or past `dtype`'s range."""
+    return _checked(arr.T if slot.transform == "T" else arr, dtype, path, name)
 
 
 def _checked(arr: np.ndarray, dtype, where: str, name: str) -> np.ndarray:
@@ -291,16 +343,20 @@ def _place(arr: np.ndarray, axes, mesh) -> jax.Array:
 
 
 def hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, numpy array) for every parameter, in HF orientation and the export dtype.
+    """(HF name, numpy array) for every parameter, in HF orientation and the export dtype; a stacked expert
+    parameter as one tensor per expert (gathered once, its experts consecutive in the order).
 
     Iterates in the fixed NAME_MAP order, so every process of a multi-host run gathers the same
     tensor at the same time (see `host_array`)."""
     cfg = model.cfg
     params = flat_params(model)
     out_dtype = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.param_dtype) == "bfloat16" else np.dtype(dtype or cfg.param_dtype)
-    for hf_name, (ours, tr) in expand(set(params), cfg).items():
-        arr = host_array(params[ours].get_value())
-        if tr == "T":
+    held: tuple[str, np.ndarray] | None = None
+    for hf_name, slot in expand(set(params), cfg).items():
+        if held is None or held[0] != slot.path:
+            held = (slot.path, host_array(params[slot.path].get_value()))
+        arr = held[1] if slot.expert is None else held[1][slot.expert]
+        if slot.transform == "T":
             arr = arr.T
         yield hf_name, np.ascontiguousarray(arr.astype(out_dtype))
 

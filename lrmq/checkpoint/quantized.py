@@ -276,9 +276,9 @@ class _Tensors:
 
 def _linear_prefixes(abstract: Decoder) -> dict[str, str]:
     """HF module prefix ('model.layers.0.self_attn.q_proj') -> lrmq Linear path ('layers.0.attn.q_proj')."""
-    return {hf[: -len(".weight")]: ours[: -len(".kernel")]
-            for hf, (ours, _) in expand(set(flat_params(abstract)), abstract.cfg).items()
-            if ours.endswith(".kernel") and hf.endswith(".weight")}
+    return {hf[: -len(".weight")]: slot.path[: -len(".kernel")]
+            for hf, slot in expand(set(flat_params(abstract)), abstract.cfg).items()
+            if slot.path.endswith(".kernel") and hf.endswith(".weight") and slot.expert is None}
 
 
 def _codes(q: HFQuantization, prefix: str, scheme: WeightScheme, names: set[str], reader: _Tensors):

@@ -37,7 +37,8 @@ from flax import nnx
 
 from lrmq import paths
 from lrmq.checkpoint import remote
-from lrmq.checkpoint.hf import CheckpointError, _remote, flat_params, match_names, tensor_index
+from lrmq.checkpoint.hf import CheckpointError, _remote, flat_params, match_names, tensor_index, with_fused_views
+from lrmq.checkpoint.hf_names import Slot
 from lrmq.checkpoint.load import checkpoint_kind, resolve_checkpoint
 from lrmq.checkpoint.orbax_io import (STATE_FILE, _check_manifest, _read_manifest, _savable_vars, read_lrmq_config,
                                       restore_arrays)
@@ -109,26 +110,45 @@ class _HFTensors(TensorReader):
         if absent:
             raise CheckpointError(absent[0] + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
         shapes = {h: self._files[f].shape(h) for h, f in index.items()}
+        index, shapes, self._views = with_fused_views(cfg, index, shapes, where)  # transformers 5's fused experts
         mapping = match_names(abstract, cfg, index, shapes, where)  # every tensor there, with the config's shape
-        self._where = {ours: (h, tr, index[h]) for h, (ours, tr) in mapping.items()}
+        # lrmq name -> its stored pieces (one, or one per expert in expert order): (HF name, slot, file)
+        self._where: dict[str, list[tuple[str, Slot, str]]] = {}
+        for h, slot in mapping.items():
+            self._where.setdefault(slot.path, []).append((h, slot, index[h]))
         entries = {}
-        for ours in flat_params(abstract):
-            h, tr, f = self._where[ours]
-            shape = shapes[h][::-1] if tr == "T" else shapes[h]
-            entries[ours] = (tuple(shape), self._files[f].dtype(h))
+        for ours, var in flat_params(abstract).items():
+            h, _, f = self._where[ours][0]
+            entries[ours] = (tuple(var.get_value().shape), self._files[f].dtype(self._views.get(h, (h,))[0]))
         super().__init__(path, cfg, entries)
 
     def stored(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(its HF name, its shape there); a stacked expert parameter: expert 0's tensor."""
         self._entry(name)
-        h, _, f = self._where[name]
-        return h, self._files[f].shape(h)
+        h, _, f = self._where[name][0]
+        return h, shapes_of(self._files[f], h, self._views)
 
     def get(self, name: str) -> np.ndarray:
         self._entry(name)
-        h, tr, f = self._where[name]
+        pieces = [self._read(h, f) for h, _, f in self._where[name]]
+        pieces = [arr.T if slot.transform == "T" else arr for arr, (_, slot, _) in zip(pieces, self._where[name])]
+        return pieces[0] if self._where[name][0][1].expert is None else np.stack(pieces)
+
+    def _read(self, h: str, f: str) -> np.ndarray:
         reader = self._files[f]
-        arr = reader.tensor(h) if isinstance(reader, remote.RemoteSafetensors) else reader[h]
-        return arr.T if tr == "T" else arr
+        src, idx = self._views.get(h, (h, None))
+        if isinstance(reader, remote.RemoteSafetensors):
+            return reader.tensor(src) if idx is None else reader.tensor(src, slice(idx[0], idx[0] + 1))[0][idx[1:]]
+        return reader[src] if idx is None else reader[src][idx]
+
+
+def shapes_of(reader, h: str, views: dict[str, tuple[str, tuple]]) -> tuple[int, ...]:
+    """The stored shape of HF tensor `h`, a block of a fused expert tensor when `views` names it."""
+    if h not in views:
+        return tuple(reader.shape(h))
+    src, (_, rows) = views[h]
+    shape = reader.shape(src)
+    return (len(range(*rows.indices(shape[1]))), shape[2])
 
 
 class _LrmqTensors(TensorReader):

@@ -1,4 +1,4 @@
-"""ModelConfig: one decoder, four families, differing only by these fields.
+"""ModelConfig: one decoder, five families, differing only by these fields.
 
 Read from Hugging Face `config.json` in both the transformers-4 style (`rope_theta`, `rope_scaling`,
 `torch_dtype`) and the transformers-5 style (`rope_parameters`, `dtype`).
@@ -15,18 +15,23 @@ from typing import Any
 from lrmq import paths
 from lrmq.configlib import ConfigError  # noqa: F401  (raised below for config.json fields lrmq cannot honour)
 
-FAMILIES = ("qwen3", "qwen2", "llama", "olmo3")
+FAMILIES = ("qwen3", "qwen2", "llama", "olmo3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # config.json `architectures` of each family (the transformers class); another one is refused
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                 "olmo3": "Olmo3ForCausalLM"}
+                 "olmo3": "Olmo3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 # config.json fields that must be positive integers when present
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                  "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "decoder_sparse_step")
+# Qwen3-MoE's config.json fields with transformers' defaults (Qwen3MoeConfig), read when absent; the expert count
+# and shapes have none: a checkpoint must say them
+_MOE_DEFAULTS = dict(norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(), router_aux_loss_coef=0.001)
 
 
 def check_position_limit(cfg: "ModelConfig", positions: int, what: str) -> None:
@@ -80,6 +85,16 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
+    # Mixture of experts (Qwen3-MoE); num_experts = 0 is a dense model. A layer is sparse when num_experts > 0, it
+    # is not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0 (transformers' Qwen3MoeDecoderLayer);
+    # the others keep the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0  # the checkpoint's load-balancing loss weight (kept; no loss reads it yet)
     # The original config.json, so that export writes back exactly what was read.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -106,6 +121,31 @@ class ModelConfig:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in DTYPES:
                 raise ConfigError(f"{f}={getattr(self, f)!r} is not supported; supported: {tuple(DTYPES)}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 0 or self.decoder_sparse_step < 1:
+            raise ConfigError(f"num_experts={self.num_experts} must be >= 0 and decoder_sparse_step="
+                              f"{self.decoder_sparse_step} >= 1")
+        if self.num_experts == 0:
+            if self.num_experts_per_tok or self.moe_intermediate_size or self.mlp_only_layers:
+                raise ConfigError("num_experts_per_tok / moe_intermediate_size / mlp_only_layers are set but "
+                                  "num_experts is 0 (a dense model)")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                              f"{self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1 with experts")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"mlp_only_layers {list(self.mlp_only_layers)}: layers {bad} are not in "
+                              f"[0, {self.num_layers})")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer `i` has the mixture-of-experts block (else the dense MLP): transformers' rule."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -118,11 +158,19 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameters of the model (weights, norms; no biases). active: those one token computes with, each sparse
+        layer counting its router and num_experts_per_tok experts (a dense model: all of them)."""
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = d * self.q_size * 2 + d * self.kv_size * 2
-        per_layer = attn + 3 * d * f + 2 * d
-        return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
+        qk_norms = {"none": 0, "head": 2 * self.head_dim, "full": self.q_size + self.kv_size}[self.qk_norm]
+        attn = d * self.q_size * 2 + d * self.kv_size * 2 + qk_norms
+        experts = self.num_experts_per_tok if active else self.num_experts
+        total = v * d * (1 if self.tie_word_embeddings else 2) + d
+        for i in range(self.num_layers):
+            mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size if self.is_moe_layer(i) \
+                else 3 * d * f
+            total += attn + mlp + 2 * d
+        return total
 
     # ---------------------------------------------------------------- Hugging Face config.json
     @classmethod
@@ -165,6 +213,7 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hidden // n_heads
         n_kv = hf.get("num_key_value_heads") or n_heads
 
+        moe = _read_moe(hf, family, source, n_layers)
         layer_types = hf.get("layer_types")
         sliding_window = hf.get("sliding_window")
         if layer_types is None:
@@ -175,7 +224,7 @@ class ModelConfig:
                 layer_types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
             else:
                 layer_types = ["full_attention"] * n_layers
-        if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
             layer_types = ["full_attention"] * n_layers  # transformers ignores the window unless enabled
         layer_types = tuple(layer_types)
         if "sliding_attention" not in layer_types:
@@ -203,7 +252,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm={"qwen3": "head", "olmo3": "full"}.get(family, "none"),
+            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo3": "full"}.get(family, "none"),
             norm_placement="post" if family == "olmo3" else "pre",
             layer_types=layer_types,
             sliding_window=sliding_window,
@@ -212,6 +261,7 @@ class ModelConfig:
             dtype=dtype or _norm_dtype(file_dtype, source),
             param_dtype=param_dtype or _norm_dtype(file_dtype, source),
             hf_config=hf,
+            **moe,
         )
 
     @classmethod
@@ -256,6 +306,11 @@ class ModelConfig:
             d["layer_types"] = list(self.layer_types)
             if self.family in ("qwen2", "qwen3"):
                 d["use_sliding_window"] = True
+        if self.num_experts:
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                     router_aux_loss_coef=self.router_aux_loss_coef)
         if self.family == "olmo3":
             d["layer_types"] = list(self.layer_types)
             d["rope_parameters"] = {t: _rope_to_hf(r) for t, r in self.rope.items()}
@@ -263,6 +318,40 @@ class ModelConfig:
             d["rope_parameters"] = _rope_to_hf(self.rope["full_attention"] if "full_attention" in self.rope
                                                else next(iter(self.rope.values())))
         return d
+
+
+def _read_moe(hf: dict[str, Any], family: str, source: str, n_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a config.json: {} for the dense families. transformers 5 writes
+    the expert count as `num_local_experts`, the published Qwen3-MoE configs (and transformers 4) as `num_experts`."""
+    if family != "qwen3_moe":
+        return {}
+    if hf.get("use_sliding_window", False):
+        raise ConfigError(f"{source}: use_sliding_window=true is not supported for qwen3_moe")
+    counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+    if len(set(counts.values())) > 1:
+        raise ConfigError(f"{source}: num_experts={counts['num_experts']} and num_local_experts="
+                          f"{counts['num_local_experts']} disagree")
+    if not counts:
+        raise ConfigError(f"{source}: required field 'num_experts' (or 'num_local_experts') is missing")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if key not in hf:
+            raise ConfigError(f"{source}: required field {key!r} is missing")
+    get = lambda k: hf[k] if hf.get(k) is not None else _MOE_DEFAULTS[k]
+    only = get("mlp_only_layers")
+    if not isinstance(only, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, found {only!r}")
+    if not isinstance(get("norm_topk_prob"), bool):
+        raise ConfigError(f"{source}: norm_topk_prob must be true or false, found {hf['norm_topk_prob']!r}")
+    coef = get("router_aux_loss_coef")
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)):
+        raise ConfigError(f"{source}: router_aux_loss_coef must be a number, found {coef!r}")
+    bad = [i for i in only if not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError(f"{source}: mlp_only_layers {list(only)}: layers {bad} are not in [0, {n_layers})")
+    return dict(num_experts=next(iter(counts.values())), num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=get("norm_topk_prob"),
+                decoder_sparse_step=get("decoder_sparse_step"), mlp_only_layers=tuple(only),
+                router_aux_loss_coef=float(coef))
 
 
 def _norm_dtype(s: str, source: str) -> str:

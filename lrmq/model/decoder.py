@@ -1,4 +1,4 @@
-"""The one decoder shared by Qwen3, Qwen2/2.5, Llama 3.x and Olmo-3 (differences live in ModelConfig)."""
+"""The one decoder shared by Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x and Olmo-3 (differences live in ModelConfig)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from flax import nnx, struct
 from lrmq.model.attention import attention
 from lrmq.model.config import ModelConfig
 from lrmq.model.linear import Linear
+from lrmq.model.moe import MoE
 from lrmq.model.params import param
 from lrmq.model.rope import apply_rope, inv_frequencies, rope_cos_sin
 from lrmq.sharding import constrain_batch
@@ -129,10 +130,13 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, rngs: nnx.Rngs):
+    """One layer; `moe`: its feed-forward block is the mixture of experts (`lrmq.model.moe.MoE`; the layers
+    `ModelConfig.is_moe_layer` names), else the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: str, rngs: nnx.Rngs, *, moe: bool = False):
         self.post_norm = cfg.norm_placement == "post"
         self.attn = Attention(cfg, layer_type, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
         if self.post_norm:  # Olmo: x + norm(f(x))
             self.attn_out_norm = _norm(cfg, cfg.hidden_size)
             self.mlp_out_norm = _norm(cfg, cfg.hidden_size)
@@ -163,7 +167,8 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, pdt, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, cfg.layer_types[i], rngs) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, cfg.layer_types[i], rngs, moe=cfg.is_moe_layer(i))
+                                for i in range(cfg.num_layers)])
         self.final_norm = _norm(cfg, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -250,7 +255,8 @@ def _remat_layer(policy):
 @struct.dataclass
 class LayerRun:
     """A maximal run of consecutive layers with equal graphdefs (same structure and static attributes:
-    Olmo-3's sliding/full pattern splits runs), their states stacked on a leading axis."""
+    Olmo-3's sliding/full pattern and Qwen3-MoE's dense layers among sparse ones split runs), their states
+    stacked on a leading axis."""
 
     graphdef: nnx.GraphDef = struct.field(pytree_node=False)
     state: nnx.State

@@ -1,4 +1,5 @@
-"""The linear seam: every projection in the model goes through `Linear`.
+"""The linear seam: every projection in the model goes through `Linear` (the experts of a mixture-of-experts
+block through `ExpertLinear`, its stacked-kernel form).
 
 The weight representation (float `nnx.Param`, or a packed `lrmq.quant.qkernel.QuantizedKernel`),
 the `dot_general` (plain, or an AQT quantized one for QAT) and an optional LoRA adapter are
@@ -57,3 +58,28 @@ class Linear(nnx.Module):
 def _is_packed(kernel) -> bool:
     # Looked up on the class: nnx.Variable forwards unknown attributes to its value.
     return callable(getattr(type(kernel), "packed_matmul", None))
+
+
+def default_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                              preferred_element_type=preferred_element_type)
+
+
+class ExpertLinear(nnx.Module):
+    """`num_experts` bias-free [in, out] projections, one per expert, stacked into one [experts, in, out] kernel,
+    applied as a grouped matmul: `__call__(x, group_sizes)` takes rows sorted by expert (`group_sizes[e]` rows of
+    expert e, in expert order) and multiplies each group by its expert's kernel (`ragged_dot`, the seam a
+    quantized form replaces as `Linear.dot_general`). The expert axis leads, with logical axis "expert", so an
+    expert mesh axis and per-expert quantization address it as one dimension."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, axes: tuple[str | None, str | None],
+                 dtype, param_dtype, rngs: nnx.Rngs, init_std: float = 0.02):
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.dtype = dtype
+        shape = (num_experts, in_features, out_features)
+        self.kernel = param(init_std * jax.random.normal(rngs.params(), shape, param_dtype), ("expert", *axes))
+        self.ragged_dot: Callable = default_ragged_dot
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        x = x.astype(self.dtype)
+        return self.ragged_dot(x, self.kernel.get_value().astype(self.dtype), group_sizes).astype(self.dtype)

@@ -105,9 +105,9 @@ def save_fake_quant(model, out_dir: str, *, dtype: str = "float16", tokenizer_fr
 def _hf_prefixes(model) -> dict[str, str]:
     """lrmq Linear path ('layers.0.attn.q_proj') -> HF module prefix ('model.layers.0.self_attn.q_proj')."""
     out = {}
-    for hf, (ours, tr) in expand(set(flat_params(model)), model.cfg).items():
-        if ours.endswith(".kernel") and hf.endswith(".weight"):
-            out[ours[: -len(".kernel")]] = hf[: -len(".weight")]
+    for hf, slot in expand(set(flat_params(model)), model.cfg).items():
+        if slot.path.endswith(".kernel") and hf.endswith(".weight") and slot.expert is None:
+            out[slot.path[: -len(".kernel")]] = hf[: -len(".weight")]
     return out
 
 
@@ -316,7 +316,9 @@ class StreamedExport:
         self.dtypes = {f: dtype[f] if isinstance(dtype, dict) else format_dtype(f, dtype) for f in formats}
         self.tokenizer_from, self.overwrite = tokenizer_from, overwrite
         self.max_shard_bytes = max_shard_bytes
-        self.names = {ours: (hf, tr) for hf, (ours, tr) in expand(set(flat_params(
+        if cfg.num_experts:  # one HF tensor per expert, not per parameter: not written here yet
+            raise ExportError("PTQ exports of a mixture-of-experts model are not supported yet")
+        self.names = {slot.path: (hf, slot.transform) for hf, slot in expand(set(flat_params(
             nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))), cfg).items()}
         self._ctx = None
         self._writers: dict[str, _HFWriter | _PackedWriter] = {}

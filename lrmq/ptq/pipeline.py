@@ -24,7 +24,7 @@ from lrmq.checkpoint.load import checkpoint_kind, load_model, load_tokenizer, re
 from lrmq.checkpoint.quantized import refuse_quantized
 from lrmq.configlib import dump_config
 from lrmq.ptq.calibration import calibration_blocks
-from lrmq.model.config import ModelConfig, check_position_limit
+from lrmq.model.config import ConfigError, ModelConfig, check_position_limit
 from lrmq.ptq.config import QuantizeConfig
 from lrmq.ptq.exports import StreamedExport, write_outputs
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, MethodInputs, needs_calibration
@@ -124,6 +124,9 @@ def prepare(cfg: QuantizeConfig, names: Mapping[str, str] | None = None) -> Prep
     if cfg.method == "quantlrm":
         model_path, importances, files, report = quantlrm_importance(cfg, model_path)
     checkpoint_kind(model_path)  # clear error for a missing / non-checkpoint dir
+    if model_config(model_path).num_experts:
+        raise ConfigError(f"{model_path}: a mixture-of-experts model; PTQ of its experts (per expert) is not "
+                          f"supported yet")
     tok_dir = resolve_checkpoint(cfg.tokenizer) if cfg.tokenizer else model_path
     option = (names or {}).get("calibration.path", "calibration.path")
     tokens = calibration_tokens(cfg, tok_dir, option) if needs_calibration(cfg.method) else None

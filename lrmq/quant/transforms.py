@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from lrmq.model.linear import Linear
+from lrmq.model.linear import ExpertLinear, Linear
 from lrmq.quant.formats import array_axes
 from lrmq.quant.qkernel import QuantizedKernel
 from lrmq.quant.qweight import QuantizedWeight
@@ -31,6 +31,10 @@ from lrmq.sharding import LOGICAL_AXES_KEY, logical_to_spec
 
 # QuantSection.targets' default: the seven projections of every layer; lm_head is never matched.
 DEFAULT_TARGETS = r".*\.(q|k|v|o|gate|up|down)_proj$"
+# A mixture-of-experts router (`layers.N.mlp.router`) is never a target, whatever the regex (llmcompressor's
+# convention: the gate stays in float).
+ROUTER_SUFFIX = ".mlp.router"
+ATTENTION_TARGETS = r".*\.(q|k|v|o)_proj$"
 
 
 def path_str(path) -> str:
@@ -38,14 +42,19 @@ def path_str(path) -> str:
 
 
 def iter_linears(model: nnx.Module, pattern: str | None = DEFAULT_TARGETS) -> list[tuple[str, Linear]]:
-    """[(path, Linear)] in module order whose dotted path fully matches `pattern` (None: all Linears)."""
+    """[(path, Linear)] in module order whose dotted path fully matches `pattern` (None: all Linears, routers
+    included). A regex never selects a router; one that selects a mixture-of-experts expert projection
+    (`layers.N.mlp.experts.gate_proj`, an `ExpertLinear`) is refused: per-expert quantization is not built yet."""
     rx = re.compile(pattern) if pattern is not None else None
     out = []
     for path, mod in nnx.iter_graph(model):
-        if isinstance(mod, Linear):
-            p = path_str(path)
-            if rx is None or rx.fullmatch(p):
-                out.append((p, mod))
+        p = path_str(path)
+        if isinstance(mod, ExpertLinear) and rx is not None and rx.fullmatch(p):
+            raise ValueError(f"the target regex {pattern!r} selects the mixture-of-experts expert weights {p}: "
+                             f"quantizing or adapting experts is not supported yet; leave them out (e.g. "
+                             f"{ATTENTION_TARGETS!r})")
+        if isinstance(mod, Linear) and (rx is None or (rx.fullmatch(p) and not p.endswith(ROUTER_SUFFIX))):
+            out.append((p, mod))
     return out
 
 

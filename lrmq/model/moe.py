@@ -1,0 +1,77 @@
+"""The mixture-of-experts block of the one decoder (Qwen3-MoE), in place of a layer's dense MLP.
+
+Each token's router logits (a `Linear` to num_experts, kept in float: quantization transforms never select it)
+go through a float32 softmax; the top-k experts are kept (`route`), their probabilities renormalised to sum to 1
+with `norm_topk_prob`, and cast to the compute dtype, as transformers' Qwen3MoeTopKRouter does. `Experts` runs
+the chosen SwiGLU experts as grouped matmuls: the token-expert pairs sorted by expert (a stable argsort of the
+flattened top-k ids; group sizes by bincount), each projection one `jax.lax.ragged_dot` over the stacked
+[experts, in, out] kernels (`ExpertLinear`), then unsorted and summed with the routing weights. No token is
+dropped (no capacity factor): every group is as large as its expert's load.
+
+Choice and computation are separate (`MoE.__call__` = `route`, then `Experts(x, experts, weights)`), so a
+forward can be given the experts another one chose (routing replay) without a second expert path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lrmq.model.config import ModelConfig
+from lrmq.model.linear import ExpertLinear, Linear
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights [N, k] float32, expert ids [N, k] int32) of router `logits` [N, E]: the float32 softmax's k largest
+    probabilities, in descending order; equal probabilities are taken lower expert index first (`jax.lax.top_k`),
+    so a choice among tied experts is deterministic and the same in every program. `normalize`: the k weights
+    divided by their sum (Qwen3-MoE's norm_topk_prob)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    """num_experts SwiGLU MLPs of width moe_intermediate_size, their kernels stacked (`ExpertLinear`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        lin = lambda i, o, axes: ExpertLinear(e, i, o, axes=axes, dtype=dt, param_dtype=pdt, rngs=rngs)
+        self.gate_proj = lin(d, f, ("embed", "mlp"))
+        self.up_proj = lin(d, f, ("embed", "mlp"))
+        self.down_proj = lin(f, d, ("mlp", "embed"))
+        self.num_experts = e
+
+    def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+        """x [N, D], experts / weights [N, k] -> [N, D]: sum over j of weights[n, j] * expert experts[n, j] (x[n])."""
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # token-slot pairs grouped by expert, tokens in order within a group
+        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        xs = jnp.take(x, order // k, axis=0)
+        h = jax.nn.silu(self.gate_proj(xs, sizes)) * self.up_proj(xs, sizes)
+        ys = self.down_proj(h, sizes)
+        ys = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(n, k, -1)  # back to token order
+        return jnp.sum(ys * weights.astype(ys.dtype)[..., None], axis=1)
+
+
+class MoE(nnx.Module):
+    """A sparse layer's feed-forward block: router + experts (`__call__(x)` [B, T, D] -> [B, T, D])."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.router = Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, axes=("embed", None), dtype=dt,
+                             param_dtype=pdt, rngs=rngs)
+        self.experts = Experts(cfg, rngs)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        h = x.reshape(b * t, d)
+        logits = self.router(h)
+        weights, experts = route(logits, self.top_k, self.norm_topk_prob)
+        return self.experts(h, experts, weights.astype(logits.dtype)).reshape(b, t, d)
