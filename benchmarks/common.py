@@ -195,12 +195,12 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str | None, payload: dict[str, Any]) -> None:
+def write_json(path: str | None, payload: dict[str, Any], sort_keys: bool = False) -> None:
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
+        json.dump(payload, f, indent=2, default=str, sort_keys=sort_keys)
     print(f"wrote {path}")
 
 

@@ -18,6 +18,7 @@ unless --redo):
 
     python benchmarks/kv_cache_tpu.py --out docs/figures/kv_cache_tpu.json          # every case
     python benchmarks/kv_cache_tpu.py --only qwen3-0.6b/v5e:2x4/256x512+512/kv=fp8_e4m3
+    python benchmarks/kv_cache_tpu.py --redo --mesh 2x4                             # the decode rows at 2x4
     python benchmarks/kv_cache_tpu.py --table                                       # the markdown tables
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 
@@ -45,7 +47,7 @@ def _rows(model, topology, slots, prompt, new, *variants, **kw):
 # chip), then fp8 pages. With 1 KV head per chip (2 combined K/V heads) JAX's ragged paged attention refuses fp8
 # pages ("num_combined_kv_heads=2 can not be XLA fully tiled": fp8 packs 4 to a 32-bit word), so `kv_cache=fp8`
 # with impl "auto" fails there; the two paths that compile are the kernel on a data=2 x fsdp=4 mesh (2 KV heads
-# per chip, the pool whole over data) and the XLA path on the fp8 pool at data=1 x fsdp=8.
+# per chip; since issue 49 the pool's pages split over data too) and the XLA path on the fp8 pool at data=1 x fsdp=8.
 DECODE = dict([
     # Qwen3-0.6B, the paper-1 rollout (256 x 512 + 512 on v5e-8); int8 (the XLA path: the kernel has no int8)
     *_rows("qwen3-0.6b", "v5e:2x4", 256, 512, 512, {}, dict(kv_cache=FP8), KERNEL_FP8, dict(mesh=(2, 4)), XLA_FP8,
@@ -138,6 +140,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "figures", "kv_cache_tpu.json"))
     ap.add_argument("--only", nargs="*", default=[])
+    ap.add_argument("--mesh", help="only the decode cases at this mesh, data x fsdp (e.g. 2x4; 1x8: the default "
+                    "mesh); other rows in --out are kept")
     ap.add_argument("--redo", action="store_true")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -148,27 +152,31 @@ def main():
     if args.table:
         print(decode_table(data["decode"]), evaluate_table(data["evaluate"]), sep="\n\n")
         return
+    if args.mesh and not re.fullmatch(r"\d+x\d+", args.mesh):
+        ap.error(f"--mesh {args.mesh!r}: expected data x fsdp, e.g. 2x4")
     data["machine"] = machine_info()
+    chips = lambda topology: math.prod(map(int, topology.split(":")[1].split("x")))  # noqa: E731
+    mesh_of = lambda spec: "x".join(map(str, spec.get("mesh") or (1, chips(spec["topology"]))))  # noqa: E731
     todo = lambda name, part: ((not args.only or name in args.only)  # noqa: E731
                                and (args.redo or name not in data[part]))
     for name, spec in DECODE.items():
-        if not todo(name, "decode"):
+        if not todo(name, "decode") or (args.mesh and mesh_of(spec) != args.mesh):
             continue
         print(f"compiling {name} ...", flush=True)
         data["decode"][name] = r = run_case(name, args.timeout, spec)
         print(json.dumps({k: r.get(k) for k in ("fits", "error", "compile_s", "pool_bytes_per_chip",
                                                  "step_hbm_bytes", "tokens_per_s_per_chip",
                                                  "kernel_pool_operands")}), flush=True)
-        write_json(args.out, data)
+        write_json(args.out, data, sort_keys=True)
     for name, (topology, kv) in EVALUATE.items():
-        if not todo(name, "evaluate"):
+        if not todo(name, "evaluate") or args.mesh:  # evaluate picks its own mesh
             continue
         print(f"compiling {name} ...", flush=True)
         r = run_evaluate(topology, "qwen3-8b", "quantlrm", args.timeout,
                          overrides=(*EVALUATE_ARGS, f"generation.kv_cache={kv}"))
         data["evaluate"][name] = r = {**r, "kv_cache": kv}
         print(r.get("verdict") or r.get("error"), f"(exit {r.get('exit_status')})", flush=True)
-        write_json(args.out, data)
+        write_json(args.out, data, sort_keys=True)
     print(decode_table(data["decode"]), evaluate_table(data["evaluate"]), sep="\n\n")
 
 
