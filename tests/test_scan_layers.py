@@ -148,9 +148,9 @@ def test_scan_is_an_option_of_the_forward_without_a_cache():
 def test_moe_layers_scan_and_differentiate():
     """Qwen3-MoE: a dense layer among sparse ones splits the runs; scan and loop agree on the forward and on
     every gradient, the router's and the stacked experts' (through ragged_dot) included."""
-    model = _model(model_type="qwen3_moe", num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
-                   moe_intermediate_size=16, mlp_only_layers=[1], norm_topk_prob=True)
-    assert [type(layer.mlp).__name__ for layer in model.layers] == ["MoE", "MLP", "MoE", "MoE"]
+    model = _model(model_type="qwen3_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=True)
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["MLP", "MoE", "MoE"]
     assert len({nnx.split(layer)[0] for layer in model.layers}) == 2
     scanned = _grads(model, nnx.Param, scan=True)
     _assert_same(scanned, _grads(model, nnx.Param, scan=False))
