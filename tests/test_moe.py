@@ -103,9 +103,12 @@ def test_fused_expert_layout_reads_as_per_expert(hf_checkpoint, tmp_path):
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     assert got["layers.0.mlp.experts.gate_proj.kernel"].shape == (4, 64, 32)
-    reader = open_tensors(fused)  # one tensor at a time: the stacked experts too
-    np.testing.assert_array_equal(reader.get("layers.2.mlp.experts.up_proj.kernel"),
-                                  want["layers.2.mlp.experts.up_proj.kernel"])
+    for ckpt in (fused, path):  # one tensor at a time: the stacked experts too, from either layout
+        reader = open_tensors(ckpt)
+        np.testing.assert_array_equal(reader.get("layers.2.mlp.experts.up_proj.kernel"),
+                                      want["layers.2.mlp.experts.up_proj.kernel"])
+        assert reader.stored("layers.2.mlp.experts.down_proj.kernel") == (
+            "model.layers.2.mlp.experts.0.down_proj.weight", (64, 32))
     with safe_open(f"{path}/model.safetensors", "np") as f:
         original = {n: f.get_tensor(n) for n in f.keys()}
     exported = dict(hf_tensors(got_model))

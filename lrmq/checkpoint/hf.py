@@ -219,7 +219,6 @@ def with_fused_views(cfg: ModelConfig, index: dict[str, str], shapes: dict[str, 
         blocks.setdefault(fused, []).append(name)
     for fused, names in blocks.items():
         parts = len(names) // cfg.num_experts
-        e, rows = views[names[0]][1]
         shape = shapes.get(fused)
         if shape is None or len(shape) != 3 or shape[0] != cfg.num_experts or shape[1] % parts:
             raise CheckpointError(f"{source}: fused expert tensor {fused} has shape {shape}, expected "
