@@ -82,6 +82,14 @@ def test_config_matches_transformers_layers_and_counts(variant, hf_checkpoint):
     assert ModelConfig.from_hf_dict(bare.to_hf_dict()) == bare
 
 
+def test_qwen3_30b_a3b_preset_counts_the_published_parameters():
+    from lrmq.model.presets import preset_config
+
+    cfg = preset_config("qwen3-30b-a3b")  # the model card: 30.5B parameters, 3.3B activated (3.35B here)
+    assert round(cfg.num_params() / 1e9, 1) == 30.5 and round(cfg.num_params(active=True) / 1e9, 1) == 3.4
+    assert all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+
+
 def test_fused_expert_layout_reads_as_per_expert(hf_checkpoint, tmp_path):
     """transformers 5's own layout (save_pretrained(save_original_format=False): gate_up_proj [E, 2I, H],
     down_proj [E, H, I]) loads to the same parameters, and exports per expert, byte for byte the original's."""

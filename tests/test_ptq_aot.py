@@ -65,8 +65,12 @@ def test_compile_only_bad_input_is_one_line(cli):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
         "lrmq.quantize: error: --shapes 'llama-9000' is neither a known architecture (llama3.1-8b, olmo-3-7b, "
-        "qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, r1-distill-llama-70b, r1-distill-qwen-32b) nor a checkpoint "
-        "directory with a config.json"]
+        "qwen3-0.6b, qwen3-1.7b, qwen3-30b-a3b, qwen3-4b, qwen3-8b, r1-distill-llama-70b, r1-distill-qwen-32b) nor a "
+        "checkpoint directory with a config.json"]
+    r = cli("quantize", "--compile-only", "--shapes", "qwen3-30b-a3b", "--method", "gptq")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "lrmq.quantize: error: --shapes qwen3-30b-a3b: a mixture-of-experts model; PTQ of its experts (per expert) "
+        "is not supported yet"]
     r = cli("quantize", *TINY, "--method", "rtn")
     assert r.returncode == 2 and "--compile-only covers awq, gptq, quantlrm" in r.stderr
     r = cli("quantize", *TINY[:-1], "512", "--method", "gptq")

@@ -45,6 +45,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                                  hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16",
                                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                    high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    # Qwen/Qwen3-30B-A3B-Base: 128 experts of width 768, top-8, every layer sparse (30.5B parameters, 3.3B active)
+    "qwen3-30b-a3b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
+                          model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
     # post-norm, q/k norms over all heads, 3 sliding-window layers then 1 full-attention layer
     "olmo-3-7b": dict(model_type="olmo3", vocab_size=100278, hidden_size=4096, intermediate_size=11008,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6,
