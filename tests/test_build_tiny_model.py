@@ -1,4 +1,5 @@
-"""tools/build_tiny_model.py's model shapes (--arch): the shipped asset's, and the larger study model's."""
+"""tools/build_tiny_model.py's model shapes (--arch): the shipped assets' (tiny, tiny-moe), and the larger study
+model's; the shipped Qwen3-MoE asset loads by its alias and decodes what its build recorded."""
 
 import json
 import os
@@ -22,7 +23,7 @@ def _params(hf: dict) -> int:
     return sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-@pytest.mark.parametrize("arch, params", [("tiny", 434_944), ("small", 1_242_624)])
+@pytest.mark.parametrize("arch, params", [("tiny", 434_944), ("small", 1_242_624), ("moe", 683_072)])
 def test_arch_shapes(arch, params):
     import build_tiny_model as b
 
@@ -32,13 +33,50 @@ def test_arch_shapes(arch, params):
     assert hf["hidden_size"] % (128 if arch == "tiny" else 64) == 0 == hf["intermediate_size"] % 64
 
 
-def test_tiny_arch_is_the_shipped_asset():
+@pytest.mark.parametrize("arch, asset", [("tiny", "tiny"), ("moe", "tiny-moe")])
+def test_arch_is_the_shipped_asset(arch, asset):
     import build_tiny_model as b
 
-    shipped = json.load(open(os.path.join(REPO, "lrmq", "assets", "tiny", "config.json")))
-    for k, v in dict(b.BASE_CONFIG, **b.ARCHS["tiny"]).items():
-        if k != "eos_token_id":
+    shipped = json.load(open(os.path.join(REPO, "lrmq", "assets", asset, "config.json")))
+    for k, v in dict(b.BASE_CONFIG, **b.ARCHS[arch]).items():
+        if k not in ("eos_token_id", "num_experts"):  # transformers 5 names the expert count num_local_experts
             assert shipped[k] == v, k
+    assert shipped.get("num_experts", shipped.get("num_local_experts")) == b.ARCHS[arch].get("num_experts")
+
+
+def test_tiny_moe_loads_by_its_alias_and_greedy_decodes_its_recorded_completion():
+    """`tiny-moe` resolves like `tiny`; it is a Qwen3-MoE with a dense layer between sparse ones (both feed-forward
+    paths), trained (its recorded held-out accuracy is far from a random model's 0), and a plain greedy decode
+    (the full forward, no engine) of its first recorded held-out problem gives the completion its build recorded
+    with the paged engine."""
+    import jax.numpy as jnp
+
+    from lrmq.checkpoint.load import TINY_MOE_DIR, load_model, load_tokenizer, resolve_checkpoint
+    from lrmq.data.prompts import format_prompt
+    from lrmq.model.moe import MoE
+
+    assert resolve_checkpoint("tiny-moe") == TINY_MOE_DIR
+    model, tok = load_model("tiny-moe"), load_tokenizer("tiny-moe")
+    cfg = model.cfg
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
+    assert [cfg.is_moe_layer(i) for i in range(cfg.num_layers)] == [True, False, True]
+    assert [isinstance(layer.mlp, MoE) for layer in model.layers] == [True, False, True]
+    info = json.load(open(os.path.join(TINY_MOE_DIR, "build_info.json")))
+    assert info["model"]["num_params"] == 683_072 and info["eval"]["greedy"]["accuracy"] >= 0.2
+    ex = info["eval"]["greedy"]["examples"][0]
+    ids = tok.encode(format_prompt("arith", ex["problem"], tok))
+    want = ex["completion"]
+    n, width = len(ids), len(ids) + len(tok.encode(want)) + 1
+    forward = jax.jit(lambda t: model(t))
+    buf = np.full((1, width), tok.pad_id, np.int32)
+    buf[0, :n] = ids
+    for i in range(n, width):  # causal: the padding after position i does not change its logits
+        nxt = int(jnp.argmax(forward(jnp.asarray(buf))[0, i - 1]))
+        buf[0, i] = nxt
+        if nxt in tok.eos_ids:
+            break
+    out = [int(t) for t in buf[0, n:i + 1]]
+    assert tok.decode([t for t in out if t not in tok.eos_ids]) == want and out[-1] in tok.eos_ids
 
 
 def test_unknown_arch_is_refused(capsys):

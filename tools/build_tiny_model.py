@@ -94,7 +94,14 @@ ARCHS = {
     "tiny": {},  # 0.43M parameters: lrmq/assets/tiny
     "small": {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 6,
               "num_key_value_heads": 2},  # 1.24M parameters, 3 layers
+    # Qwen3-MoE: 3 layers, sparse / dense / sparse (mlp_only_layers), 8 experts of width 64, top-2, renormalised
+    # as Qwen3-30B-A3B (norm_topk_prob): lrmq/assets/tiny-moe
+    "moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "intermediate_size": 256,
+            "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1], "router_aux_loss_coef": 0.001},
 }
+# Where each shipped arch goes by default (--out); the others need --out.
+ASSET_DIRS = {"tiny": DEFAULT_OUT, "moe": os.path.join(REPO, "lrmq", "assets", "tiny-moe")}
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -300,7 +307,8 @@ def check_reload(model: Decoder, out: str, tokens: np.ndarray) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (replaced atomically)")
+    ap.add_argument("--out", default=None, help="output directory (replaced atomically); default "
+                    "lrmq/assets/tiny (--arch tiny) or lrmq/assets/tiny-moe (--arch moe)")
     ap.add_argument("--seed", type=int, default=0, help="seed for data splits, init, batch order and sampling")
     ap.add_argument("--steps", type=int, default=500, help="SFT steps (stopped early on purpose: see docs)")
     ap.add_argument("--batch-size", type=int, default=32)
@@ -315,8 +323,13 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--no-save", action="store_true", help="train and evaluate only (tuning)")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="tiny",
-                    help="model shape: tiny (the shipped asset) or small (~3x the parameters, 3 layers)")
+                    help="model shape: tiny (the shipped asset), small (~3x the parameters, 3 layers) or moe "
+                         "(the shipped Qwen3-MoE asset tiny-moe)")
     a = ap.parse_args(argv)
+    if a.out is None and not a.no_save:
+        if a.arch not in ASSET_DIRS:
+            ap.error(f"--arch {a.arch} is not shipped: give --out")
+        a.out = ASSET_DIRS[a.arch]
 
     t_start = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device(s))", flush=True)
@@ -349,8 +362,12 @@ def main(argv=None) -> None:
     model = Decoder(cfg, nnx.Rngs(a.seed))
     n_params = sum(int(np.prod(v.get_value().shape)) for v in jax.tree.leaves(
         nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    print(f"model: qwen3 hidden {cfg.hidden_size} x {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads "
-          f"of {cfg.head_dim}, mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}: {n_params:,} params", flush=True)
+    moe = (f", {cfg.num_experts} experts of {cfg.moe_intermediate_size} top-{cfg.num_experts_per_tok} "
+           f"(dense layers {[i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]}), "
+           f"{cfg.num_params(active=True):,} active" if cfg.num_experts else "")
+    print(f"model: {hf['model_type']} hidden {cfg.hidden_size} x {cfg.num_layers} layers, {cfg.num_heads}/"
+          f"{cfg.num_kv_heads} heads of {cfg.head_dim}, mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+          f"{moe}: {n_params:,} params", flush=True)
 
     def quick_eval(m, step):
         r = evaluate(m, tok, eval_rows[:200], temperature=0.0, samples=1, seed=a.seed, max_new=a.max_new_tokens)
@@ -390,7 +407,8 @@ def main(argv=None) -> None:
                 "prompt_template": TEMPLATE,
                 "sequence": "format_prompt('arith', problem) + ' ' + solution + '<|endoftext|>' (loss on completion + eos)",
             },
-            "model": {"config": cfg.to_hf_dict(), "num_params": n_params, "init_seed": a.seed},
+            "model": {"config": cfg.to_hf_dict(), "num_params": n_params, "init_seed": a.seed,
+                      **({"active_params": cfg.num_params(active=True)} if cfg.num_experts else {})},
             "training": {"steps": a.steps, "batch_size": a.batch_size, "examples_seen": a.steps * a.batch_size,
                          "optimizer": "clip_by_global_norm(1.0) + adamw(b1=0.9, b2=0.98)", "lr": a.lr,
                          "schedule": f"warmup_cosine_decay(0 -> {a.lr}, warmup {a.warmup}, end {a.lr * 0.1})",

@@ -2,7 +2,7 @@
 
 Every command reads a checkpoint option (`--checkpoint`, `--tokenizer`, `--base`, convert's SRC, the configs'
 `model.checkpoint` / `model` / `tokenizer` / `checkpoint`) through these functions, and each resolves the
-alias "tiny" (the shipped tiny model) with `resolve_checkpoint`: the model, its config and its tokenizer
+aliases "tiny" and "tiny-moe" (the shipped tiny models) with `resolve_checkpoint`: the model, its config and its tokenizer
 are found the same way everywhere.
 """
 
@@ -22,13 +22,15 @@ from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.tokenizer import Tokenizer
 
-# The tiny Qwen3 shipped with the package (`model.checkpoint: tiny`).
+# The tiny Qwen3 shipped with the package (`model.checkpoint: tiny`), and its Qwen3-MoE sibling
+# (`model.checkpoint: tiny-moe`; docs/tiny_model.md).
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
-ALIASES = {"tiny": TINY_MODEL_DIR}
+TINY_MOE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-moe")
+ALIASES = {"tiny": TINY_MODEL_DIR, "tiny-moe": TINY_MOE_DIR}
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint path, with the alias "tiny" for the shipped tiny model (idempotent); a bucket URL
+    """A checkpoint path, with the aliases "tiny" / "tiny-moe" for the shipped tiny models (idempotent); a bucket URL
     (gs://...) becomes its local view: the small files copied, the weights streamed from the bucket
     (`lrmq.checkpoint.remote`)."""
     path = ALIASES.get(path, path)
