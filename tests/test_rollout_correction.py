@@ -261,7 +261,7 @@ def _legacy_loss_fn(trainable, rest, graphdef, mb, total_count, ref_logp, cfg, o
     from lrmq.rl.step import batch_logprobs
     model = nnx.merge(graphdef, trainable, rest)
     a = cfg.algo
-    logp, ent = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
+    logp, ent, _ = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
                                chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
     old = {"behaviour_logp": mb.behaviour_logp, "own": None, "old_logp": mb.old_logp}[old_from]
     loss_sum, _, metrics = grpo_loss(logp, LossBatch(mb.advantages, mb.completion_mask, old_logp=old, ref_logp=ref_logp),

@@ -94,7 +94,8 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.0  # the checkpoint's load-balancing loss weight (kept; no loss reads it yet)
+    router_aux_loss_coef: float = 0.0  # the checkpoint's load-balancing loss weight (kept and written back; an RL
+    # run's weight is its own algo.router_aux_coef, off by default)
     # The original config.json, so that export writes back exactly what was read.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -146,6 +147,11 @@ class ModelConfig:
         """Whether layer `i` has the mixture-of-experts block (else the dense MLP): transformers' rule."""
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The sparse layers' indices, in order (a routing record's layer axis follows it)."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

@@ -145,13 +145,27 @@ class DecoderLayer(nnx.Module):
             self.mlp_norm = _norm(cfg, cfg.hidden_size)
 
     def __call__(self, x, positions, cache=None, segments=None):
+        return self.routed(x, positions, cache, segments)[:2]
+
+    def routed(self, x, positions, cache=None, segments=None, experts=None):
+        """(output, cache, `Routing` of a sparse layer's router or None for a dense layer). `experts` [B, T, k]:
+        a sparse layer runs these experts (routing replay) instead of its router's top-k."""
+        ff = self.mlp if isinstance(self.mlp, MLP) else (
+            lambda h: self.mlp.routed(h, positions >= 0, experts))
         if self.post_norm:
             a, cache = self.attn(x, positions, cache, segments)
             x = x + self.attn_out_norm(a)
-            return x + self.mlp_out_norm(self.mlp(x)), cache
+            y, routing = _split_routing(ff(x))
+            return x + self.mlp_out_norm(y), cache, routing
         a, cache = self.attn(self.attn_norm(x), positions, cache, segments)
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), cache
+        y, routing = _split_routing(ff(self.mlp_norm(x)))
+        return x + y, cache, routing
+
+
+def _split_routing(out):
+    """A feed-forward block's output as (y, Routing or None): the dense MLP returns y alone."""
+    return out if isinstance(out, tuple) else (out, None)
 
 
 class Embed(nnx.Module):
@@ -176,10 +190,14 @@ class Decoder(nnx.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, axes=("embed", "vocab"),
                                   dtype=dt, param_dtype=pdt, rngs=rngs)
 
-    def hidden(self, tokens, positions, *, remat: str = "none", scan: bool = False, segments=None):
-        """Final-norm hidden states [B, T, D] of a forward without a cache, and None (where `hidden_runs` returns
-        its cache). Prefill and decoding with a paged cache go through `hidden_runs`, which takes none of these
-        training options.
+    def hidden(self, tokens, positions, *, remat: str = "none", scan: bool = False, segments=None, experts=None):
+        """Final-norm hidden states [B, T, D] of a forward without a cache, and what its routers did: the sparse
+        layers' `Routing` stacked on a leading axis (`ModelConfig.moe_layers`' order), None for a dense model.
+        Prefill and decoding with a paged cache go through `hidden_runs`, which takes none of these training
+        options.
+
+        experts: [B, T, sparse layers, k] (routing replay): each sparse layer runs these experts, not its
+        router's top-k (`lrmq.model.moe.replayed_weights`); None = route.
 
         remat: "none" | "full" | "dots" (REMAT_POLICIES): recompute each layer in the backward pass
         instead of keeping its activations.
@@ -189,16 +207,24 @@ class Decoder(nnx.Module):
         segments: [B, T] ids of sequences packed into one row (see `attend`)."""
         x = self.embed_tokens(tokens)
         policy = REMAT_POLICIES[remat] if remat != "none" else None
+        replay = _layer_major(experts)
         if scan:
-            x = _scan_layers(list(self.layers), x, positions, policy, segments)
-            return self.final_norm(x), None
+            x, routings = _scan_layers(list(self.layers), x, positions, policy, segments, replay,
+                                       self.cfg.moe_layers)
+            return self.final_norm(x), _stack_routing(routings)
         run = _remat_layer(policy) if policy is not None else None
+        routings, sparse = [], 0
         for layer in self.layers:
+            given = None
+            if replay is not None and not isinstance(layer.mlp, MLP):
+                given, sparse = replay[sparse], sparse + 1
             if run is not None:
-                x = constrain_batch(run(layer, x, positions, segments))
-                continue
-            x = constrain_batch(layer(x, positions, None, segments)[0])
-        return self.final_norm(x), None
+                x, routing = run(layer, x, positions, segments, given)
+            else:
+                x, _, routing = layer.routed(x, positions, None, segments, given)
+            x = constrain_batch(x)
+            routings.append(routing)
+        return self.final_norm(x), _stack_routing(routings)
 
     def hidden_runs(self, runs, tokens, positions, cache):
         """(final-norm hidden states, the updated cache) of a forward with a paged cache
@@ -232,22 +258,37 @@ class Decoder(nnx.Module):
         return self.logits(self.hidden(tokens, positions)[0])
 
 
-def _remat_layer(policy):
-    """layer(x, positions) under jax.checkpoint. Split/merge by hand rather than nnx.remat: the layer
-    lives in an outer trace (the train step's grad), and the RNG counters its LoRA dropout advances
-    must come back out, or every step would reuse one dropout mask."""
+def _layer_major(experts):
+    """Replayed experts [B, T, sparse layers, k] -> [sparse layers, B, T, k] (None stays None)."""
+    return None if experts is None else jnp.moveaxis(experts, 2, 0)
 
-    def run(layer, x, positions, segments=None):
+
+def _stack_routing(routings):
+    """The sparse layers' `Routing`s (None for dense layers; runs of them stacked already) stacked on one leading
+    axis, or None for a dense model."""
+    parts = [jax.tree.map(lambda a: a[None], r) if r.load.ndim == 1 else r for r in routings if r is not None]
+    if not parts:
+        return None
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+
+
+def _remat_layer(policy):
+    """layer.routed(x, positions) under jax.checkpoint -> (output, Routing or None). Split/merge by hand rather
+    than nnx.remat: the layer lives in an outer trace (the train step's grad), and the RNG counters its LoRA
+    dropout advances must come back out, or every step would reuse one dropout mask."""
+
+    def run(layer, x, positions, segments=None, experts=None):
         graphdef, state = nnx.split(layer)
 
         @functools.partial(jax.checkpoint, policy=policy)
-        def pure(state, x, positions, segments):
+        def pure(state, x, positions, segments, experts):
             inner = nnx.merge(graphdef, state)
-            return inner(x, positions, segments=segments)[0], nnx.state(inner, nnx.RngState)
+            y, _, routing = inner.routed(x, positions, None, segments, experts)
+            return y, routing, nnx.state(inner, nnx.RngState)
 
-        y, rng_state = pure(state, x, positions, segments)
+        y, routing, rng_state = pure(state, x, positions, segments, experts)
         nnx.update(layer, rng_state)
-        return y
+        return y, routing
 
     return run
 
@@ -277,21 +318,31 @@ def layer_runs(layers) -> list[LayerRun]:
     return runs
 
 
-def _scan_layers(layers, x, positions, policy, segments=None):
+def _scan_layers(layers, x, positions, policy, segments=None, replay=None, moe_layers=()):
     """Apply `layers` in order, each run of `layer_runs` as one `lax.scan` over the run's stacked
-    states; `policy` rematerialises each step like `_remat_layer`."""
+    states; `policy` rematerialises each step like `_remat_layer`. `replay` [sparse layers, B, T, k]: the experts
+    of the sparse layers (`moe_layers`: their indices). Returns (x, each run's stacked Routing or None)."""
+    routings = []
     for run in layer_runs(layers):
-        def body(x, state, graphdef=run.graphdef):
+        sparse = run.start in moe_layers  # a run's layers share a graphdef: all sparse or all dense
+        given = None
+        if replay is not None and sparse:
+            first = moe_layers.index(run.start)
+            given = replay[first:first + run.size]
+
+        def body(x, xs, graphdef=run.graphdef):
+            state, experts = xs
             inner = nnx.merge(graphdef, state)
-            y = constrain_batch(inner(x, positions, segments=segments)[0])
-            return y, nnx.state(inner, nnx.RngState)
+            y, _, routing = inner.routed(x, positions, None, segments, experts)
+            return constrain_batch(y), (nnx.state(inner, nnx.RngState), routing)
 
         if policy is not None:
             body = jax.checkpoint(body, policy=policy)
-        x, rng_states = jax.lax.scan(body, x, run.state)
+        x, (rng_states, routing) = jax.lax.scan(body, x, (run.state, given))
+        routings.append(routing)
         for k, layer in enumerate(layers[run.start:run.start + run.size]):  # RNG counters advanced inside
             nnx.update(layer, jax.tree.map(lambda a, k=k: a[k], rng_states))
-    return x
+    return x, routings
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

@@ -26,6 +26,9 @@ class RolloutBatch:
     behaviour_logp: np.ndarray  # [S, N] float32: the sampler's log-probs of the completion (0 on padding)
     advantages: np.ndarray  # [S] float32
     rewards: np.ndarray  # [S] float32
+    # rollout.routing_replay: [S, P+N, sparse layers, k] uint8, the experts the sampler ran each token through (as
+    # `tokens`; zeros on padding and on the last completion token, which the sampler never ran)
+    experts: np.ndarray | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -49,7 +52,9 @@ class UpdateBatch:
     update's, handed to the later ones; `step.old_logprob_sources` says which the update divides by).
     max / bucket (padded): `tokens` / `mask` [S, P + N] int32, `completion` [S, N] int32 (bucket: P and N cut to
     the batch's power-of-two buckets). pack: `tokens` / `positions` / `segments` [rows, W] int32 and `src` /
-    `target` / `dest` [groups x micro-batches, slots] int32 (see `packed_batch`)."""
+    `target` / `dest` [groups x micro-batches, slots] int32 (see `packed_batch`). `experts` (rollout.routing_replay;
+    else None): [token rows, token columns, sparse layers, k] uint8, the sampler's experts laid out as `tokens`,
+    which the update's forward replays."""
 
     layout: str = struct.field(pytree_node=False)  # one of LAYOUTS
     tokens: Any
@@ -64,13 +69,16 @@ class UpdateBatch:
     target: Any = None
     dest: Any = None
     old_logp: Any = None
+    experts: Any = None
 
     @staticmethod
     def field_shapes(layout: str, *, sequences: int, completion: int, width: int, rows: int = 0, groups: int = 0,
-                     slots: int = 0, old_logp: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+                     slots: int = 0, old_logp: bool = False,
+                     experts: tuple[int, int] | None = None) -> dict[str, tuple[tuple[int, ...], Any]]:
         """{field: (shape, dtype)} of a batch of `layout`: S = `sequences`, N = `completion` columns, `width`
         token columns; pack: `rows` token rows and `groups` (device groups x micro-batches) index rows of `slots`;
-        `old_logp`: with the old log-probs. The abstract batches compiled ahead of time are built from it."""
+        `old_logp`: with the old log-probs; `experts`: (sparse layers, k) of replayed experts. The abstract batches
+        compiled ahead of time are built from it."""
         if layout not in LAYOUTS:
             raise ValueError(f"update layout {layout!r}: expected one of {LAYOUTS}")
         i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
@@ -82,6 +90,8 @@ class UpdateBatch:
         else:
             inputs = {"tokens": ((sequences, width), i32), "mask": ((sequences, width), i32),
                       "completion": ((sequences, completion), i32)}
+        if experts is not None:
+            inputs["experts"] = ((rows if layout == "pack" else sequences, width, *experts), np.dtype(np.uint8))
         return {**inputs, **per_seq, **({"old_logp": ((sequences, completion), f32)} if old_logp else {})}
 
     @classmethod
@@ -148,7 +158,8 @@ def bucket(n: int, limit: int, minimum: int = 16) -> int:
 def padded_batch(rb: RolloutBatch) -> UpdateBatch:
     """The update batch at the rollout's own width (rollout.update_padding=max: prompts at max_prompt_len)."""
     return UpdateBatch(layout="max", tokens=rb.tokens, mask=rb.mask, completion=rb.completion,
-                       completion_mask=rb.completion_mask, behaviour_logp=rb.behaviour_logp, advantages=rb.advantages)
+                       completion_mask=rb.completion_mask, behaviour_logp=rb.behaviour_logp, advantages=rb.advantages,
+                       experts=rb.experts)
 
 
 def bucketed_batch(rb: RolloutBatch) -> UpdateBatch:
@@ -166,7 +177,8 @@ def bucketed_batch(rb: RolloutBatch) -> UpdateBatch:
     cols = np.r_[prompt_len - pb:prompt_len, prompt_len:prompt_len + cb]
     return UpdateBatch(layout="bucket", tokens=rb.tokens[:, cols], mask=rb.mask[:, cols],
                        completion=rb.completion[:, :cb], completion_mask=rb.completion_mask[:, :cb],
-                       behaviour_logp=rb.behaviour_logp[:, :cb], advantages=rb.advantages)
+                       behaviour_logp=rb.behaviour_logp[:, :cb], advantages=rb.advantages,
+                       experts=None if rb.experts is None else rb.experts[:, cols])
 
 
 def row_bucket(n: int, per_octave: int = 4) -> int:
@@ -308,6 +320,7 @@ def packed_batch(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
     tokens = np.zeros((n_micro * groups * r_rows, width), np.int32)
     positions = np.full_like(tokens, -1)
     segments = np.zeros_like(tokens)
+    experts = None if rb.experts is None else np.zeros(tokens.shape + rb.experts.shape[2:], rb.experts.dtype)
     src = np.zeros((groups * n_micro, t_slots), np.int32)
     target = np.zeros_like(src)
     dest = np.full_like(src, k_loc * n)
@@ -318,6 +331,8 @@ def packed_batch(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
             for seg, (x, length) in enumerate(row, start=1):
                 seq = rb.tokens[x][real[x]][:length]  # prompt then completion, padding dropped
                 tokens[r, col:col + length] = seq
+                if experts is not None:
+                    experts[r, col:col + length] = rb.experts[x][real[x]][:length]
                 positions[r, col:col + length] = np.arange(length)
                 segments[r, col:col + length] = seg
                 m = int(needed[x])
@@ -329,4 +344,4 @@ def packed_batch(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
                 col += length
     return UpdateBatch(layout="pack", tokens=tokens, positions=positions, segments=segments, src=src, target=target,
                        dest=dest, completion_mask=rb.completion_mask, behaviour_logp=rb.behaviour_logp,
-                       advantages=rb.advantages)
+                       advantages=rb.advantages, experts=experts)

@@ -208,6 +208,12 @@ class AlgoSection:
     mask_truncated_completions: bool = opt(False, "completions cut at rollout.max_new_tokens (no EOS) get no loss "
                                                   "(TRL mask_truncated_completions); they still count in the "
                                                   "reward statistics")
+    router_aux_coef: float = opt(0.0, "mixture-of-experts models: weight of the Switch / Qwen3-MoE load-balancing "
+                                      "loss (transformers' load_balancing_loss_func over every sparse layer and "
+                                      "every real prompt and completion token of a micro-batch) added to the "
+                                      "policy loss; 0 = off, as most RL recipes (Qwen's pre-training value, "
+                                      "config.json's router_aux_loss_coef, is 0.001). Refused for a dense model",
+                                 ge=0, lt=float("inf"))
     reward: str = opt("boxed_math", "reward function: boxed_math (1 correct + 0.1 for a \\boxed answer; "
                                     "math-verify), boxed_exact (same values, exact match only)", names=REWARDS)
     reward_timeout_s: float = opt(1.0, "time limit in seconds of one math-verify comparison (boxed_math)", gt=0, lt=float("inf"))
@@ -432,4 +438,14 @@ class TrainConfig:
                           kl_bias_correction=a.kl_bias_correction,
                           rollout_correction=a.resolved_rollout_correction(self.sampler_differs),
                           rollout_correction_cap=a.rollout_correction_cap,
-                          rollout_correction_min=a.rollout_correction_min)
+                          rollout_correction_min=a.rollout_correction_min, router_aux_coef=a.router_aux_coef)
+
+    def check_model(self, model_cfg) -> None:
+        """Refuse the mixture-of-experts options for a dense model (`ModelConfig.num_experts == 0`): they would do
+        nothing."""
+        if model_cfg.num_experts:
+            return
+        for key, value, off in (("algo.router_aux_coef", self.algo.router_aux_coef, 0.0),):
+            if value != off:
+                raise ConfigError(f"{key}={value}: model.checkpoint={self.model.checkpoint!r} is a dense model (no "
+                                  f"experts, no router); it applies to mixture-of-experts models (Qwen3-MoE)")

@@ -281,6 +281,7 @@ class LossConfig:
     rollout_correction: str = "none"  # a ROLLOUT_CORRECTIONS name, or "none": nothing computed
     rollout_correction_cap: float = 3.0
     rollout_correction_min: float = 0.0
+    router_aux_coef: float = 0.0  # the load-balancing loss's weight (mixture of experts); 0: not added
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,7 @@ def _kl_term(logp, ref_logp, ratio, mask, cfg: LossConfig):
     return jnp.where(mask > 0, kl, 0.0)
 
 
-def grpo_loss(logp, batch: LossBatch, cfg: LossConfig = LossConfig()):
+def grpo_loss(logp, batch: LossBatch, cfg: LossConfig = LossConfig(), router_aux=None):
     """GRPO / Dr.GRPO / DAPO / GSPO-style loss for one micro-batch (``batch``: see `LossBatch`).
 
     Per token: ``l = w * policy_loss + beta * KL_est(logp, ref_logp)`` (KL added before aggregation, as in
@@ -339,6 +340,12 @@ def grpo_loss(logp, batch: LossBatch, cfg: LossConfig = LossConfig()):
     Returns ``(loss_sum, count, metrics)``: the loss as (sum, count), so micro-batches accumulate exactly, and
     ``metrics`` mapping name -> ``(sum, count)``: ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
     ``clip_ratio/region_mean`` (TRL's names and meaning), ``ratio`` and (when beta != 0) ``kl``.
+
+    ``router_aux`` (a mixture-of-experts forward's `lrmq.model.moe.load_balancing_loss`, a scalar for this
+    micro-batch) with ``cfg.router_aux_coef != 0``: ``router_aux_coef * router_aux`` is added per aggregation unit,
+    i.e. ``coef * aux * count`` to the sum, so the step's loss is the policy loss plus coef times the count-weighted
+    mean of the micro-batches' aux losses (exactly coef * aux with one micro-batch, as transformers adds it per
+    forward); metric ``moe/aux_loss``.
     """
     logp = _f32(logp)
     mask = _f32(batch.completion_mask)
@@ -362,6 +369,12 @@ def grpo_loss(logp, batch: LossBatch, cfg: LossConfig = LossConfig()):
         per_token = per_token + cfg.beta * kl
         metrics["kl"] = (jax.lax.stop_gradient(kl).sum(), mask.sum())
     loss_sum, count = AGGREGATIONS.get(cfg.aggregation)(per_token, mask, max_len=cfg.max_len)
+    if cfg.router_aux_coef != 0.0:
+        if router_aux is None:
+            raise ValueError("router_aux_coef != 0 needs router_aux (a mixture-of-experts forward)")
+        aux = _f32(router_aux)
+        loss_sum = loss_sum + cfg.router_aux_coef * aux * count
+        metrics["moe/aux_loss"] = (jax.lax.stop_gradient(aux) * count, count)
     return loss_sum, count, metrics
 
 

@@ -18,7 +18,8 @@ def pending_to_meta(rollouts) -> list[dict]:
     out = []
     for r in rollouts:
         buf = io.BytesIO()
-        np.savez_compressed(buf, **{f.name: getattr(r.batch, f.name) for f in dataclasses.fields(RolloutBatch)})
+        arrays = {f.name: getattr(r.batch, f.name) for f in dataclasses.fields(RolloutBatch)}
+        np.savez_compressed(buf, **{k: v for k, v in arrays.items() if v is not None})  # experts: replay only
         out.append({"index": r.index, "version": r.version, "reward_failed": r.reward_failed, "stats": r.stats,
                     "completions": r.completions, "prompts": r.prompts,
                     "batch": base64.b64encode(buf.getvalue()).decode("ascii")})
@@ -29,7 +30,7 @@ def pending_from_meta(entries: list[dict]) -> list[Rollout]:
     out = []
     for e in entries:
         with np.load(io.BytesIO(base64.b64decode(e["batch"]))) as z:
-            batch = RolloutBatch(**{f.name: z[f.name] for f in dataclasses.fields(RolloutBatch)})
+            batch = RolloutBatch(**{f.name: z[f.name] for f in dataclasses.fields(RolloutBatch) if f.name in z})
         out.append(Rollout(batch, dict(e["stats"]), list(e["completions"]), bool(e["reward_failed"]),
                            index=int(e["index"]), version=int(e["version"]), prompts=dict(e["prompts"])))
     return out

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.decoder import positions_from_mask
+from lrmq.model.moe import load_balancing_loss
 from lrmq.rl.batch import UpdateBatch
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.losses import (AGGREGATIONS, CORRECTION_METRICS, MISMATCH_METRICS, LossBatch, grpo_loss,
@@ -64,10 +65,17 @@ def completion_logprobs(model, tokens, mask, completion, temperature: float, *, 
     Only the N completion positions are projected onto the vocabulary, `chunk` positions at a time
     (0: all at once) with each chunk recomputed in the backward pass, so the f32 logits live at any
     moment are [S, chunk, V], never [S, P+N, V] (1.5k positions x 152k vocab per sequence)."""
+    return _completion_forward(model, tokens, mask, completion, temperature, remat=remat, chunk=chunk, scan=scan)[:2]
+
+
+def _completion_forward(model, tokens, mask, completion, temperature: float, *, remat: str = "none",
+                        chunk: int = 0, scan: bool = False, experts=None):
+    """`completion_logprobs` and the forward's routing (`Decoder.hidden`; `experts`: replayed)."""
     positions = positions_from_mask(mask)
-    h, _ = model.hidden(tokens, positions, remat=remat, scan=scan)  # padding keeps position -1: never attended to
+    # padding keeps position -1: never attended to
+    h, routing = model.hidden(tokens, positions, remat=remat, scan=scan, experts=experts)
     n = completion.shape[1]
-    return _project(model, h[:, -n - 1:-1], completion, temperature, chunk)  # position t predicts token t+1
+    return (*_project(model, h[:, -n - 1:-1], completion, temperature, chunk), routing)  # t predicts token t+1
 
 
 def packed_logprobs(model, mb: UpdateBatch, temperature: float, *, remat: str = "none", chunk: int = 0,
@@ -75,7 +83,14 @@ def packed_logprobs(model, mb: UpdateBatch, temperature: float, *, remat: str = 
     """`completion_logprobs` for a packed batch (`batch.packed_batch`): [K, N] log-probs and entropies,
     zero where no completion token was packed. Only the packed tokens go through the decoder, and only
     the needed completion positions (gathered per device group) are projected onto the vocabulary."""
-    h, _ = model.hidden(mb.tokens, mb.positions, remat=remat, scan=scan, segments=mb.segments)
+    return _packed_forward(model, mb, temperature, remat=remat, chunk=chunk, scan=scan)[:2]
+
+
+def _packed_forward(model, mb: UpdateBatch, temperature: float, *, remat: str = "none", chunk: int = 0,
+                    scan: bool = False):
+    """`packed_logprobs` and the forward's routing (the batch's `experts` replayed when it has them)."""
+    h, routing = model.hidden(mb.tokens, mb.positions, remat=remat, scan=scan, segments=mb.segments,
+                              experts=mb.experts)
     groups = mb.src.shape[0]
     k, n = mb.completion_mask.shape
     h = h.reshape(groups, -1, h.shape[-1])  # [groups, rows * W, D]: each group's rows are contiguous
@@ -87,14 +102,32 @@ def packed_logprobs(model, mb: UpdateBatch, temperature: float, *, remat: str = 
         g = jax.vmap(lambda d, x: jnp.zeros((slots + 1,), v.dtype).at[d].set(x))(mb.dest, v)
         return g[:, :-1].reshape(k, n)
 
-    return grid(logp), grid(ent)
+    return grid(logp), grid(ent), routing
 
 
 def batch_logprobs(model, mb: UpdateBatch, temperature: float, **kw):
-    """Log-probs and entropies [K, N] of a micro-batch in its layout (padded or packed)."""
+    """Log-probs and entropies [K, N] of a micro-batch in its layout (padded or packed), and the forward's
+    routing (`Decoder.hidden`: None for a dense model); the batch's `experts` (routing replay) are replayed."""
     if mb.layout == "pack":
-        return packed_logprobs(model, mb, temperature, **kw)
-    return completion_logprobs(model, mb.tokens, mb.mask, mb.completion, temperature, **kw)
+        return _packed_forward(model, mb, temperature, **kw)
+    return _completion_forward(model, mb.tokens, mb.mask, mb.completion, temperature, experts=mb.experts, **kw)
+
+
+def routing_metrics(routing) -> dict:
+    """The `moe/*` metrics' accumulators of a forward's stacked `Routing`: ``moe/expert_load`` = (token-slots of
+    each sparse layer's experts [L, E], the layer's token-slots [L, 1]), summed over micro-batches;
+    `finish_routing_metrics` turns it into ``moe/expert_load_max``."""
+    return {"moe/expert_load": (routing.load, jnp.sum(routing.load, axis=-1, keepdims=True))}
+
+
+def finish_routing_metrics(out: dict) -> dict:
+    """``moe/expert_load`` (each layer's per-expert share of its token-slots, [L, E]) -> ``moe/expert_load_max``:
+    the largest share of any expert in any sparse layer, relative to the uniform share 1 / E (1 = perfectly
+    balanced; at most E / k, an expert in every token's top-k)."""
+    share = out.pop("moe/expert_load", None)
+    if share is not None:
+        out["moe/expert_load_max"] = share.shape[-1] * jnp.max(share)
+    return out
 
 
 def _project(model, h, targets, temperature: float, chunk: int):
@@ -138,12 +171,15 @@ def micro_batches(x, n_micro: int):
 def _loss_fn(trainable, rest, graphdef, mb: UpdateBatch, total_count, ref_logp, cfg: TrainConfig,
              old_from: OldLogpSource):
     model = nnx.merge(graphdef, trainable, rest)
-    logp, ent = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
-                               chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
+    logp, ent, routing = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
+                                        chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
     old = {"behaviour_logp": mb.behaviour_logp, "own": None, "old_logp": mb.old_logp}[old_from]
+    aux = load_balancing_loss(routing) if routing is not None and cfg.algo.router_aux_coef else None
     loss_sum, _, metrics = grpo_loss(logp, LossBatch(mb.advantages, mb.completion_mask, old_logp=old,
                                                      behaviour_logp=mb.behaviour_logp, ref_logp=ref_logp),
-                                     cfg.loss_config())
+                                     cfg.loss_config(), router_aux=aux)
+    if routing is not None:
+        metrics.update(routing_metrics(routing))
     m = mb.completion_mask
     metrics["entropy"] = ((jax.lax.stop_gradient(ent) * m).sum(), m.sum())
     # sampler vs the learner before the update: the old log-probs when handed over, else this forward's (the
@@ -184,11 +220,15 @@ def train_step(graphdef, cfg: TrainConfig, tx, old_from: OldLogpSource, trainabl
 
     zeros_g = jax.tree.map(jnp.zeros_like, trainable)
     zero_metrics = {k: (jnp.zeros(()), jnp.zeros(())) for k in _metric_names(cfg)}
+    model_cfg = nnx.merge(graphdef, trainable, rest).cfg
+    if model_cfg.num_experts:  # moe/expert_load: [sparse layers, experts] token-slots
+        layers = len(model_cfg.moe_layers)
+        zero_metrics["moe/expert_load"] = (jnp.zeros((layers, model_cfg.num_experts)), jnp.zeros((layers, 1)))
     (grads, loss_sum, msum), logps = jax.lax.scan(body, (zeros_g, jnp.zeros(()), zero_metrics), (micro, ref_micro))
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
-    out = {k: v[0] / jnp.maximum(v[1], 1.0) for k, v in msum.items()}
+    out = finish_routing_metrics({k: v[0] / jnp.maximum(v[1], 1.0) for k, v in msum.items()})
     out["loss"] = loss_sum / total_count
     out["grad_norm"] = grad_norm
     if own:  # undo the strided micro-batch split: [n_micro, S/n_micro, N] -> [S, N]
@@ -202,7 +242,8 @@ METRIC_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regio
 def _metric_names(cfg: TrainConfig) -> tuple[str, ...]:
     loss = cfg.loss_config()
     return (METRIC_NAMES + (("kl",) if loss.beta != 0.0 else ()) + MISMATCH_METRICS
-            + (CORRECTION_METRICS if loss.rollout_correction != "none" else ()))
+            + (CORRECTION_METRICS if loss.rollout_correction != "none" else ())
+            + (("moe/aux_loss",) if loss.router_aux_coef != 0.0 else ()))
 
 
 def old_logprob_sources(cfg: TrainConfig) -> tuple[OldLogpSource, ...]:
@@ -253,9 +294,9 @@ def make_ref_logprobs(graphdef, cfg: TrainConfig):
     def reference_logprobs(ref_trainable, rest, batch: UpdateBatch):
         model = nnx.merge(graphdef, ref_trainable, rest)
         kw = dict(chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
-        if batch.layout != "pack":
-            return completion_logprobs(model, batch.tokens, batch.mask, batch.completion,
-                                       cfg.rollout.temperature, **kw)[0]
+        if batch.layout != "pack":  # the batch's replayed experts too, as the policy's forward
+            return _completion_forward(model, batch.tokens, batch.mask, batch.completion, cfg.rollout.temperature,
+                                       experts=batch.experts, **kw)[0]
         # a packed batch is laid out per micro-batch: split as the step does, then run all groups at once
         s = batch.num_sequences
         n_micro = micro_batch_count(cfg, s)

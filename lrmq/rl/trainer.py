@@ -93,6 +93,7 @@ class GRPOTrainer:
         self.train_rows, self.eval_rows = load_datasets(cfg)
         with jax.set_mesh(self.mesh):
             model = build_model(cfg, self.mesh)
+        cfg.check_model(model.cfg)
         check_position_limit(model.cfg, cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
                              "rollout.max_prompt_len + rollout.max_new_tokens")
         self.learner = Learner(cfg, model, self.mesh)

@@ -1,0 +1,109 @@
+"""RL on mixture-of-experts models (docs/moe.md, "RL on MoE"): the load-balancing loss (algo.router_aux_coef) against
+transformers', the moe/* metrics of the update, and the refusal of MoE options on a dense model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from conftest import tiny_train_config
+from lrmq.checkpoint.load import load_model
+from lrmq.configlib import ConfigError
+from lrmq.model.decoder import positions_from_mask
+from lrmq.model.moe import load_balancing_loss
+from lrmq.rl.losses import LossBatch, LossConfig, grpo_loss
+
+
+def _padded_batch(vocab: int, s: int = 4, p: int = 6, n: int = 5, seed: int = 0):
+    """Tokens [S, P + N] with left-padded prompts and completions of unequal lengths, and their mask."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, (s, p + n)).astype(np.int32)
+    mask = np.ones_like(tokens)
+    for i in range(s):
+        mask[i, :i] = 0  # left padding
+        mask[i, p + n - i:] = 0  # completion ends
+    return tokens * mask, mask
+
+
+def test_load_balancing_loss_is_transformers(hf_checkpoint):
+    path, hf_model = hf_checkpoint("qwen3_moe")  # layers 0 and 2 sparse, 1 dense
+    model = load_model(path, dtype="float32", param_dtype="float32")
+    tokens, mask = _padded_batch(model.cfg.vocab_size)
+    with torch.no_grad():
+        out = hf_model(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
+                       output_router_logits=True)
+    positions = positions_from_mask(jnp.asarray(mask))
+    _, routing = model.hidden(jnp.asarray(tokens), positions)
+    assert routing.load.shape == (2, 4) and routing.experts.shape == (2,) + tokens.shape + (2,)
+    np.testing.assert_allclose(np.asarray(routing.load).sum(-1), 2 * mask.sum())  # k slots per real token
+    np.testing.assert_allclose(float(load_balancing_loss(routing)), float(out.aux_loss), rtol=1e-5)
+    # the scanned forward returns the same routing
+    _, scanned = model.hidden(jnp.asarray(tokens), positions, scan=True)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), scanned, routing)
+    # no routing from a dense model
+    dense = load_model(hf_checkpoint("qwen3")[0], dtype="float32", param_dtype="float32")
+    assert dense.hidden(jnp.asarray(tokens), positions)[1] is None
+
+
+def test_router_aux_term_is_added_per_aggregation_unit():
+    rng = np.random.default_rng(1)
+    logp = jnp.asarray(rng.normal(-2, 0.3, (3, 4)), jnp.float32)
+    batch = LossBatch(jnp.asarray([1.0, -1.0, 0.5]), jnp.asarray([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], jnp.float32))
+    base, count, _ = grpo_loss(logp, batch, LossConfig())
+    with_aux, count2, metrics = grpo_loss(logp, batch, LossConfig(router_aux_coef=0.25), router_aux=jnp.float32(2.2))
+    assert count == count2 == 3.0
+    np.testing.assert_allclose(float(with_aux - base), 0.25 * 2.2 * 3.0, rtol=1e-6)
+    np.testing.assert_allclose(metrics["moe/aux_loss"][0] / metrics["moe/aux_loss"][1], 2.2, rtol=1e-6)
+    with pytest.raises(ValueError, match="router_aux"):
+        grpo_loss(logp, batch, LossConfig(router_aux_coef=0.25))
+
+
+def test_update_logs_expert_load_and_adds_the_aux_loss(tmp_path, hf_checkpoint):
+    from lrmq.rl.batch import RolloutBatch, padded_batch
+    from lrmq.rl.step import make_optimizer, make_train_step
+
+    path, _ = hf_checkpoint("qwen3_moe")
+    coef = 0.5
+    cfg = tiny_train_config(str(tmp_path), model={"checkpoint": path}, algo={"router_aux_coef": coef},
+                            rollout={"prompts_per_step": 2, "group_size": 2, "max_prompt_len": 6,
+                                     "max_new_tokens": 5, "update_padding": "max"})
+    model = load_model(path, dtype="float32", param_dtype="float32")
+    cfg.check_model(model.cfg)  # a MoE model takes algo.router_aux_coef
+    tokens, mask = _padded_batch(model.cfg.vocab_size)
+    cmask = mask[:, 6:].astype(np.float32)
+    rb = RolloutBatch(tokens=tokens, mask=mask, completion=tokens[:, 6:], completion_mask=cmask,
+                      behaviour_logp=-2.0 * cmask, advantages=np.array([1.0, -1.0, 0.5, -0.5], np.float32),
+                      rewards=np.zeros(4, np.float32))
+    batch = jax.tree.map(jnp.asarray, padded_batch(rb))
+    _, routing = model.hidden(batch.tokens, positions_from_mask(batch.mask))
+    graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)
+    tx, _ = make_optimizer(cfg)
+    step = make_train_step(graphdef, cfg, tx)
+    _, _, out = step(jax.tree.map(jnp.copy, trainable), rest, tx.init(trainable), batch, None)
+    load = np.asarray(routing.load)
+    expected_max = 4 * (load / load.sum(-1, keepdims=True)).max()  # E x the largest share of a layer's slots
+    assert 1.0 < expected_max <= 2.0  # E / k at most
+    np.testing.assert_allclose(float(out["moe/expert_load_max"]), expected_max, rtol=1e-6)
+    aux = float(load_balancing_loss(routing))
+    np.testing.assert_allclose(float(out["moe/aux_loss"]), aux, rtol=1e-5)
+    # the loss is the policy loss (the same step with algo.router_aux_coef=0) + coef x aux
+    policy = float(out["loss"]) - coef * aux
+    base_cfg = tiny_train_config(str(tmp_path), model={"checkpoint": path},
+                                 rollout={"prompts_per_step": 2, "group_size": 2, "max_prompt_len": 6,
+                                          "max_new_tokens": 5, "update_padding": "max"})
+    _, _, base = make_train_step(graphdef, base_cfg, tx)(jax.tree.map(jnp.copy, trainable), rest,
+                                                         tx.init(trainable), batch, None)
+    np.testing.assert_allclose(policy, float(base["loss"]), rtol=1e-5, atol=1e-6)
+    assert "moe/aux_loss" not in base and float(base["moe/expert_load_max"]) == float(out["moe/expert_load_max"])
+
+
+def test_moe_options_are_refused_for_a_dense_model(tmp_path, hf_checkpoint):
+    cfg = tiny_train_config(str(tmp_path), algo={"router_aux_coef": 0.001})
+    dense = load_model(hf_checkpoint("qwen3")[0], dtype="float32", param_dtype="float32")
+    with pytest.raises(ConfigError, match=r"^algo.router_aux_coef=0.001: .* dense model"):
+        cfg.check_model(dense.cfg)
+    tiny_train_config(str(tmp_path)).check_model(dense.cfg)  # the defaults pass
