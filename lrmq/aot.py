@@ -604,9 +604,10 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
 
 def step_estimate(cfg: TrainConfig, report: FitReport, device_kind: str) -> dict | None:
     """A roofline ESTIMATE of one step's seconds (None off TPU/GPU or without the rows): the update as compute-bound,
-    6 x parameters x tokens FLOPs (8 x with model.remat=full: the forward again) x algo.num_iterations over the
-    learner's chips at peak; the rollout as memory-bound decode, max_new_tokens steps each reading the sampler's
-    chip share of the compiled decode program's arguments (weights and the KV pool) at HBM bandwidth. Colocated: a
+    6 x parameters x tokens FLOPs (8 x with model.remat=full: the forward again; the active parameters,
+    `ModelConfig.num_params(active=True)`: a mixture of experts' router and top-k experts) x algo.num_iterations
+    over the learner's chips at peak; the rollout as memory-bound decode, max_new_tokens steps each reading the
+    sampler's chip share of the compiled decode program's arguments (weights and the KV pool) at HBM bandwidth. Colocated: a
     step is their sum; split: the larger of the two (the update of step j runs while batch j + 1 is sampled).
     XLA's cost analysis counts each loop body once (one scanned layer, one decode step), so the programs' own
     FLOP counts are not totals; the compiled programs give the bytes, the model gives the FLOPs."""
@@ -616,15 +617,17 @@ def step_estimate(cfg: TrainConfig, report: FitReport, device_kind: str) -> dict
     if peaks is None or decode is None or step is None or decode["memory"] is None:
         return None
     r, p = cfg.rollout, report.placement
-    params = model_config(cfg).num_params()
+    # the FLOPs a token costs: a mixture of experts computes with its router and top-k experts (active), not all
+    params = model_config(cfg).num_params(active=True)
     tokens = r.prompts_per_step * r.group_size * (r.max_prompt_len + r.max_new_tokens)
     flops = (8 if cfg.model.remat == "full" else 6) * params * tokens * cfg.algo.num_iterations
     update_s = flops / (p["learner_chips"] * peaks[0])
     rollout_s = r.max_new_tokens * decode["memory"]["arguments"] / peaks[1]
     total = max(update_s, rollout_s) if p["placement"] == "split" else update_s + rollout_s
     return {"update_s": update_s, "rollout_s": rollout_s, "step_s": total, "params": params,
-            "how": "roofline estimate: update 6-8 x params x tokens FLOPs at peak over the learner's chips; rollout "
-                   "max_new_tokens decode steps reading the decode program's per-chip arguments at HBM bandwidth; "
+            "how": "roofline estimate: update 6-8 x active params x tokens FLOPs at peak over the learner's chips; "
+                   "rollout max_new_tokens decode steps reading the decode program's per-chip arguments at HBM "
+                   "bandwidth; "
                    + ("split: max of the two" if p["placement"] == "split" else "colocated: their sum")}
 
 

@@ -262,6 +262,29 @@ def test_kv_pool_sized_to_the_device():
     assert 3 * pages * 1000 + gib <= budget
 
 
+def test_step_estimate_counts_the_active_parameters_of_a_mixture_of_experts():
+    """The update's roofline FLOPs for Qwen3-30B-A3B are those of its 3.35B active parameters (router + top-8
+    experts per token), not of all 30.5B; a dense model's active parameters are all of them. No compile."""
+    from lrmq import aot
+    from lrmq.configlib import load_config
+    from lrmq.model.presets import preset_config
+    from lrmq.rl.config import TrainConfig
+
+    recipe = os.path.join(REPO_ROOT, "configs", "paper1", "pod_v5p64_30b_a3b_grpo.yaml")
+    cfg = load_config(TrainConfig, recipe)
+    rows = [{"name": "train_step", "memory": {"total": 1}},
+            {"name": "rollout decode", "memory": {"arguments": 2 ** 30}}]
+    report = aot.FitReport(rows=rows, hbm=None, fits=True, placement={"placement": "colocated", "learner_chips": 32})
+    est = aot.step_estimate(cfg, report, "TPU v5")
+    moe = preset_config("qwen3-30b-a3b")
+    assert est["params"] == moe.num_params(active=True) < moe.num_params() / 9
+    r = cfg.rollout
+    tokens = r.prompts_per_step * r.group_size * (r.max_prompt_len + r.max_new_tokens)
+    assert est["update_s"] == pytest.approx(8 * est["params"] * tokens / (32 * 459e12))  # remat full: 8 x
+    dense = preset_config("qwen3-8b")
+    assert dense.num_params(active=True) == dense.num_params()
+
+
 def test_slot_search_starts_where_the_memory_points():
     """`lrmq.evaluate/generate --compile-only`'s slot search: a bisection over the counts whose first probe is the
     count the failed programs' memory points to; from a right guess two compiles settle it (the guess fits, the
