@@ -1,10 +1,13 @@
 """launch/tpu_pod.sh: what it will run on every worker, shown before it runs (--dry-run runs nothing), tested with a
-stand-in gcloud that records its arguments."""
+stand-in gcloud that records its arguments; launch/local_multiprocess.sh: its coordinator port and what it does when a
+process fails, with a stand-in Python."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 
 from conftest import REPO_ROOT
 
@@ -78,3 +81,39 @@ def test_config_error_exits_2_before_any_gcloud_call(tmp_path):
         r, calls = _launch(tmp_path, "my-tpu", "us-east5-a", "--", *extra, gcloud=True, python=True)
         assert r.returncode == 2 and calls == [] and "+ gcloud" not in r.stdout, (r.stdout, r.stderr)
         assert want in r.stderr and "nothing was run" in r.stderr, r.stderr
+
+
+def test_local_multiprocess_port_and_a_failed_process_stops_the_launch(tmp_path):
+    """launch/local_multiprocess.sh picks a free coordinator port below the kernel's ephemeral range (one there can be
+    an outgoing connection's: process 0 then failed to start the coordinator, "Failed to add port to server", and
+    test_pod_path's two-process launch hung 300 s with process 1 waiting for it); when a process fails the others are
+    stopped and the launch exits at once with its status. Stand-in Python: process 0 fails (or not), the others wait."""
+    started = tmp_path / "started"
+    py = tmp_path / "python"
+    py.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = - ]; then exec {sys.executable} "$@"; fi  # the script's port pick
+echo "$LRMQ_PROCESS_ID $LRMQ_NUM_PROCESSES $LRMQ_COORDINATOR $*" >> {started}
+if [ "$LRMQ_PROCESS_ID" = 0 ] && [ -n "${{FAIL:-}}" ]; then echo "Failed to start RPC server" >&2; exit 3; fi
+exec sleep "${{WAIT:-0}}"
+""")
+    py.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "LRMQ_PORT"}
+    script = os.path.join(REPO_ROOT, "launch", "local_multiprocess.sh")
+    run = lambda **e: subprocess.run(["bash", script, "3", "1", "run.steps=1"], cwd=REPO_ROOT,  # noqa: E731
+                                     env=dict(env, PYTHON=str(py), **e), capture_output=True, text=True, timeout=60)
+    t0 = time.monotonic()
+    r = run(FAIL="1", WAIT="60")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 20  # not the 60 s the others wait: they were stopped
+    assert "exited with status 3; stopping the others" in r.stderr and "[proc 0] Failed to start RPC server" in r.stdout
+    rows = [line.split() for line in started.read_text().splitlines()]
+    assert sorted(row[0] for row in rows) == ["0", "1", "2"] and {row[1] for row in rows} == {"3"}
+    ports = {row[2] for row in rows}
+    assert len(ports) == 1 and all(row[3:] == ["-m", "lrmq.train", "run.steps=1"] for row in rows)
+    port = int(ports.pop().removeprefix("127.0.0.1:"))
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        assert 20000 <= port < int(f.read().split()[0])
+    started.unlink()
+    r = run(LRMQ_PORT="23456")  # every process ends well: status 0; LRMQ_PORT is taken as given
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert {line.split()[2] for line in started.read_text().splitlines()} == {"127.0.0.1:23456"}

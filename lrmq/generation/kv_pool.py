@@ -280,9 +280,7 @@ def kv_page_axes(mesh, kv_heads: int) -> tuple[str, ...]:
     heads (`kv_head_axes`), the axes a decode batch's rows are split over in `attend`. Each data group (a chip's
     coordinates on them) holds only its own rows' pages, with group-local page ids (`Scheduler(groups=)`): the
     pool per chip is its share of the heads of its group's pages. () without a mesh."""
-    if mesh is None or jax.process_count() > 1:
-        # a multi-process run keeps the pages whole over data (as before): the two-process colocated launch hung
-        # with the pages split across processes (tests/test_pod_path.py), not yet diagnosed
+    if mesh is None:
         return ()
     heads = kv_head_axes(mesh, kv_heads)
     return tuple(a for a in BATCH_AXES if a in mesh.shape and mesh.shape[a] > 1 and a not in heads)
