@@ -107,3 +107,90 @@ def test_moe_options_are_refused_for_a_dense_model(tmp_path, hf_checkpoint):
     with pytest.raises(ConfigError, match=r"^algo.router_aux_coef=0.001: .* dense model"):
         cfg.check_model(dense.cfg)
     tiny_train_config(str(tmp_path)).check_model(dense.cfg)  # the defaults pass
+
+
+# ----------------------------------------------------------------------------- routing replay
+
+
+def _moe_rollout(model, *, seed: int = 0):
+    """A rollout of the tiny MoE through the paged engine recording experts: the RolloutBatch (with `experts`)."""
+    from lrmq.generation.engine import Engine, EngineConfig, left_pad
+    from lrmq.generation.sampling import SamplingConfig
+    from lrmq.rl.batch import build_batch, replay_experts
+
+    rng = np.random.default_rng(seed)
+    vocab = model.cfg.vocab_size
+    prompts = [rng.integers(1, vocab, n).tolist() for n in (5, 9, 1)]
+    prompts.append(prompts[1])  # a shared (resident) prompt
+    engine = Engine(model, eos_ids=[vocab - 1], pad_id=0,
+                    config=EngineConfig(page_size=4, sync_steps=3, record_experts=True))
+    out = engine.generate(model, prompts, max_new_tokens=7, sampling=SamplingConfig(temperature=1.0), seed=seed)
+    tokens, mask = left_pad(prompts, 12, 0)
+    s = len(prompts)
+    rb = build_batch(tokens, mask, out.tokens, out.lengths, out.logprobs, np.linspace(-1, 1, s).astype(np.float32),
+                     np.zeros(s, np.float32))
+    return rb.__class__(**{**rb.__dict__, "experts": replay_experts(mask, out.lengths, out.tokens.shape[1],
+                                                                     out.experts)})
+
+
+def _loud_moe(path):
+    """The tiny random MoE with its experts' outputs scaled up (x40), so that the experts a token runs move its
+    log-probs visibly (at init they barely touch the residual stream)."""
+    model = load_model(path, dtype="float32", param_dtype="float32")
+    for i in model.cfg.moe_layers:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            kernel = getattr(model.layers[i].mlp.experts, proj).kernel
+            kernel.set_value(LOUD * kernel.get_value())
+    return model
+
+
+LOUD = 10.0
+
+
+def test_replayed_update_scores_what_the_sampler_sampled(hf_checkpoint):
+    from lrmq.model.moe import UNRECORDED
+    from lrmq.rl.batch import packed_batch, padded_batch
+    from lrmq.rl.losses import rollout_mismatch_metrics
+    from lrmq.rl.step import batch_logprobs
+
+    model = _loud_moe(hf_checkpoint("qwen3_moe")[0])
+    rb = _moe_rollout(model)
+    assert rb.experts.dtype == np.uint8 and rb.experts.shape == rb.tokens.shape + (2, 2)
+    recorded = rb.experts[..., 0, 0] != UNRECORDED
+    # every real token but each completion's last was recorded
+    last = rb.tokens.shape[1] - rb.completion.shape[1] + rb.completion_mask.sum(1).astype(int) - 1
+    expect = rb.mask.astype(bool).copy()
+    expect[np.arange(len(last)), last] = False
+    np.testing.assert_array_equal(recorded, expect)
+    # the full forward (no cache) routes the recorded tokens as the paged engine did
+    batch = jax.tree.map(jnp.asarray, padded_batch(rb))
+    _, routing = model.hidden(batch.tokens, positions_from_mask(batch.mask))
+    own = np.moveaxis(np.asarray(routing.experts), 0, 2)
+    np.testing.assert_array_equal(own[recorded], rb.experts[recorded])
+
+    cmask = jnp.asarray(rb.completion_mask)
+    behaviour = jnp.asarray(rb.behaviour_logp)
+    for layout in (padded_batch(rb), packed_batch(rb)):  # equal weights: the sampler's log-probs to float noise
+        logp = batch_logprobs(model, jax.tree.map(jnp.asarray, layout), 1.0)[0]
+        np.testing.assert_allclose(np.asarray(logp * cmask), rb.behaviour_logp, atol=2e-5, err_msg=layout.layout)
+
+    # a sampler whose routing differs from the learner's (as a sampler's numerics flip near-ties): its records of
+    # the completion tokens in the first sparse layer name the two experts the learner's top-2 leaves out, and its
+    # log-probs are the ones that routing gives. The learner (equal weights) routing by itself shows the mismatch
+    # (mismatch/*); replaying the sampler's record removes it.
+    flipped = rb.experts.copy()
+    completion = np.zeros_like(recorded)
+    completion[:, rb.tokens.shape[1] - rb.completion.shape[1]:] = True
+    at = recorded & completion
+    first = flipped[at, 0]
+    flipped[at, 0] = np.stack([np.setdiff1d(np.arange(4), e) for e in first])
+    sampler_batch = batch.replace(experts=jnp.asarray(flipped))
+    sampler_logp = batch_logprobs(model, sampler_batch, 1.0)[0] * cmask
+    plain = batch.replace(experts=None)
+    diff = {}
+    for name, b in (("routed", plain), ("replayed", sampler_batch)):
+        logp = batch_logprobs(model, b, 1.0)[0]
+        metrics = rollout_mismatch_metrics(logp, sampler_logp, cmask)
+        diff[name] = {k: float(v[0] / v[1]) for k, v in metrics.items()}
+    assert diff["routed"]["mismatch/logp_diff"] > 1e-2, diff
+    assert diff["replayed"]["mismatch/logp_diff"] < 1e-6 and abs(diff["replayed"]["mismatch/kl_k3"]) < 1e-9, diff

@@ -129,9 +129,12 @@ def keeps_decoding(live, stop_below, group_stop_below, groups: int = 1):
 class DecodeOutput:
     """What a decode call gives back: per row the tokens it sampled in this call and their log-probabilities
     ([rows, sync_steps], pad / 0 after the row stopped), its `generated` count after the call, and whether it is
-    still live (False: it stopped at an EOS or its budget, or was idle)."""
+    still live (False: it stopped at an EOS or its budget, or was idle). `experts` (an engine recording them,
+    `EngineConfig.record_experts`; else None): [rows, sync_steps, sparse layers, k] uint8, the experts each step's
+    input token ran (the prompt's last token, then each sampled token but the last), zeros after the row stopped."""
 
     tokens: Any
     logprobs: Any
     generated: Any
     live: Any
+    experts: Any = None

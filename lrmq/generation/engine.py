@@ -50,7 +50,7 @@ from lrmq.generation.kv_pool import (KVScales, QuantPool, abstract_pool, check_k
 from lrmq.generation.paged import PagedCache
 from lrmq.generation.sampling import SamplingConfig, sample
 from lrmq.generation.scheduler import (Scheduler, Seq, SharedPrompt, check_kv_pages, pages_for_one_sequence,
-                                      row_buckets)
+                                      prefill_rows, row_buckets)
 from lrmq.model.decoder import Decoder, layer_runs
 from lrmq.sharding import DECODE_RULES, batch_divisor, constrain_state, host_array, state_shardings, use_rules
 
@@ -66,6 +66,10 @@ class GenerationResult:
     # fp8 KV cache: the per-layer / KV-head scales the call wrote under (calibrated on its first prefill, or the
     # `kv_scales` it was given); pass them to a later call to keep them (`rollout.kv_scale_refresh`). None else
     kv_scales: KVScales | None = None
+    # an engine recording experts (`EngineConfig.record_experts`): per sequence, [prompt + generated - 1, sparse
+    # layers, k] uint8, the experts each token the sampler ran went through (every prompt token, then every
+    # generated token but the last, which nothing ran); None else
+    experts: list[np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ class EngineConfig:
     # decode attention (`attention.DECODE_ATTENTION`; "auto": the compile target's kernel where it takes the call, else
     # XLA): rollout.decode_attention / generation.decode_attention / --decode-attention
     attention: str = "auto"
+    # mixture-of-experts models: the programs also return the experts every token ran (GenerationResult.experts),
+    # for routing replay (rollout.routing_replay)
+    record_experts: bool = False
 
     def __post_init__(self):
         check_kv_cache(self.kv_cache, "engine.kv_cache")
@@ -179,13 +186,20 @@ def _merge(graphdef, state) -> Decoder:
     return nnx.merge(graphdef, *(state if isinstance(state, tuple) else (state,)))
 
 
+def _token_experts(experts):
+    """`Decoder.hidden_runs`' experts [sparse layers, B, T, k] -> [B, T, sparse layers, k] uint8 (ids < 256)."""
+    return jnp.moveaxis(experts, 0, 2).astype(jnp.uint8)
+
+
 def _prefill_fn(graphdef, state, pool, batch: PrefillBatch, *, engine: EngineConfig, layout):
+    """(the pool, the prompts' experts [rows, length, sparse layers, k] uint8 with `engine.record_experts`, else
+    None)."""
     model = _merge(graphdef, state)
     runs = layout(model)
     cache = PagedCache(pool, batch.page_table, jnp.ones(batch.rows, bool), mode="prefill",
                        block_pages=engine.block_pages)
-    _, cache = model.hidden_runs(runs, batch.tokens, batch.positions, cache)
-    return cache.pool
+    _, cache, experts = model.hidden_runs(runs, batch.tokens, batch.positions, cache)
+    return cache.pool, (_token_experts(experts) if engine.record_experts else None)
 
 
 def _decode_fn(graphdef, state, pool, batch: DecodeBatch, *, engine: EngineConfig, sampling: SamplingConfig,
@@ -201,15 +215,21 @@ def _decode_fn(graphdef, state, pool, batch: DecodeBatch, *, engine: EngineConfi
     s, steps = batch.rows, engine.sync_steps
     out_tok = jnp.full((s, steps), pad_id, jnp.int32)
     out_lp = jnp.zeros((s, steps), jnp.float32)
+    record = engine.record_experts
+    sparse = model.cfg.moe_layers
+    out_exp = (jnp.zeros((s, steps, len(sparse), model.cfg.num_experts_per_tok), jnp.uint8) if record else None)
 
     def cond(c):  # up to sync_steps; back to the host once the live rows say so
-        i, _, _, _, _, live, _, _ = c
+        i, _, _, _, _, live, _, _, _ = c
         return (i < steps) & keeps_decoding(live, batch.stop_below, batch.group_stop_below, groups)
 
     def body(c):
-        i, pool, tok, pos, gen, live, out_tok, out_lp = c
+        i, pool, tok, pos, gen, live, out_tok, out_lp, out_exp = c
         cache = PagedCache(pool, page_table, live, mode="decode", block_pages=engine.block_pages, impl=impl)
-        h, cache = model.hidden_runs(runs, tok[:, None], pos[:, None], cache)
+        h, cache, experts = model.hidden_runs(runs, tok[:, None], pos[:, None], cache)
+        if record:  # the experts this step's input token ran
+            ran = _token_experts(experts)[:, 0]
+            out_exp = out_exp.at[:, i].set(jnp.where(live[:, None, None], ran, 0))
         logits = model.logits(h)[:, 0]
         step_keys = jax.vmap(jax.random.fold_in)(keys, gen)
         nxt, lp = jax.vmap(lambda k, lg: sample(k, lg[None], sampling))(step_keys, logits)
@@ -218,11 +238,11 @@ def _decode_fn(graphdef, state, pool, batch: DecodeBatch, *, engine: EngineConfi
         out_lp = out_lp.at[:, i].set(jnp.where(live, lp, 0.0))
         gen = gen + live.astype(jnp.int32)
         done = live & (jnp.isin(nxt, eos_arr) | (gen >= max_new))
-        return i + 1, cache.pool, nxt, pos + 1, gen, live & ~done, out_tok, out_lp
+        return i + 1, cache.pool, nxt, pos + 1, gen, live & ~done, out_tok, out_lp, out_exp
 
-    init = (jnp.int32(0), pool, batch.tokens, batch.positions, batch.generated, batch.live, out_tok, out_lp)
-    _, pool, _, _, gen, live, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
-    return pool, DecodeOutput(out_tok, out_lp, gen, live)
+    init = (jnp.int32(0), pool, batch.tokens, batch.positions, batch.generated, batch.live, out_tok, out_lp, out_exp)
+    _, pool, _, _, gen, live, out_tok, out_lp, out_exp = jax.lax.while_loop(cond, body, init)
+    return pool, DecodeOutput(out_tok, out_lp, gen, live, out_exp)
 
 
 def decode_layout(mesh):
@@ -278,6 +298,8 @@ class Engine:
         self.pad_id = int(pad_id)
         self.config = config  # complete and fixed: nothing changes it after construction
         self.mesh = mesh
+        if config.record_experts and not self.model_cfg.num_experts:
+            raise ValueError("engine.record_experts: the model is dense (no experts to record)")
         # on a mesh: slots split over the data axes, weights in the decode layout (`decode_layout`), the pool's pages
         # over the data groups (`kv_pool.kv_groups`: the scheduler allocates each group's own)
         self.slot_multiple = batch_divisor(mesh) if mesh is not None else 1
@@ -350,7 +372,7 @@ class Engine:
         pool = self.pool(pages, impl)
         decode = self._decode_for(sampling, impl)
         for rows in self.row_buckets(slots):
-            pool = self._prefill(state, pool, PrefillBatch.zeros(rows, length, pages_for(length, ps)))
+            pool = self._prefill(state, pool, PrefillBatch.zeros(rows, length, pages_for(length, ps)))[0]
             pool = decode(state, pool, DecodeBatch.zeros(rows, width))[0]
         jax.block_until_ready(pool)
 
@@ -401,8 +423,9 @@ class Engine:
             pool = with_scales(pool, kv_scales)
         decode = self._decode_for(sampling, impl)
         prefill_length = bucket_length(prompt_capacity) if prompt_capacity else 0
+        prompt_experts: dict[tuple[int, ...], np.ndarray] = {}  # record_experts: a prompt's first len - 1 tokens'
         while sched.busy:  # plan -> prefill / decode -> apply
-            pool = self._prefill_prompts(state, pool, sched, sched.admit(), prefill_length)
+            pool = self._prefill_prompts(state, pool, sched, sched.admit(), prefill_length, prompt_experts)
             sched.reserve()
             batch = sched.plan()
             pool, out = decode(state, pool, batch)
@@ -412,15 +435,30 @@ class Engine:
         stats = dict(sched.stats)
         if isinstance(pool, QuantPool):
             stats["kv_saturated"] = int(np.sum(host_array(pool.saturated)))
-        return dataclasses.replace(collect(seqs, width_new, self.pad_id, stats), kv_scales=pool_scales(pool))
+        experts = None
+        if c.record_experts:  # each sequence's prompt (its first len - 1 from the prefill) then its decode steps'
+            per_token = (len(self.model_cfg.moe_layers), self.model_cfg.num_experts_per_tok)
+            none = np.zeros((0, *per_token), np.uint8)  # a one-token prompt has nothing prefilled
+            experts = [np.concatenate([prompt_experts.get(s.prompt, none),
+                                       np.asarray(s.experts, np.uint8).reshape(-1, *per_token)]) for s in seqs]
+        return dataclasses.replace(collect(seqs, width_new, self.pad_id, stats), kv_scales=pool_scales(pool),
+                                   experts=experts)
 
-    def _prefill_prompts(self, state, pool, sched: Scheduler, prompts: list[SharedPrompt], length: int = 0):
+    def _prefill_prompts(self, state, pool, sched: Scheduler, prompts: list[SharedPrompt], length: int = 0,
+                         experts: dict | None = None):
         """Write the first len - 1 tokens of each prompt into its pages (`Scheduler.prefill`: a row bucket, each
-        data group's prompts in its rows); length: the prompt capacity's bucket (0 = the longest prompt's)."""
+        data group's prompts in its rows); length: the prompt capacity's bucket (0 = the longest prompt's).
+        `experts` (record_experts): filled with each prompt's first len - 1 tokens' experts, by its ids."""
         if not prompts:
             return pool
         length = length or bucket_length(max(len(p.ids) - 1 for p in prompts))
-        return self._prefill(state, pool, sched.prefill(prompts, length))
+        batch = sched.prefill(prompts, length)
+        pool, ran = self._prefill(state, pool, batch)
+        if ran is not None:
+            ran = host_array(ran)
+            for p, row in zip(prompts, prefill_rows(prompts, batch.rows, sched.groups)):
+                experts[p.ids] = ran[row, :len(p.ids) - 1]
+        return pool
 
 
 def requests(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], keys: np.ndarray | None,

@@ -122,6 +122,7 @@ class Seq:
     key: np.ndarray
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    experts: list = field(default_factory=list)  # record_experts: [sparse layers, k] of each decode step's input
     pages: list[int] = field(default_factory=list)  # own pages (from the prompt's partly filled one on)
     admitted: int = 0  # admission order (the youngest is preempted first)
     copy: tuple[int, int] | None = None  # (prompt page, own page) to copy before its first decode step
@@ -238,7 +239,7 @@ class Scheduler:
         """Stop the sequence in `slot`: its pages go back, and it waits at the front of the queue to start over
         (its key is kept: the recomputed tokens are the same)."""
         s = self.slots[slot]
-        s.tokens, s.logprobs, s.copy = [], [], None
+        s.tokens, s.logprobs, s.experts, s.copy = [], [], [], None
         self._free(slot)
         self.queue.appendleft(s)
         self.stats["preempted"] += 1
@@ -307,6 +308,8 @@ class Scheduler:
             k = int(out.generated[row] - batch.generated[row])
             s.tokens += out.tokens[row, :k].tolist()
             s.logprobs += out.logprobs[row, :k].tolist()
+            if out.experts is not None:
+                s.experts += list(out.experts[row, :k])
             if not out.live[row]:
                 self._free(slot)
                 finished.append(s)
@@ -320,15 +323,21 @@ class Scheduler:
                              self.groups)
 
 
+def prefill_rows(prompts: Sequence[SharedPrompt], rows: int, groups: int = 1) -> list[int]:
+    """The row of each prompt in a prefill batch of `rows` rows: group g's prompts in order in its block."""
+    taken, out = [0] * groups, []
+    for p in prompts:
+        out.append(p.group * (rows // groups) + taken[p.group])
+        taken[p.group] += 1
+    return out
+
+
 def prefill_batch(prompts: Sequence[SharedPrompt], rows: int, length: int, page_size: int,
                   groups: int = 1) -> PrefillBatch:
     """The first len - 1 tokens of each prompt at positions 0.., with its pages: group g's prompts in order in
     its block of rows / groups rows (one group: row r is prompts[r]); rows past them are padding."""
     batch = PrefillBatch.zeros(rows, length, pages_for(length, page_size))
-    taken = [0] * groups
-    for p in prompts:
-        r = p.group * (rows // groups) + taken[p.group]
-        taken[p.group] += 1
+    for p, r in zip(prompts, prefill_rows(prompts, rows, groups)):
         n = len(p.ids) - 1
         batch.tokens[r, :n] = p.ids[:n]
         batch.positions[r, :n] = np.arange(n)

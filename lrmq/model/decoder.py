@@ -227,20 +227,24 @@ class Decoder(nnx.Module):
         return self.final_norm(x), _stack_routing(routings)
 
     def hidden_runs(self, runs, tokens, positions, cache):
-        """(final-norm hidden states, the updated cache) of a forward with a paged cache
-        (`lrmq.generation.paged.PagedCache`: prefill writes it, decoding also attends through it) over layers
+        """(final-norm hidden states, the updated cache, the experts each token ran) of a forward with a paged
+        cache (`lrmq.generation.paged.PagedCache`: prefill writes it, decoding also attends through it) over layers
         already stacked by `layer_runs` (a decode loop stacks, and lays out, its weights once, outside the loop),
-        each run a `lax.scan`."""
+        each run a `lax.scan`. The experts: [sparse layers, B, T, k] int32 (`ModelConfig.moe_layers`' order), None
+        for a dense model; a program that does not return them computes nothing for them."""
         x = self.embed_tokens(tokens)
+        experts = []
         for run in runs:
             def body(carry, xs, graphdef=run.graphdef):
                 x, cache = carry
                 state, index = xs
-                y, cache = nnx.merge(graphdef, state)(x, positions, cache.at_layer(index))
-                return (constrain_batch(y), cache), None
+                y, cache, routing = nnx.merge(graphdef, state).routed(x, positions, cache.at_layer(index))
+                return (constrain_batch(y), cache), (None if routing is None else routing.experts)
 
-            (x, cache), _ = jax.lax.scan(body, (x, cache), (run.state, run.start + jnp.arange(run.size)))
-        return self.final_norm(x), cache
+            (x, cache), chosen = jax.lax.scan(body, (x, cache), (run.state, run.start + jnp.arange(run.size)))
+            if chosen is not None:
+                experts.append(chosen)
+        return self.final_norm(x), cache, (jnp.concatenate(experts) if experts else None)
 
     def embed_tokens(self, tokens):
         return constrain_batch(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype)))

@@ -25,6 +25,11 @@ from lrmq.model.config import ModelConfig
 from lrmq.model.linear import ExpertLinear, Linear
 
 
+# A replayed expert id meaning "not recorded" (a token the sampler never ran: the last completion token, padding):
+# that token is routed by the router's own top-k. Ids are uint8, so at most 254 experts are replayable.
+UNRECORDED = 255
+
+
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """(weights [N, k] float32, expert ids [N, k] int32) of router `logits` [N, E]: the float32 softmax's k largest
     probabilities, in descending order; equal probabilities are taken lower expert index first (`jax.lax.top_k`),
@@ -117,14 +122,14 @@ class MoE(nnx.Module):
                experts: jax.Array | None = None) -> tuple[jax.Array, Routing]:
         """(output [B, T, D], its `Routing`) of x [B, T, D]. `valid` [B, T] bool: the tokens the routing statistics
         count (None: all). `experts` [B, T, k] (any integer dtype): replay these experts instead of the top-k
-        (`replayed_weights`)."""
+        (`replayed_weights`); a token whose first id is `UNRECORDED` is routed as usual."""
         b, t, d = x.shape
         h = x.reshape(b * t, d)
         logits = self.router(h)
-        if experts is None:
-            weights, chosen = route(logits, self.top_k, self.norm_topk_prob)
-        else:
-            chosen = experts.reshape(b * t, self.top_k).astype(jnp.int32)
+        weights, chosen = route(logits, self.top_k, self.norm_topk_prob)
+        if experts is not None:  # the given experts where recorded, the softmax gathered at them (where they are
+            given = experts.reshape(b * t, self.top_k).astype(jnp.int32)  # route's own, its weights bit for bit)
+            chosen = jnp.where(given[:, :1] == UNRECORDED, chosen, given)
             weights = replayed_weights(logits, chosen, self.norm_topk_prob)
         y = self.experts(h, chosen, weights.astype(logits.dtype)).reshape(b, t, d)
         count = (jnp.ones((b * t,), jnp.float32) if valid is None else valid.reshape(b * t).astype(jnp.float32))

@@ -12,6 +12,8 @@ import jax
 import numpy as np
 from flax import struct
 
+from lrmq.model.moe import UNRECORDED
+
 LAYOUTS = ("pack", "bucket", "max")  # rollout.update_padding
 
 
@@ -27,7 +29,7 @@ class RolloutBatch:
     advantages: np.ndarray  # [S] float32
     rewards: np.ndarray  # [S] float32
     # rollout.routing_replay: [S, P+N, sparse layers, k] uint8, the experts the sampler ran each token through (as
-    # `tokens`; zeros on padding and on the last completion token, which the sampler never ran)
+    # `tokens`; `moe.UNRECORDED` on padding and on the last completion token, which the sampler never ran)
     experts: np.ndarray | None = None
 
     @property
@@ -131,6 +133,22 @@ def build_batch(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, completion: 
     return RolloutBatch(tokens=tokens, mask=mask, completion=completion.astype(np.int32), completion_mask=cmask,
                         behaviour_logp=(logprobs * cmask).astype(np.float32), advantages=advantages.astype(np.float32),
                         rewards=rewards.astype(np.float32))
+
+
+def replay_experts(prompt_mask: np.ndarray, lengths: np.ndarray, n: int, ran: list[np.ndarray]) -> np.ndarray:
+    """`RolloutBatch.experts` [S, P + N, sparse layers, k] uint8 of an engine's recorded experts (`ran[i]`:
+    `GenerationResult.experts`, sequence i's prompt tokens then its completion tokens but the last), placed as
+    `build_batch` places the tokens: left-padded prompt (`prompt_mask` [S, P]), then the completion;
+    `moe.UNRECORDED` where nothing ran."""
+    s, p = prompt_mask.shape
+    out = np.full((s, p + n) + ran[0].shape[1:], UNRECORDED, np.uint8)
+    for i, e in enumerate(ran):
+        m = int(prompt_mask[i].sum())
+        if len(e) != m + max(int(lengths[i]) - 1, 0):
+            raise ValueError(f"sequence {i}: {len(e)} recorded experts for {m} prompt + {int(lengths[i])} completion "
+                             "tokens (expected one per token but the last)")
+        out[i, p - m:p - m + len(e)] = e
+    return out
 
 
 def truncated_rows(completion: np.ndarray, lengths: np.ndarray, eos_ids) -> np.ndarray:
@@ -320,7 +338,7 @@ def packed_batch(rb: RolloutBatch, *, n_micro: int = 1, groups: int = 1,
     tokens = np.zeros((n_micro * groups * r_rows, width), np.int32)
     positions = np.full_like(tokens, -1)
     segments = np.zeros_like(tokens)
-    experts = None if rb.experts is None else np.zeros(tokens.shape + rb.experts.shape[2:], rb.experts.dtype)
+    experts = None if rb.experts is None else np.full(tokens.shape + rb.experts.shape[2:], UNRECORDED, np.uint8)
     src = np.zeros((groups * n_micro, t_slots), np.int32)
     target = np.zeros_like(src)
     dest = np.full_like(src, k_loc * n)

@@ -153,12 +153,19 @@ class RolloutSection:
                               "below this, the next rollout waits for the newest version (on-policy) instead of "
                               "running ahead (0 = never)", ge=0.0, le=1.0)
 
+    routing_replay: bool = opt(False, "mixture-of-experts models: the rollout engine records the experts every token "
+                                      "ran (uint8 ids per sparse layer) and the update's forward runs those experts "
+                                      "instead of its own top-k (rollout routing replay): the router's softmax is "
+                                      "gathered at the replayed ids, so its gradients still reach the gates of the "
+                                      "chosen experts. Refused for a dense model (docs/moe.md, 'RL on MoE')")
+
     def engine_config(self, pool_bytes: int = 0) -> EngineConfig:
         """The rollout engine, whole: `pool_bytes` is the KV pool's budget per device when kv_pages is 0
         (`kv_pool.pool_budget`; 0 = the worst case)."""
         return EngineConfig(slots=self.generation_batch or self.prompts_per_step * self.group_size,
                             page_size=self.page_size, pages=self.kv_pages, sync_steps=self.sync_steps,
-                            kv_cache=self.kv_cache, attention=self.decode_attention, pool_bytes=int(pool_bytes))
+                            kv_cache=self.kv_cache, attention=self.decode_attention, pool_bytes=int(pool_bytes),
+                            record_experts=self.routing_replay)
 
 
 @dataclass
@@ -442,10 +449,14 @@ class TrainConfig:
 
     def check_model(self, model_cfg) -> None:
         """Refuse the mixture-of-experts options for a dense model (`ModelConfig.num_experts == 0`): they would do
-        nothing."""
+        nothing; and routing replay of more experts than its uint8 ids hold."""
         if model_cfg.num_experts:
+            if self.rollout.routing_replay and model_cfg.num_experts >= 255:
+                raise ConfigError(f"rollout.routing_replay: {model_cfg.num_experts} experts do not fit the replayed "
+                                  "uint8 ids (at most 254)")
             return
-        for key, value, off in (("algo.router_aux_coef", self.algo.router_aux_coef, 0.0),):
+        for key, value, off in (("algo.router_aux_coef", self.algo.router_aux_coef, 0.0),
+                                ("rollout.routing_replay", self.rollout.routing_replay, False)):
             if value != off:
                 raise ConfigError(f"{key}={value}: model.checkpoint={self.model.checkpoint!r} is a dense model (no "
                                   f"experts, no router); it applies to mixture-of-experts models (Qwen3-MoE)")

@@ -41,7 +41,8 @@ class Learner:
         with jax.set_mesh(mesh):
             self.opt_state = init_opt_state(self.tx, self.trainable, mesh)
         shardings = tuple(jax.tree.map(lambda x: x.sharding, tree) for tree in (self.trainable, self.opt_state))
-        self.updates = UpdatePrograms(self.graphdef, cfg, self.tx, shardings, mesh)
+        replay = (len(model.cfg.moe_layers), model.cfg.num_experts_per_tok) if cfg.rollout.routing_replay else None
+        self.updates = UpdatePrograms(self.graphdef, cfg, self.tx, shardings, mesh, replay=replay)
         self._choose_packed = packed_chooser(self.updates.shapes) if cfg.rollout.update_padding == "pack" else None
         self.ref_trainable = self._reference_params() if cfg.algo.beta != 0.0 else None
         if (warning := rollout_quant_warning(cfg)) is not None:  # a quantized or stale sampler, uncorrected

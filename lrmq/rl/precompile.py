@@ -91,18 +91,19 @@ def packed_chooser(shapes: list[UpdateShape]):
     return ladder_choice([(s.rows, s.slots) for s in shapes if s.layout == "pack"])
 
 
-def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh, *, old_logp: bool = False
-                    ) -> tuple[UpdateBatch, jax.ShapeDtypeStruct | None]:
+def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh, *, old_logp: bool = False,
+                    experts: tuple[int, int] | None = None) -> tuple[UpdateBatch, jax.ShapeDtypeStruct | None]:
     """(the update batch, the reference log-probs or None when algo.beta = 0) of `shape` as ShapeDtypeStructs
     with the batch sharding (`UpdateBatch.abstract`): what `jax.jit(step).lower` takes for the batch the trainer
-    will pass; `old_logp`: the batch of the updates that divide by the first one's log-probs."""
+    will pass; `old_logp`: the batch of the updates that divide by the first one's log-probs; `experts`: (sparse
+    layers, k) of the replayed experts (rollout.routing_replay)."""
     groups = mesh.shape["data"] * mesh.shape["fsdp"]
     s, n_micro, _ = _geometry(cfg, groups)
     n = shape.completion if shape.layout != "pack" else cfg.rollout.max_new_tokens
     sharding = lambda ndim: batch_sharding(mesh, ndim)
     batch = UpdateBatch.abstract(shape.layout, sharding, sequences=s, completion=n, width=shape.width,
                                  rows=n_micro * groups * shape.rows, groups=groups * n_micro, slots=shape.slots,
-                                 old_logp=old_logp)
+                                 old_logp=old_logp, experts=experts)
     ref = jax.ShapeDtypeStruct((s, n), jnp.float32, sharding=sharding(2)) if cfg.algo.beta != 0.0 else None
     return batch, ref
 
@@ -120,8 +121,8 @@ class UpdatePrograms:
     compiled program of a batch's shape (the jitted one, which compiles then, with a warning, only for a shape
     outside `update_shapes`, which the layouts never produce)."""
 
-    def __init__(self, graphdef, cfg: TrainConfig, tx, shardings, mesh):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, graphdef, cfg: TrainConfig, tx, shardings, mesh, *, replay: tuple[int, int] | None = None):
+        self.cfg, self.mesh, self.replay = cfg, mesh, replay  # replay: (sparse layers, k) of routing replay
         self.sources = old_logprob_sources(cfg)  # pi_old of each update of a batch
         self.steps = {src: make_train_step(graphdef, cfg, tx, shardings, old_from=src)
                       for src in get_args(OldLogpSource)}
@@ -144,7 +145,8 @@ class UpdatePrograms:
                 what = "reference" if src == "reference" else f"update ({src})"
                 log.info("compiling %s %d/%d: %s", what, i, len(jobs), shape.label())
                 bar.set_postfix_str(shape.label())
-                batch, ref = abstract_update(self.cfg, shape, self.mesh, old_logp=src == "old_logp")
+                batch, ref = abstract_update(self.cfg, shape, self.mesh, old_logp=src == "old_logp",
+                                             experts=self.replay)
                 if src == "reference":
                     name, key, args = "reference_logprobs", (src, batch_key(batch)), (ref_trainable, rest, batch)
                 else:

@@ -8,6 +8,7 @@ decode attention and the KV pool's budget included), when the sampler is made.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -19,7 +20,7 @@ from lrmq.generation.engine import (Engine, EngineConfig, GenerationResult, buck
                                     sequence_keys)
 from lrmq.generation.sampling import SamplingConfig
 from lrmq.rl.advantages import compute_advantages
-from lrmq.rl.batch import build_batch, mask_rows, truncate_left, truncated_rows
+from lrmq.rl.batch import build_batch, mask_rows, replay_experts, truncate_left, truncated_rows
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.kv_scales import KVCalibration
 from lrmq.rl.messages import Rollout, WeightVersion
@@ -161,6 +162,8 @@ class Sampler:
         adv = np.asarray(compute_advantages(a.advantage, rewards, g, eps=a.adv_eps, std_ddof=a.std_ddof,
                                             scale=a.scale_rewards))
         rb = build_batch(tokens, mask, comp, lengths, out.logprobs, adv, rewards)
+        if out.experts is not None:  # rollout.routing_replay: the experts the update's forward replays
+            rb = dataclasses.replace(rb, experts=replay_experts(mask, lengths, comp.shape[1], out.experts))
         cut = truncated_rows(comp, lengths, self.tokenizer.eos_ids)
         if a.mask_truncated_completions:
             rb = mask_rows(rb, cut)
