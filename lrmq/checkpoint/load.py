@@ -2,8 +2,8 @@
 
 Every command reads a checkpoint option (`--checkpoint`, `--tokenizer`, `--base`, convert's SRC, the configs'
 `model.checkpoint` / `model` / `tokenizer` / `checkpoint`) through these functions, and each resolves the
-aliases "tiny" and "tiny-moe" (the shipped tiny models) with `resolve_checkpoint`: the model, its config and its tokenizer
-are found the same way everywhere.
+aliases "tiny" and "tiny-moe" (the shipped tiny models) with `resolve_checkpoint`: the model, its config and
+its tokenizer are found the same way everywhere.
 """
 
 from __future__ import annotations
