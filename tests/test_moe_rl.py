@@ -29,6 +29,11 @@ def _padded_batch(vocab: int, s: int = 4, p: int = 6, n: int = 5, seed: int = 0)
     return tokens * mask, mask
 
 
+@nnx.jit(static_argnums=3)
+def _routing(model, tokens, positions, scan: bool):
+    return model.hidden(tokens, positions, scan=scan)[1]
+
+
 def test_load_balancing_loss_is_transformers(hf_checkpoint):
     path, hf_model = hf_checkpoint("qwen3_moe")  # layers 0 and 2 sparse, 1 dense
     model = load_model(path, dtype="float32", param_dtype="float32")
@@ -37,16 +42,16 @@ def test_load_balancing_loss_is_transformers(hf_checkpoint):
         out = hf_model(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
                        output_router_logits=True)
     positions = positions_from_mask(jnp.asarray(mask))
-    _, routing = model.hidden(jnp.asarray(tokens), positions)
+    routing = _routing(model, jnp.asarray(tokens), positions, False)
     assert routing.load.shape == (2, 4) and routing.experts.shape == (2,) + tokens.shape + (2,)
     np.testing.assert_allclose(np.asarray(routing.load).sum(-1), 2 * mask.sum())  # k slots per real token
     np.testing.assert_allclose(float(load_balancing_loss(routing)), float(out.aux_loss), rtol=1e-5)
     # the scanned forward returns the same routing
-    _, scanned = model.hidden(jnp.asarray(tokens), positions, scan=True)
+    scanned = _routing(model, jnp.asarray(tokens), positions, True)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), scanned, routing)
     # no routing from a dense model
     dense = load_model(hf_checkpoint("qwen3")[0], dtype="float32", param_dtype="float32")
-    assert dense.hidden(jnp.asarray(tokens), positions)[1] is None
+    assert _routing(dense, jnp.asarray(tokens), positions, False) is None
 
 
 def test_router_aux_term_is_added_per_aggregation_unit():
@@ -64,7 +69,7 @@ def test_router_aux_term_is_added_per_aggregation_unit():
 
 def test_update_logs_expert_load_and_adds_the_aux_loss(tmp_path, hf_checkpoint):
     from lrmq.rl.batch import RolloutBatch, padded_batch
-    from lrmq.rl.step import make_optimizer, make_train_step
+    from lrmq.rl.step import batch_logprobs, make_optimizer, make_train_step
 
     path, _ = hf_checkpoint("qwen3_moe")
     coef = 0.5
@@ -79,7 +84,7 @@ def test_update_logs_expert_load_and_adds_the_aux_loss(tmp_path, hf_checkpoint):
                       behaviour_logp=-2.0 * cmask, advantages=np.array([1.0, -1.0, 0.5, -0.5], np.float32),
                       rewards=np.zeros(4, np.float32))
     batch = jax.tree.map(jnp.asarray, padded_batch(rb))
-    _, routing = model.hidden(batch.tokens, positions_from_mask(batch.mask))
+    routing = _routing(model, batch.tokens, positions_from_mask(batch.mask), False)
     graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)
     tx, _ = make_optimizer(cfg)
     step = make_train_step(graphdef, cfg, tx)
@@ -90,15 +95,11 @@ def test_update_logs_expert_load_and_adds_the_aux_loss(tmp_path, hf_checkpoint):
     np.testing.assert_allclose(float(out["moe/expert_load_max"]), expected_max, rtol=1e-6)
     aux = float(load_balancing_loss(routing))
     np.testing.assert_allclose(float(out["moe/aux_loss"]), aux, rtol=1e-5)
-    # the loss is the policy loss (the same step with algo.router_aux_coef=0) + coef x aux
-    policy = float(out["loss"]) - coef * aux
-    base_cfg = tiny_train_config(str(tmp_path), model={"checkpoint": path},
-                                 rollout={"prompts_per_step": 2, "group_size": 2, "max_prompt_len": 6,
-                                          "max_new_tokens": 5, "update_padding": "max"})
-    _, _, base = make_train_step(graphdef, base_cfg, tx)(jax.tree.map(jnp.copy, trainable), rest,
-                                                         tx.init(trainable), batch, None)
-    np.testing.assert_allclose(policy, float(base["loss"]), rtol=1e-5, atol=1e-6)
-    assert "moe/aux_loss" not in base and float(base["moe/expert_load_max"]) == float(out["moe/expert_load_max"])
+    # the loss is the policy loss (behaviour log-probs as pi_old, one micro-batch) + coef x aux
+    logp = nnx.jit(lambda m, b: batch_logprobs(m, b, 1.0)[0])(model, batch)
+    loss_sum, count, _ = grpo_loss(logp, LossBatch(batch.advantages, batch.completion_mask,
+                                                   old_logp=batch.behaviour_logp), LossConfig())
+    np.testing.assert_allclose(float(out["loss"]), float(loss_sum / count) + coef * aux, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_options_are_refused_for_a_dense_model(tmp_path, hf_checkpoint):
@@ -113,7 +114,8 @@ def test_moe_options_are_refused_for_a_dense_model(tmp_path, hf_checkpoint):
 
 
 def _moe_rollout(model, *, seed: int = 0):
-    """A rollout of the tiny MoE through the paged engine recording experts: the RolloutBatch (with `experts`)."""
+    """A rollout of the tiny MoE through the paged engine recording experts (one slot: one compile per program; the
+    sequences decode in turn, the shared prompt prefilled again): the RolloutBatch with `experts`."""
     from lrmq.generation.engine import Engine, EngineConfig, left_pad
     from lrmq.generation.sampling import SamplingConfig
     from lrmq.rl.batch import build_batch, replay_experts
@@ -121,9 +123,9 @@ def _moe_rollout(model, *, seed: int = 0):
     rng = np.random.default_rng(seed)
     vocab = model.cfg.vocab_size
     prompts = [rng.integers(1, vocab, n).tolist() for n in (5, 9, 1)]
-    prompts.append(prompts[1])  # a shared (resident) prompt
+    prompts.append(prompts[1])  # the same prompt twice
     engine = Engine(model, eos_ids=[vocab - 1], pad_id=0,
-                    config=EngineConfig(page_size=4, sync_steps=3, record_experts=True))
+                    config=EngineConfig(slots=1, page_size=4, sync_steps=4, record_experts=True))
     out = engine.generate(model, prompts, max_new_tokens=7, sampling=SamplingConfig(temperature=1.0), seed=seed)
     tokens, mask = left_pad(prompts, 12, 0)
     s = len(prompts)
@@ -162,16 +164,20 @@ def test_replayed_update_scores_what_the_sampler_sampled(hf_checkpoint):
     expect = rb.mask.astype(bool).copy()
     expect[np.arange(len(last)), last] = False
     np.testing.assert_array_equal(recorded, expect)
+    @nnx.jit
+    def score(m, b):  # the update's log-probs of the sampled tokens, and the experts its forward ran
+        logp, _, routing = batch_logprobs(m, b, 1.0)
+        return logp, routing.experts
+
     # the full forward (no cache) routes the recorded tokens as the paged engine did
-    batch = jax.tree.map(jnp.asarray, padded_batch(rb))
-    _, routing = model.hidden(batch.tokens, positions_from_mask(batch.mask))
-    own = np.moveaxis(np.asarray(routing.experts), 0, 2)
+    plain = jax.tree.map(jnp.asarray, padded_batch(rb)).replace(experts=None)
+    own = np.moveaxis(np.asarray(score(model, plain)[1]), 0, 2)
     np.testing.assert_array_equal(own[recorded], rb.experts[recorded])
 
     cmask = jnp.asarray(rb.completion_mask)
-    behaviour = jnp.asarray(rb.behaviour_logp)
-    for layout in (padded_batch(rb), packed_batch(rb)):  # equal weights: the sampler's log-probs to float noise
-        logp = batch_logprobs(model, jax.tree.map(jnp.asarray, layout), 1.0)[0]
+    batch = jax.tree.map(jnp.asarray, padded_batch(rb))
+    for layout in (batch, jax.tree.map(jnp.asarray, packed_batch(rb))):  # equal weights: the sampler's log-probs
+        logp = score(model, layout)[0]
         np.testing.assert_allclose(np.asarray(logp * cmask), rb.behaviour_logp, atol=2e-5, err_msg=layout.layout)
 
     # a sampler whose routing differs from the learner's (as a sampler's numerics flip near-ties): its records of
@@ -185,11 +191,10 @@ def test_replayed_update_scores_what_the_sampler_sampled(hf_checkpoint):
     first = flipped[at, 0]
     flipped[at, 0] = np.stack([np.setdiff1d(np.arange(4), e) for e in first])
     sampler_batch = batch.replace(experts=jnp.asarray(flipped))
-    sampler_logp = batch_logprobs(model, sampler_batch, 1.0)[0] * cmask
-    plain = batch.replace(experts=None)
+    sampler_logp = score(model, sampler_batch)[0] * cmask
     diff = {}
     for name, b in (("routed", plain), ("replayed", sampler_batch)):
-        logp = batch_logprobs(model, b, 1.0)[0]
+        logp = score(model, b)[0]
         metrics = rollout_mismatch_metrics(logp, sampler_logp, cmask)
         diff[name] = {k: float(v[0] / v[1]) for k, v in metrics.items()}
     assert diff["routed"]["mismatch/logp_diff"] > 1e-2, diff
