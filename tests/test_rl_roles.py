@@ -286,3 +286,22 @@ def test_compile_only_puts_each_role_on_its_own_chips(monkeypatch, tmp_path):
     assert report.placement["learner_chips"] == report.placement["sampler_chips"] == 4
     assert report.pool["sized"] == "worst case" and report.estimate is not None
     assert report.estimate["step_s"] == max(report.estimate["rollout_s"], report.estimate["update_s"])
+
+
+def test_split_devices_shares_one_cpu_device_and_never_an_accelerator():
+    """rollout.placement=split: each process's devices divided by mesh.rollout_fraction; a process with one CPU
+    device (a laptop's run of the issue's command) gives it to both roles; one accelerator per process is refused
+    with the key to change."""
+    from types import SimpleNamespace
+
+    from lrmq.configlib import ConfigError
+    from lrmq.rl.placement import split_devices
+
+    dev = lambda i, proc=0, platform="cpu": SimpleNamespace(id=i, process_index=proc, platform=platform)  # noqa: E731
+    four = [dev(3), dev(1), dev(0), dev(2)]
+    sampler, learner = split_devices(four, 0.25)
+    assert [d.id for d in sampler] == [0] and [d.id for d in learner] == [1, 2, 3]
+    one = [dev(0)]
+    assert split_devices(one, 0.5) == (one, one)
+    with pytest.raises(ConfigError, match="rollout_fraction=0.5 of process 1's 1 local device"):
+        split_devices([dev(0, 0, "tpu"), dev(1, 0, "tpu"), dev(2, 1, "tpu")], 0.5)

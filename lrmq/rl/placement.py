@@ -33,18 +33,26 @@ log = logging.getLogger("lrmq.train")
 
 def split_devices(devices, fraction: float) -> tuple[list, list]:
     """(sampler devices, learner devices): the first round(fraction x n) of each process's n local devices go to
-    the sampler, in device-id order; a ConfigError naming mesh.rollout_fraction when a side would be empty."""
+    the sampler, in device-id order; a ConfigError naming mesh.rollout_fraction when a side would be empty. A
+    process with one CPU device (a laptop's `python -m lrmq.train ... rollout.placement=split`) gives it to both:
+    two meshes over the same device, each role with its own weights, the rollout overlapping the update as far as
+    the host's cores allow (a CPU has no memory budget for the KV pool to share); an accelerator is never shared."""
     local = defaultdict(list)
     for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
         local[d.process_index].append(d)
     sampler, learner = [], []
     for proc, devs in sorted(local.items()):
+        if len(devs) == 1 and devs[0].platform == "cpu":
+            log.info("rollout.placement=split on process %d's one CPU device: the sampler and the learner share it "
+                     "(for more, XLA_FLAGS=--xla_force_host_platform_device_count=8)", proc)
+            sampler += devs
+            learner += devs
+            continue
         n = int(round(fraction * len(devs)))
         if not 0 < n < len(devs):
             raise ConfigError(f"rollout.placement=split: mesh.rollout_fraction={fraction} of process {proc}'s "
                               f"{len(devs)} local device(s) leaves {'the sampler' if n <= 0 else 'the learner'} "
-                              "none; a split needs >= 2 devices per process (on CPU: XLA_FLAGS="
-                              "--xla_force_host_platform_device_count=8) or rollout.placement=colocated")
+                              "none; a split needs >= 2 devices per process or rollout.placement=colocated")
         sampler += devs[:n]
         learner += devs[n:]
     return sampler, learner
