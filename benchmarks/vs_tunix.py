@@ -30,7 +30,7 @@ Completion lengths are imposed, the same on both sides, step by step and row by 
 
 * case ``fixed``: every completion exactly 256 new tokens;
 * case ``heavy``: per-row lengths drawn from a reasoning-length distribution (benchmarks/heavy_tail.draw_lengths:
-  lognormal, mean ``--mean``, capped at 4,096, the longest row of each step set to the cap), as
+  lognormal, mean ``--mean`` (256), capped at ``--cap`` (4,096), the longest row of each step set to the cap), as
   benchmarks/vs_trl.py draws them.
 
 How: no stop token is ever sampled (both sides get a stop id outside the vocabulary). lrmq's rollout engine gets
@@ -49,8 +49,11 @@ loop waited for it and the update) and the ratio to Tunix's step time.
 
 A Tunix step on this 2-core machine (8 emulated devices) takes ~41 s at 256 fixed tokens and ~6.5 min at a 1,024 cap,
 so docs/figures/vs_tunix.json was measured with ``--cap 1024 --mean 256`` (the draws of vs_trl.py --heavy-tail), one
-round per case, and also on 1 device (``--devices 1 --contenders tunix,lrmq``); the commands are in
-docs/benchmarks.md.
+round per case, and also on 1 device (``--devices 1 --contenders tunix,lrmq``). At the 4,096 cap, on 1 device and a
+loaded machine, Tunix's first step took ~36 min (~22 of them generating) and its update needs XLA's memory-minimizing
+CPU scheduler to fit 23.5 GiB (``run_worker``), so a full run (1 warm-up + 2 timed steps) takes about 1.5 hours; the
+figures hold lrmq's run at that cap (``--contenders lrmq``) and Tunix's first step is quoted from its own metrics log.
+The commands are in docs/benchmarks.md.
 
     python benchmarks/vs_tunix.py --quick                                  # a smoke test (~5 min on 2 cores)
     python benchmarks/vs_tunix.py --case fixed --out /tmp/vs_tunix_fixed.json
@@ -376,6 +379,11 @@ def run_worker(kind: str, a, case: str, files, scratch: str, shape) -> list[dict
            "--steps", str(steps), "--warmup", str(warmup), "--seed", str(a.seed), "--mean", str(a.mean),
            "--devices", str(a.devices)]
     flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={a.devices}"
+    if kind == "tunix" and max_new > 1024:
+        # at the 4,096 cap one micro-batch (8 rows) of Tunix's update asks XLA's default CPU scheduler for 32.5 GB of
+        # temporaries, more than this 23.5 GiB machine has; the memory-minimizing scheduler needs 16.3 GB. (Tunix's
+        # own remat, RematConfig.DECODER, does not help: 32.2 GB, and its sampler fails under nnx.remat.)
+        flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
     env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", XLA_FLAGS=flags.strip(),
                PYTHONPATH=common.REPO)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -424,13 +432,13 @@ def run_case(a, case: str, shape, scratch: str, files, info) -> dict:
 
 
 def print_table(cases: list[dict]) -> None:
-    headers = ["case", "devices", "contender", "step s", "rollout s", "update s", "step / Tunix's", "rollout / Tunix's",
+    headers = ["case", "new tokens (cap)", "devices", "contender", "step s", "rollout s", "update s", "step / Tunix's", "rollout / Tunix's",
                "update / Tunix's", "timed steps"]
     rows = []
     for c in cases:
         for name, r in c["results"].items():
             q = c.get("ratio_over_tunix", {}).get(name)
-            rows.append([c["case"], c.get("devices", ""), name, r["step_s"], r["rollout_s"], r["update_s"],
+            rows.append([c["case"], c["max_new_tokens"], c.get("devices", ""), name, r["step_s"], r["rollout_s"], r["update_s"],
                          f"{q['step_s']:.2f}x" if q else "-", f"{q['rollout_s']:.2f}x" if q else "-",
                          f"{q['update_s']:.2f}x" if q else "-", len(r["step_s_all"])])
     print(common.md_table(headers, rows))
@@ -444,7 +452,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="alternations per case (default 2; --quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per process (default: fixed 6, heavy 2)")
     ap.add_argument("--devices", type=int, default=8, help="emulated CPU devices of every contender")
-    ap.add_argument("--mean", type=int, default=512, help="heavy: mean completion length")
+    ap.add_argument("--mean", type=int, default=256, help="heavy: mean completion length (256: vs_trl.py's draws)")
     ap.add_argument("--cap", type=int, default=None, help="heavy: the length cap (default 4,096; --quick 256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tunix-python", default=TUNIX_PYTHON, help="the side venv's python with google-tunix 0.1.7")
@@ -470,8 +478,10 @@ def main(argv=None) -> int:
         docs = [json.load(open(p)) for p in a.merge]
         cases = [{"devices": d["devices"], **c} for d in docs for c in d["cases"]]
         print_table(cases)
+        # a merged file merged again (the committed figures plus a new run) keeps the provenance of its own inputs
         common.write_json(a.out, {**docs[0], "cases": cases, "merged_from": [
-            {"date_run": d["date_run"], "machine": d["machine"], "devices": d["devices"]} for d in docs]})
+            m for d in docs for m in d.get("merged_from") or
+            [{"date_run": d["date_run"], "machine": d["machine"], "devices": d["devices"]}]]})
         return 0
 
     a.contenders = [c.strip() for c in a.contenders.split(",")]
