@@ -432,13 +432,15 @@ def run_case(a, case: str, shape, scratch: str, files, info) -> dict:
 
 
 def print_table(cases: list[dict]) -> None:
-    headers = ["case", "new tokens (cap)", "devices", "contender", "step s", "rollout s", "update s", "step / Tunix's", "rollout / Tunix's",
+    headers = ["case", "new tokens (cap)", "devices", "contender", "step s", "rollout s", "update s", "step / Tunix's",
+               "rollout / Tunix's",
                "update / Tunix's", "timed steps"]
     rows = []
     for c in cases:
         for name, r in c["results"].items():
             q = c.get("ratio_over_tunix", {}).get(name)
-            rows.append([c["case"], c["max_new_tokens"], c.get("devices", ""), name, r["step_s"], r["rollout_s"], r["update_s"],
+            rows.append([c["case"], c["max_new_tokens"], c.get("devices", ""), name, r["step_s"], r["rollout_s"],
+                         r["update_s"],
                          f"{q['step_s']:.2f}x" if q else "-", f"{q['rollout_s']:.2f}x" if q else "-",
                          f"{q['update_s']:.2f}x" if q else "-", len(r["step_s_all"])])
     print(common.md_table(headers, rows))
