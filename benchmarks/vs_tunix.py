@@ -381,8 +381,9 @@ def run_worker(kind: str, a, case: str, files, scratch: str, shape) -> list[dict
     flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={a.devices}"
     if kind == "tunix" and max_new > 1024:
         # at the 4,096 cap one micro-batch (8 rows) of Tunix's update asks XLA's default CPU scheduler for 32.5 GB of
-        # temporaries, more than this 23.5 GiB machine has; the memory-minimizing scheduler needs 16.3 GB. (Tunix's
-        # own remat, RematConfig.DECODER, does not help: 32.2 GB, and its sampler fails under nnx.remat.)
+        # temporaries, more than this 23.5 GiB machine has; with the memory-minimizing scheduler its model's forward +
+        # backward compiles to 16.3 GB. (Tunix's own remat, RematConfig.DECODER, does not help: 32.2 GB, and its
+        # sampler fails under nnx.remat.)
         flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
     env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", XLA_FLAGS=flags.strip(),
                PYTHONPATH=common.REPO)
