@@ -110,10 +110,11 @@ def test_loss_config_is_the_loss_part_of_algo():
         "algo.policy_loss=ppo-clip", "algo.eps_low=0.1", "algo.eps_high=0.28", "algo.importance_sampling=sequence",
         "algo.loss_aggregation=token-mean", "rollout.max_new_tokens=24", "algo.beta=0.04", "algo.kl_estimator=k2",
         "algo.kl_bias_correction=true", "algo.rollout_correction=token_mask", "algo.rollout_correction_cap=2.5",
-        "algo.rollout_correction_min=0.4"])
+        "algo.rollout_correction_min=0.4", "algo.router_aux_coef=0.001"])
     want = LossConfig(policy_loss="ppo-clip", eps_low=0.1, eps_high=0.28, importance_level="sequence",
                       aggregation="token-mean", max_len=24, beta=0.04, kl_estimator="k2", kl_bias_correction=True,
-                      rollout_correction="token_mask", rollout_correction_cap=2.5, rollout_correction_min=0.4)
+                      rollout_correction="token_mask", rollout_correction_cap=2.5, rollout_correction_min=0.4,
+                      router_aux_coef=0.001)
     assert cfg.loss_config() == want
     # each field differs from its default above, so a field left out of loss_config would show
     assert all(getattr(want, f.name) != f.default for f in dataclasses.fields(LossConfig))
