@@ -35,7 +35,7 @@ from lrmq.rl.batch import UpdateBatch
 from lrmq.rl.config import TrainConfig
 # the shapes, compiles and memory budget shared with the trainer (re-exported: lrmq.aot.X is their public name)
 from lrmq.rl.precompile import (GIB, HBM_BYTES, HEADROOM, PreflightError, UpdateShape, abstract_update,  # noqa: F401
-                                check_budget, hbm_bytes, lower_compile, memory_report, update_shapes)
+                                check_budget, hbm_bytes, lower_compile, memory_report, replay_shape, update_shapes)
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant
 from lrmq.rl.step import make_optimizer, make_train_step, old_logprob_sources, opt_state_shardings
 from lrmq.sharding import MeshConfig, abstract_state, batch_divisor, bytes_per_device, make_mesh
@@ -114,12 +114,14 @@ def abstract_run(cfg: TrainConfig, mesh, mcfg: ModelConfig | None = None) -> Abs
     return AbstractRun(cfg, mcfg, mesh, graphdef, abstract_state(trainable, mesh), abstract_state(rest, mesh))
 
 
-def abstract_batch(cfg: TrainConfig, mesh, shape: UpdateShape | None = None) -> UpdateBatch:
+def abstract_batch(cfg: TrainConfig, mesh, shape: UpdateShape | None = None, model_cfg=None) -> UpdateBatch:
     """The train step's batch of `shape` (default the largest of `update_shapes`: S = prompts x group sequences
     of max_prompt_len + max_new_tokens; for rollout.update_padding=pack every sequence at full length, one per
-    row, every completion position a slot: the same work as the padded batch)."""
+    row, every completion position a slot: the same work as the padded batch), with the replayed experts of
+    rollout.routing_replay (`replay_shape` of `model_cfg`, the run's model config by default)."""
     shape = shape or update_shapes(cfg, batch_divisor(mesh))[0]
-    return abstract_update(cfg, shape, mesh)[0]
+    model_cfg = model_cfg if model_cfg is not None else model_config(cfg)
+    return abstract_update(cfg, shape, mesh, experts=replay_shape(cfg, model_cfg))[0]
 
 
 # ----------------------------------------------------------------------------- compiles
@@ -160,7 +162,8 @@ def compile_train_step(run: AbstractRun, micro_batch: int | None = None, shape: 
     opt = _with_shardings(jax.eval_shape(tx.init, run.trainable), opt_sh)
     # a batch's first update (the later ones of mu > 1 are the same program or one reading the batch's old_logp)
     step = make_train_step(run.graphdef, cfg, tx, (tr_sh, opt_sh), old_from=old_logprob_sources(cfg)[0])
-    batch, ref = abstract_update(cfg, shape or update_shapes(cfg, batch_divisor(run.mesh))[0], run.mesh)
+    batch, ref = abstract_update(cfg, shape or update_shapes(cfg, batch_divisor(run.mesh))[0], run.mesh,
+                                 experts=replay_shape(cfg, run.mcfg))
     return lower_compile(step, run.trainable, run.rest, opt, batch, ref, mesh=run.mesh)
 
 

@@ -199,3 +199,20 @@ def test_replayed_update_scores_what_the_sampler_sampled(hf_checkpoint):
         diff[name] = {k: float(v[0] / v[1]) for k, v in metrics.items()}
     assert diff["routed"]["mismatch/logp_diff"] > 1e-2, diff
     assert diff["replayed"]["mismatch/logp_diff"] < 1e-6 and abs(diff["replayed"]["mismatch/kl_k3"]) < 1e-9, diff
+
+
+def test_compile_only_batch_carries_the_replayed_experts(tmp_path):
+    """`--compile-only` lowers the update on the batch the trainer passes: with rollout.routing_replay, its replayed
+    experts [S, P+N, sparse layers, k] uint8 (`precompile.replay_shape`), as the Learner's programs take them; none
+    without (no compile: the abstract batch only)."""
+    from lrmq import aot
+    from lrmq.checkpoint.load import TINY_MOE_DIR, read_model_config
+
+    mcfg = read_model_config(TINY_MOE_DIR)
+    mesh = aot.make_mesh(aot.MeshConfig(1, 1, 1))
+    cfg = tiny_train_config(str(tmp_path), model={"checkpoint": "tiny-moe"}, rollout={"routing_replay": True})
+    batch = aot.abstract_batch(cfg, mesh, model_cfg=mcfg)
+    assert batch.experts is not None and batch.experts.dtype == jnp.uint8
+    assert batch.experts.shape[-2:] == (len(mcfg.moe_layers), mcfg.num_experts_per_tok) == (2, 2)
+    plain = tiny_train_config(str(tmp_path), model={"checkpoint": "tiny-moe"})
+    assert aot.abstract_batch(plain, mesh, model_cfg=mcfg).experts is None

@@ -22,7 +22,7 @@ from lrmq.rl.batch import RolloutBatch, UpdateBatch, bucketed_batch, packed_batc
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.messages import WeightVersion, tree_bytes
 from lrmq.rl.placement import transfer
-from lrmq.rl.precompile import UpdatePrograms, packed_chooser
+from lrmq.rl.precompile import UpdatePrograms, packed_chooser, replay_shape
 from lrmq.rl.rollout_copy import RolloutCopy, RolloutQuant, awq_rollout_scales, calibration_blocks
 from lrmq.rl.step import init_opt_state, make_optimizer, micro_batch_count, rollout_quant_warning
 from lrmq.sharding import batch_divisor, batch_sharding
@@ -41,8 +41,8 @@ class Learner:
         with jax.set_mesh(mesh):
             self.opt_state = init_opt_state(self.tx, self.trainable, mesh)
         shardings = tuple(jax.tree.map(lambda x: x.sharding, tree) for tree in (self.trainable, self.opt_state))
-        replay = (len(model.cfg.moe_layers), model.cfg.num_experts_per_tok) if cfg.rollout.routing_replay else None
-        self.updates = UpdatePrograms(self.graphdef, cfg, self.tx, shardings, mesh, replay=replay)
+        self.updates = UpdatePrograms(self.graphdef, cfg, self.tx, shardings, mesh,
+                                      replay=replay_shape(cfg, model.cfg))
         self._choose_packed = packed_chooser(self.updates.shapes) if cfg.rollout.update_padding == "pack" else None
         self.ref_trainable = self._reference_params() if cfg.algo.beta != 0.0 else None
         if (warning := rollout_quant_warning(cfg)) is not None:  # a quantized or stale sampler, uncorrected

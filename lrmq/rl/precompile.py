@@ -91,6 +91,11 @@ def packed_chooser(shapes: list[UpdateShape]):
     return ladder_choice([(s.rows, s.slots) for s in shapes if s.layout == "pack"])
 
 
+def replay_shape(cfg: TrainConfig, model_cfg) -> tuple[int, int] | None:
+    """(sparse layers, k) of the experts an update batch carries with rollout.routing_replay, else None."""
+    return (len(model_cfg.moe_layers), model_cfg.num_experts_per_tok) if cfg.rollout.routing_replay else None
+
+
 def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh, *, old_logp: bool = False,
                     experts: tuple[int, int] | None = None) -> tuple[UpdateBatch, jax.ShapeDtypeStruct | None]:
     """(the update batch, the reference log-probs or None when algo.beta = 0) of `shape` as ShapeDtypeStructs
