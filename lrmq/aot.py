@@ -163,7 +163,7 @@ def compile_train_step(run: AbstractRun, micro_batch: int | None = None, shape: 
     # a batch's first update (the later ones of mu > 1 are the same program or one reading the batch's old_logp)
     step = make_train_step(run.graphdef, cfg, tx, (tr_sh, opt_sh), old_from=old_logprob_sources(cfg)[0])
     batch, ref = abstract_update(cfg, shape or update_shapes(cfg, batch_divisor(run.mesh))[0], run.mesh,
-                                 experts=replay_shape(cfg, run.mcfg))
+                                 experts=replay_shape(cfg, run.model_cfg))
     return lower_compile(step, run.trainable, run.rest, opt, batch, ref, mesh=run.mesh)
 
 
