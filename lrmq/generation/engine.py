@@ -162,9 +162,14 @@ def call_sizes(c: EngineConfig, model_cfg, mesh, n_requests: int, longest_prompt
     width = pages_for(prompt, c.page_size) + own
     width = -(-width // c.block_pages) * c.block_pages
     worst = 1 + slots // groups * (own + pages_for(prompt, c.page_size))  # every slot at full length: no preemption
-    per_group = -(-c.pages // groups) if c.pages else fitted_pages(
-        c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh, engine_format(c, model_cfg, mesh)), worst,
-        minimum=1 + own + pages_for(prompt, c.page_size))
+    if c.pages:
+        per_group = -(-c.pages // groups)
+    elif not c.pool_bytes:  # no budget: the worst case (the format's bytes per page do not matter)
+        per_group = worst
+    else:
+        per_group = fitted_pages(c.pool_bytes, page_bytes(model_cfg, c.page_size, mesh,
+                                                          engine_format(c, model_cfg, mesh)),
+                                 worst, minimum=1 + own + pages_for(prompt, c.page_size))
     return slots, groups * per_group, width, groups * worst
 
 
