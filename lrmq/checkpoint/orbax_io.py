@@ -37,7 +37,7 @@ from lrmq.checkpoint.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.quant.formats import WeightFormat
-from lrmq.quant.qkernel import QuantizedKernel
+from lrmq.quant.qkernel import QuantizedExpertKernel, QuantizedKernel
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.sharding import LOGICAL_AXES_KEY, host_array, state_shardings
 
@@ -370,7 +370,8 @@ def _install_quantized(abstract: Decoder, path: str, entry: dict[str, Any]) -> N
     arrays = {k: jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for k, (s, d) in entry["arrays"].items()}
     axes = entry.get("logical_axes")
     meta = {LOGICAL_AXES_KEY: tuple(axes)} if axes is not None else {}
-    setattr(module, attr, QuantizedKernel(QuantizedWeight(**arrays, **static), **meta))
+    kind = QuantizedExpertKernel if len(static["shape"]) == 3 else QuantizedKernel  # stacked experts: (E, K, N)
+    setattr(module, attr, kind(QuantizedWeight(**arrays, **static), **meta))
 
 
 def _check_manifest(path: str, manifest: dict[str, dict[str, Any]], variables: dict[str, nnx.Variable],

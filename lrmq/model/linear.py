@@ -69,7 +69,8 @@ class ExpertLinear(nnx.Module):
     """`num_experts` bias-free [in, out] projections, one per expert, stacked into one [experts, in, out] kernel,
     applied as a grouped matmul: `__call__(x, group_sizes)` takes rows sorted by expert (`group_sizes[e]` rows of
     expert e, in expert order) and multiplies each group by its expert's kernel (`ragged_dot`, the seam a
-    quantized form replaces as `Linear.dot_general`). The expert axis leads, with logical axis "expert", so an
+    quantized form replaces as `Linear.dot_general`; a packed kernel brings its own `packed_ragged_dot`, as a packed
+    `Linear` kernel its `packed_matmul`). The expert axis leads, with logical axis "expert", so an
     expert mesh axis and per-expert quantization address it as one dimension."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, axes: tuple[str | None, str | None],
@@ -82,4 +83,16 @@ class ExpertLinear(nnx.Module):
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
+        if _is_packed_experts(self.kernel):
+            return self.kernel.packed_ragged_dot(x, group_sizes).astype(self.dtype)
         return self.ragged_dot(x, self.kernel.get_value().astype(self.dtype), group_sizes).astype(self.dtype)
+
+    def float_weight(self) -> jax.Array:
+        """The [experts, in, out] weight as float (dequantized if packed)."""
+        return self.kernel.dequantized() if _is_packed_experts(self.kernel) else self.kernel.get_value()
+
+
+def _is_packed_experts(kernel) -> bool:
+    # As `_is_packed`: a packed stacked-experts kernel variable (lrmq.quant.qkernel.QuantizedExpertKernel) brings
+    # its own grouped matmul.
+    return callable(getattr(type(kernel), "packed_ragged_dot", None))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -28,7 +29,7 @@ from lrmq.quant.quantizers import (
     quantize_codes,
     resolve_group_size,
 )
-from lrmq.quant.qweight import ARRAY_FIELDS, QuantizedWeight
+from lrmq.quant.qweight import ARRAY_FIELDS, QuantizedWeight, expert_slice, stack_experts  # noqa: F401 (expert_slice re-exported)
 from lrmq.registry import Registry
 
 
@@ -65,9 +66,11 @@ def _int_quantize(w, *, bits: int = 4, group_size: int = 128, symmetric: bool = 
 
 
 def unpacked_codes(qw: QuantizedWeight):
-    """Int codes uint8 [K, N] (fmt="int")."""
+    """Int codes uint8 [K, N] (fmt="int"); [E, K, N] of a stacked-experts weight."""
     if qw.fmt != "int":
         raise ValueError(f"unpacked_codes needs fmt='int', got fmt={qw.fmt!r}")
+    if qw.num_experts is not None:
+        return jax.vmap(lambda c: packing.unpack(c, qw.bits, qw.K))(jnp.asarray(qw.codes))
     return packing.unpack(qw.codes, qw.bits, qw.K)
 
 
@@ -103,16 +106,26 @@ def storage_format(fmt: str) -> StorageFormat:
 def array_axes(qw: QuantizedWeight, axes, lead: int = 0) -> QuantizedWeight:
     """Each array's logical axes (a tuple per array field; () = replicated) from the kernel's (in, out)
     logical `axes`, as the storage format lays the arrays out (NF4 codes are [N, K/2], int codes [K', N]).
+    A stacked-experts weight (shape (E, K, N)) takes the kernel's (expert, in, out) axes: every array's leading
+    E dim gets the expert axis, the rest as for one expert.
     `lead`: leading dims the arrays carry before their own (a stacked layer axis), not in the result."""
     which = storage_format(qw.fmt).array_axes
-    named = dict(zip(("in", "out"), tuple(axes) if axes is not None else (None, None)))
+    stacked = qw.num_experts is not None
+    axes = tuple(axes) if axes is not None else (None,) * len(qw.shape)
+    if len(axes) != len(qw.shape):
+        raise ValueError(f"logical axes {axes} do not match the packed weight's shape {qw.shape}")
+    expert = axes[:1] if stacked else ()
+    named = dict(zip(("in", "out"), axes[-2:]))
 
     def one(name):
         a = getattr(qw, name)
         if a is None:
             return None
-        dims = which(name, a.ndim - lead)
-        return () if dims is None else tuple(named[d] for d in dims)
+        own = a.ndim - lead - len(expert)
+        dims = which(name, own)
+        if dims is None:
+            return expert + (None,) * own if expert else ()
+        return expert + tuple(named[d] for d in dims)
 
     return qw.replace(**{k: one(k) for k in ARRAY_FIELDS})
 
@@ -121,14 +134,24 @@ def quantize_weight(w, *, fmt: str = "int", bits: int = 4, group_size: int = 128
                     symmetric: bool = False, block_size: int = 64,
                     double_quant: bool = True) -> QuantizedWeight:
     """Quantize a float [K, N] weight. fmt="int": RTN (asym = llm-awq) packed along K;
-    fmt="nf4": bitsandbytes NF4 (`block_size`, `double_quant`)."""
-    return storage_format(fmt).quantize(w, bits=bits, group_size=group_size, symmetric=symmetric,
-                                     block_size=block_size, double_quant=double_quant)
+    fmt="nf4": bitsandbytes NF4 (`block_size`, `double_quant`).
+    A [E, K, N] weight (stacked experts) gives a stacked-experts QuantizedWeight of shape (E, K, N): the per-expert
+    quantizer mapped over E and the results stacked (`stack_experts`), so expert e's arrays are bit for bit those of
+    quantizing w[e] alone. (Not `jax.vmap`: batched, XLA turns the quantizers' `exact_div` divisions by an
+    unbatched operand back into reciprocal multiplies, an ulp off in ~half the scales.)"""
+    quantize = partial(storage_format(fmt).quantize, bits=bits, group_size=group_size, symmetric=symmetric,
+                       block_size=block_size, double_quant=double_quant)
+    if getattr(w, "ndim", 2) == 3:
+        return stack_experts([quantize(w[e]) for e in range(w.shape[0])])
+    return quantize(w)
 
 
 def dequantize(qw: QuantizedWeight):
-    """QuantizedWeight -> [K, N] array in qw.dtype."""
-    return storage_format(qw.fmt).dequantize(qw)
+    """QuantizedWeight -> [K, N] array in qw.dtype ([E, K, N] for stacked experts: each expert's dequantized)."""
+    deq = storage_format(qw.fmt).dequantize
+    if qw.num_experts is not None:
+        return jax.vmap(deq)(qw.replace(shape=tuple(qw.shape[1:])))
+    return deq(qw)
 
 
 # ------------------------------------------------------------------------------ kernel layouts

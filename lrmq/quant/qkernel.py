@@ -2,7 +2,8 @@
 
 `lrmq.model.linear.Linear` calls `kernel.packed_matmul(x)` when its kernel variable has one (the
 weight representation chooses the matmul, as `dot_general` does for float kernels), so the model
-imports nothing from `lrmq.quant`.
+imports nothing from `lrmq.quant`. `QuantizedExpertKernel` is its stacked-experts form: a mixture-of-experts
+`ExpertLinear` calls `kernel.packed_ragged_dot(x, group_sizes)` the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import jax
 from flax import nnx
 
 from lrmq.quant.formats import array_axes, dequantize
-from lrmq.quant.qmatmul import qmatmul
+from lrmq.quant.qmatmul import qmatmul, qragged_dot
 from lrmq.sharding import LOGICAL_AXES_KEY
 
 
@@ -36,3 +37,22 @@ class QuantizedKernel(nnx.Variable):
         """The logical axes of each packed array (`formats.array_axes`), for `lrmq.sharding`'s layouts;
         `lead`: a stacked layer axis in front."""
         return array_axes(self.get_value(), self.get_metadata().get(LOGICAL_AXES_KEY), lead)
+
+
+class QuantizedExpertKernel(QuantizedKernel):
+    """The packed kernel of an `ExpertLinear`: one stacked-experts `QuantizedWeight` (shape (E, K, N), every array
+    with a leading expert axis; logical axes ("expert", in, out)). A `QuantizedKernel` for everything that stores,
+    shards or copies packed weights (checkpoints, `lrmq.sharding`, rollout copies); its matmul is the grouped one."""
+
+    def packed_ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Rows of x [M, K] sorted by expert (`group_sizes[e]` rows of expert e, in order) times their expert's
+        weight: `qmatmul.qragged_dot` (a grouped Pallas kernel on TPU, else dequantize + `jax.lax.ragged_dot`)."""
+        return qragged_dot(x, self.get_value(), group_sizes, axes=self.get_metadata().get(LOGICAL_AXES_KEY))
+
+    def packed_matmul(self, x: jax.Array) -> jax.Array:
+        raise TypeError("a QuantizedExpertKernel (stacked experts) has no plain matmul; ExpertLinear calls "
+                        "packed_ragged_dot(x, group_sizes)")
+
+    def dequantized(self) -> jax.Array:
+        """The [E, K, N] float weight."""
+        return dequantize(self.get_value())

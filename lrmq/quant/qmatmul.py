@@ -122,6 +122,8 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, impl: str = "auto", axes=None)
 
     `axes`: the weight's logical (in, out) axes (the Linear's kernel metadata); with a kernel
     target and a multi-device mesh in effect they decide how the kernel call is partitioned."""
+    if qw.num_experts is not None:
+        raise ValueError(f"qmatmul takes a [K, N] weight, got stacked experts of shape {qw.shape} (qragged_dot)")
     if x.shape[-1] != qw.K:
         raise ValueError(f"qmatmul: x has {x.shape[-1]} features, the weight expects K={qw.K} (shape {qw.shape})")
     packing = packing_of(qw)
@@ -135,3 +137,25 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, impl: str = "auto", axes=None)
     else:
         y = _sharded_call(packing, qw, impl, x, operands, axes, mesh, pk.current_target())
     return y.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------ stacked experts
+def _dequant_ragged_dot(x, qw: QuantizedWeight, group_sizes):
+    w = jax.lax.stop_gradient(dequantize(qw)).astype(x.dtype)
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def qragged_dot(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, *, impl: str = "auto",
+                axes=None) -> jax.Array:
+    """The grouped matmul of a mixture-of-experts layer with packed experts: x [M, K], rows sorted by expert
+    (`group_sizes` [E]: rows of expert 0 first, then 1, ...; rows past their sum give 0) times a stacked-experts
+    `qw` (shape (E, K, N)) -> [M, N], `jax.lax.ragged_dot(x, dequantize(qw), group_sizes)`; gradient w.r.t. x only.
+    The XLA path dequantizes every expert then runs `ragged_dot`."""
+    if qw.num_experts is None:
+        raise ValueError(f"qragged_dot takes a stacked-experts weight of shape (E, K, N), got shape {qw.shape}")
+    if x.ndim != 2 or x.shape[-1] != qw.K:
+        raise ValueError(f"qragged_dot: x must be [M, K={qw.K}] (weight shape {qw.shape}), got {tuple(x.shape)}")
+    if tuple(group_sizes.shape) != (qw.num_experts,):
+        raise ValueError(f"qragged_dot: group_sizes must be [{qw.num_experts}] (one per expert), got "
+                         f"{tuple(group_sizes.shape)}")
+    return _dequant_ragged_dot(x, qw, group_sizes)

@@ -25,7 +25,9 @@ STATIC_FIELDS = ("fmt", "bits", "group_size", "shape", "dtype", "symmetric", "bl
 
 @struct.dataclass
 class QuantizedWeight:
-    """A quantized [K, N] weight.
+    """A quantized [K, N] weight, or a stack of E experts' [K, N] weights: `shape == (E, K, N)` (a 3-D shape means
+    stacked experts, `ExpertLinear`'s kernel), where every array field below carries a leading E axis (expert e's
+    arrays are `a[e]`: `expert_slice`; `stack_experts` is the inverse).
 
     int (fmt="int"): codes uint8 packed along K [K*bits/8, N] (bits 5..8: [K, N]); scales f32 [K/g, N];
       zeros uint8 [K/g, N]; w = (q - z) * s.
@@ -51,11 +53,16 @@ class QuantizedWeight:
 
     @property
     def K(self) -> int:
-        return self.shape[0]
+        return self.shape[-2]
 
     @property
     def N(self) -> int:
-        return self.shape[1]
+        return self.shape[-1]
+
+    @property
+    def num_experts(self) -> int | None:
+        """E of a stacked-experts weight (3-D `shape`), None for a plain [K, N] one."""
+        return self.shape[0] if len(self.shape) == 3 else None
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +74,36 @@ class QuantizedWeight:
 
     def static(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in STATIC_FIELDS}
+
+
+def expert_slice(qw: QuantizedWeight, e: int) -> QuantizedWeight:
+    """Expert `e` of a stacked-experts weight (`shape` (E, K, N)) as a plain [K, N] QuantizedWeight."""
+    if qw.num_experts is None:
+        raise ValueError(f"expert_slice needs a stacked-experts weight of shape (E, K, N), got shape {qw.shape}")
+    if not 0 <= int(e) < qw.num_experts:
+        raise IndexError(f"expert {e} out of range for a weight of {qw.num_experts} experts")
+    return jax.tree.map(lambda a: a[int(e)], qw.replace(shape=tuple(qw.shape[1:])))
+
+
+def stack_experts(qws) -> QuantizedWeight:
+    """E plain [K, N] QuantizedWeights of one format (same static fields: fmt, bits, group size, shape, ...) stacked
+    into one stacked-experts weight of shape (E, K, N) (expert e = `qws[e]`)."""
+    qws = list(qws)
+    if not qws:
+        raise ValueError("stack_experts needs at least one expert weight")
+    first = qws[0].static()
+    if len(first["shape"]) != 2:
+        raise ValueError(f"stack_experts stacks plain [K, N] weights, got shape {first['shape']}")
+    for e, q in enumerate(qws[1:], 1):
+        if q.static() != first:
+            diff = sorted(k for k in first if q.static()[k] != first[k])
+            raise ValueError(f"stack_experts: expert {e} differs from expert 0 in {diff} "
+                             f"({[q.static()[k] for k in diff]} vs {[first[k] for k in diff]})")
+        if set(q.arrays()) != set(qws[0].arrays()):
+            raise ValueError(f"stack_experts: expert {e} has arrays {sorted(q.arrays())}, expert 0 "
+                             f"{sorted(qws[0].arrays())}")
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *qws)
+    return stacked.replace(shape=(len(qws), *first["shape"]))
 
 
 def _key(prefix: str, name: str) -> str:

@@ -4,7 +4,9 @@ All quantization transforms (`apply_qat`, `apply_lora`, `quantize_linears`, PTQ 
 targets with `iter_linears(model, pattern)`, a regex over dotted module paths
 (`layers.3.attn.q_proj`); the model code never changes. A kernel is swapped for a packed
 `QuantizedKernel` (`set_packed_kernel`) or back to a float `nnx.Param` (`restore_float_kernel`),
-keeping its logical axes and the mesh it lives on.
+keeping its logical axes and the mesh it lives on. Mixture-of-experts expert projections (`ExpertLinear`, one
+stacked [E, in, out] kernel) are selected separately, by `iter_expert_linears`, and packed whole
+(`set_packed_expert_kernel`: a `QuantizedExpertKernel`, every array with a leading "expert" axis).
 
 Sharding of packed weights (when a mesh is given or the float kernel was sharded): every array is
 placed by `qweight_shardings` from its format's `array_axes` (`lrmq.quant.formats`): int
@@ -25,7 +27,7 @@ from jax.sharding import NamedSharding
 
 from lrmq.model.linear import ExpertLinear, Linear
 from lrmq.quant.formats import array_axes
-from lrmq.quant.qkernel import QuantizedKernel
+from lrmq.quant.qkernel import QuantizedExpertKernel, QuantizedKernel
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.sharding import LOGICAL_AXES_KEY, logical_to_spec
 
@@ -58,6 +60,16 @@ def iter_linears(model: nnx.Module, pattern: str | None = DEFAULT_TARGETS) -> li
     return out
 
 
+def iter_expert_linears(model: nnx.Module, pattern: str | None = DEFAULT_TARGETS) -> list[tuple[str, ExpertLinear]]:
+    """[(path, ExpertLinear)] in module order whose dotted path (`layers.N.mlp.experts.gate_proj`) fully matches
+    `pattern` (None: all): a mixture-of-experts layer's stacked expert projections, each one kernel [E, in, out]
+    (`DEFAULT_TARGETS` matches all three of every sparse layer). `iter_linears` refuses them; a transform that
+    handles experts selects them here."""
+    rx = re.compile(pattern) if pattern is not None else None
+    return [(p, mod) for p, mod in ((path_str(path), mod) for path, mod in nnx.iter_graph(model))
+            if isinstance(mod, ExpertLinear) and (rx is None or rx.fullmatch(p))]
+
+
 def require_linears(model: nnx.Module, pattern: str | None, what: str) -> list[tuple[str, Linear]]:
     found = iter_linears(model, pattern)
     if not found:
@@ -67,10 +79,11 @@ def require_linears(model: nnx.Module, pattern: str | None, what: str) -> list[t
     return found
 
 
-def kernel_axes(lin: Linear) -> tuple[str | None, str | None]:
-    """Logical (in, out) axes of a Linear's kernel (from its Param or QuantizedKernel metadata)."""
+def kernel_axes(lin: Linear | ExpertLinear) -> tuple:
+    """Logical axes of a Linear's kernel, (in, out) (from its Param or QuantizedKernel metadata); an
+    ExpertLinear's are ("expert", in, out)."""
     axes = lin.kernel.get_metadata().get(LOGICAL_AXES_KEY)
-    return tuple(axes) if axes is not None else (None, None)
+    return tuple(axes) if axes is not None else (None,) * len(lin.kernel.get_value().shape)  # an array or a packed weight
 
 
 def module_at(model: nnx.Module, path: str):
@@ -81,7 +94,7 @@ def module_at(model: nnx.Module, path: str):
 
 
 # ----------------------------------------------------------------------------- kernel swaps
-def is_packed(lin: Linear) -> bool:
+def is_packed(lin: Linear | ExpertLinear) -> bool:
     return isinstance(lin.kernel, QuantizedKernel)
 
 
@@ -113,9 +126,23 @@ def set_packed_kernel(lin: Linear, qw: QuantizedWeight, mesh=None) -> None:
     lin.kernel = QuantizedKernel(qw, **{LOGICAL_AXES_KEY: axes})
 
 
-def restore_float_kernel(model, lin: Linear, w, dtype=None) -> None:
-    """Set a float [K, N] `nnx.Param` kernel (param dtype of the model unless `dtype`), keeping axes and
-    the mesh of the current kernel (sharded by its logical axes)."""
+def set_packed_expert_kernel(el: ExpertLinear, qw: QuantizedWeight, mesh=None) -> None:
+    """Replace an ExpertLinear's stacked float kernel by a `QuantizedExpertKernel` holding the stacked-experts `qw`
+    (shape (E, in, out): `formats.quantize_weight` of the [E, in, out] kernel, or `stack_experts` of per-expert
+    weights), keeping its logical axes ("expert", in, out) and the mesh it lives on (as `set_packed_kernel`)."""
+    want = (el.num_experts, el.in_features, el.out_features)
+    if tuple(qw.shape) != want:
+        raise ValueError(f"packed expert weight shape {qw.shape} != ExpertLinear {want} (experts, in, out)")
+    axes = kernel_axes(el)
+    mesh = mesh if mesh is not None else mesh_of(el.kernel.get_value() if not is_packed(el) else None)
+    if mesh is not None:
+        qw = place_qweight(qw, axes, mesh)
+    el.kernel = QuantizedExpertKernel(qw, **{LOGICAL_AXES_KEY: axes})
+
+
+def restore_float_kernel(model, lin: Linear | ExpertLinear, w, dtype=None) -> None:
+    """Set a float [K, N] `nnx.Param` kernel (an ExpertLinear's: [E, K, N]) (param dtype of the model unless
+    `dtype`), keeping axes and the mesh of the current kernel (sharded by its logical axes)."""
     axes = kernel_axes(lin)
     cfg = getattr(model, "cfg", None)
     dt = jnp.dtype(dtype or (cfg.param_dtype if cfg is not None else jnp.float32))
