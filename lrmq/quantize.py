@@ -70,7 +70,7 @@ INPUT_ERRORS = USER_ERRORS
 CALIBRATION_SOURCES = ("text", "reasoning", "prompts")
 # what the flag form's messages call the QuantizeConfig keys
 FLAG_NAMES = {"model": "--checkpoint", "calibration.path": "--calibration", "quantlrm.base": "--base",
-              "quantlrm.run_dir": "--run-dir"}
+              "quantlrm.run_dir": "--run-dir", "group_size": "--group-size", "method": "--method"}
 
 
 def parse_args(argv=None):

@@ -46,6 +46,10 @@ class CalibrationSection:
                                       "answer or a solution column)")
     max_blocks: Optional[int] = opt(None, "keep at most this many blocks after cutting (null = all; quick runs)", ge=1)
     batch_size: int = opt(8, "calibration blocks per forward chunk", ge=1)
+    moe_experts: Literal["all", "routed"] = opt(
+        "all", "mixture-of-experts models (gptq): the tokens each expert's statistics sum over: every calibration "
+               "token through every expert (all: llmcompressor's moe_calibrate_all_experts; the layer's output "
+               "still uses only the routed experts) or only the tokens routed to it (routed)")
 
     def validate(self):
         for f in ("n_samples", "block_size", "max_doc_tokens", "max_tokens", "batch_size"):

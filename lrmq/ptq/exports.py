@@ -48,6 +48,7 @@ from lrmq.ptq import layer_fn as lf
 from lrmq.ptq.stream import LayerOut
 from lrmq.quant import packing
 from lrmq.quant.qkernel import QuantizedKernel
+from lrmq.quant.qweight import expert_slice
 from lrmq.quant.transforms import module_at
 
 FORMATS = ("packed", "fake_quant", "autoawq", "compressed_tensors")
@@ -220,15 +221,20 @@ class _HFWriter:
 
     def plain(self, flat: str, value) -> None:
         """A float tensor: through the model's param dtype (as a model written back holds it), then the export
-        dtype, in HF orientation."""
-        hf, tr = self.names[flat]
+        dtype, in HF orientation (stacked experts: one tensor per expert)."""
         arr = np.asarray(value).astype(self.param_dtype, copy=False).astype(_np_dtype(self.dtype))
-        self.shards.add(hf, arr.T if tr == "T" else arr)
-        if flat.endswith(".kernel") and hf.endswith(".weight") and hf != "lm_head.weight":
-            self.unquantized.append(hf[: -len(".weight")])
+        for hf, tr, e in self.names[flat]:
+            a = arr if e is None else arr[e]
+            self.shards.add(hf, a.T if tr == "T" else a)
+            if flat.endswith(".kernel") and hf.endswith(".weight") and hf != "lm_head.weight":
+                self.unquantized.append(hf[: -len(".weight")])
 
     def quantized(self, flat_kernel: str, qw) -> None:
-        prefix = self.names[flat_kernel][0][: -len(".weight")]
+        """A packed weight (stacked experts: each expert's slice under its own per-expert HF name)."""
+        for hf, _, e in self.names[flat_kernel]:
+            self._quantized_one(hf[: -len(".weight")], qw if e is None else expert_slice(qw, e))
+
+    def _quantized_one(self, prefix: str, qw) -> None:
         codes, scales, zeros = _unpacked(qw)
         if self.fmt == "autoawq":
             out = ef.awq_gemm_export(codes, scales, zeros)
@@ -263,8 +269,19 @@ class _HFWriter:
                 raise ExportError(f"compressed-tensors export writes one config group: found bits {sorted(self.bits)}, "
                                   f"symmetric {sorted(self.sym)}")
             qc = ef.ct_quantization_config(next(iter(self.bits)), groups.pop(), next(iter(self.sym)),
-                                           ignore=["lm_head", *sorted(self.unquantized)])
+                                           ignore=ct_ignore(self.unquantized))
         _write_config(self.directory, self.cfg, qc, self.dtype, tokenizer_from)
+
+
+def ct_ignore(unquantized) -> list[str]:
+    """compressed-tensors' ``ignore`` (``unquantized``: the float Linears' HF prefixes in write order, layer by
+    layer). Dense models: ``lm_head`` first, then the others sorted (lrmq's order before MoE, kept). A
+    mixture-of-experts model: what llmcompressor 0.14 / compressed-tensors 0.19 write for a recipe ignoring
+    ``lm_head`` and ``re:.*mlp.gate$`` (its Qwen3-MoE example) -- every unquantized Linear by name in the model's
+    module order (the routers ``model.layers.N.mlp.gate``), ``lm_head`` last."""
+    if any(m.endswith(".mlp.gate") for m in unquantized):
+        return [*unquantized, "lm_head"]
+    return ["lm_head", *sorted(unquantized)]
 
 
 class _PackedWriter:
@@ -316,10 +333,11 @@ class StreamedExport:
         self.dtypes = {f: dtype[f] if isinstance(dtype, dict) else format_dtype(f, dtype) for f in formats}
         self.tokenizer_from, self.overwrite = tokenizer_from, overwrite
         self.max_shard_bytes = max_shard_bytes
-        if cfg.num_experts:  # one HF tensor per expert, not per parameter: not written here yet
-            raise ExportError("PTQ exports of a mixture-of-experts model are not supported yet")
-        self.names = {slot.path: (hf, slot.transform) for hf, slot in expand(set(flat_params(
-            nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))), cfg).items()}
+        # lrmq parameter -> its HF tensors [(name, transform, expert row or None)]: one per expert for the stacked
+        # expert kernels of a mixture-of-experts layer (expert order), one otherwise
+        self.names: dict[str, list] = {}
+        for hf, slot in expand(set(flat_params(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))), cfg).items():
+            self.names.setdefault(slot.path, []).append((hf, slot.transform, slot.expert))
         self._ctx = None
         self._writers: dict[str, _HFWriter | _PackedWriter] = {}
         self._seen: set[str] = set()  # flat lrmq names written
@@ -399,7 +417,8 @@ def stream_model(model, result, export: StreamedExport) -> None:
     packed_all = result.packed if result is not None else {}
     g_idx_all = result.g_idx if result is not None else {}
     for i, layer in enumerate(model.layers):
-        paths = {name: f"layers.{i}.{lf.MODULE_OF[name]}.{name}" for name in lf.LINEARS}
+        moe = model.cfg.is_moe_layer(i)
+        paths = {name: f"layers.{i}.{lf.module_path(name, moe)}" for name in lf.LINEARS}
         export.write_layer(LayerOut(
             index=i, params={k: np.asarray(v) for k, v in lf.get_layer_params(layer).items()},
             packed={n: packed_all[p] for n, p in paths.items() if p in packed_all},

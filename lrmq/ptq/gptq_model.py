@@ -19,6 +19,15 @@ does not change the result) and :func:`lrmq.ptq.gptq.gptq_quantize` quantizes th
 Propagation: the reference feeds layer i+1 with the outputs of the *quantized* layer i
 (``propagate="quantized"``, default); ``propagate="fp"`` uses the FP outputs instead.
 
+Mixture-of-experts layers (Qwen3-MoE): the router is never quantized; each expert's gate/up/down is GPTQ'd
+on its own [K, N] slice with its own Hessian, the result one stacked-experts ``QuantizedWeight`` (E, K, N).
+``moe_calibration="all"`` (default, llmcompressor's ``moe_calibrate_all_experts``): every calibration token
+goes through every expert for the statistics -- gate/up of every expert share the Hessian of ``mlp_in`` over
+all tokens, expert e's down_proj gets ``X_e^T X_e`` of ``silu(x W_gate[e]) * (x W_up[e])`` over all tokens --
+while the layer's output (propagation) uses only the routed experts, as inference does. ``"routed"``: each
+expert's statistics over the tokens its router sends it (an expert routed no token then has dead inputs
+everywhere: GPTQ's dead-input rule zeroes it, so "all" is the default).
+
 Packed weights: GPTQ's grids (min/max including 0) are representable as ``QuantizedWeight`` (unsigned
 zero in [0, 2^b-1]); the codes reproduce GPTQ's fake-quant weights exactly. With ``act_order`` and
 without ``static_groups`` a group is not a run of consecutive input rows (non-monotone ``g_idx``):
@@ -34,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lrmq.ptq import layer_fn as lf
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.layer_fn import INPUT_OF, UPSTREAM
 from lrmq.ptq.result import PTQResult
@@ -41,7 +51,7 @@ from lrmq.ptq.shard import UnitRunner, ptq_mesh
 from lrmq.ptq.stream import LayerOut
 from lrmq.ptq.gptq import gptq_codes, gptq_quantize, prepare_hessian
 from lrmq.quant import packing
-from lrmq.quant.qweight import QuantizedWeight
+from lrmq.quant.qweight import QuantizedWeight, stack_experts
 
 TRUE_SEQUENTIAL = (("k_proj", "v_proj", "q_proj"), ("o_proj",), ("up_proj", "gate_proj"), ("down_proj",))
 
@@ -58,6 +68,7 @@ class GPTQOptions:
     true_sequential: bool = True
     propagate: str = "quantized"  # quantized (reference) | fp
     batch_size: int = 8
+    moe_calibration: str = "all"  # all | routed: the tokens an expert's Hessian sums over (module doc)
 
 
 def unit_xtx(x):
@@ -74,6 +85,33 @@ def hessian(x, runner: UnitRunner | None = None) -> np.ndarray:
     return runner.sum(unit_xtx, (), (x,)) * np.float32(2.0 / x.shape[0])
 
 
+def unit_expert_mlp_in_xtx(router, x, *, top_k, normalize, calibration):
+    """One unit's per-expert gate/up input ``X^T X`` [E, D, D] (``layer_fn.expert_mlp_in_xtx``)."""
+    return lf.expert_mlp_in_xtx(x, router, top_k=top_k, normalize=normalize, calibration=calibration)
+
+
+def unit_expert_down_xtx(router, gate, up, x, *, top_k, normalize, calibration):
+    """One unit's per-expert down_proj input ``X^T X`` [E, F, F] (``layer_fn.expert_down_xtx``)."""
+    return lf.expert_down_xtx(x, router, gate, up, top_k=top_k, normalize=normalize, calibration=calibration)
+
+
+def expert_hessians(name: str, mlp_in, p, ctx: lw.LayerContext, calibration: str, shared=None) -> list:
+    """The E Hessians (``2/n_seq X^T X``, as :func:`hessian`) of the stacked expert projection ``name`` of a sparse
+    layer, from its ``mlp_in`` [n, T, D] and the current weights ``p`` (down_proj reads gate/up). ``shared``: the
+    Hessian of ``mlp_in`` itself, every expert's gate/up Hessian when ``calibration`` is "all"."""
+    cfg = ctx.cfg
+    kw = dict(top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, calibration=calibration)
+    scale = np.float32(2.0 / mlp_in.shape[0])
+    router = np.asarray(p["router"], np.float32)
+    if name != "down_proj":
+        if calibration == "all":
+            h = shared if shared is not None else hessian(mlp_in, ctx.runner)
+            return [h] * cfg.num_experts
+        return list(ctx.runner.sum(unit_expert_mlp_in_xtx, ctx.runner.replicate((router,)), (mlp_in,), **kw) * scale)
+    rep = ctx.runner.replicate((router, np.asarray(p["gate_proj"], np.float32), np.asarray(p["up_proj"], np.float32)))
+    return list(ctx.runner.sum(unit_expert_down_xtx, rep, (mlp_in,), **kw) * scale)
+
+
 def _packed_from_result(res, bits: int, group_size: int, symmetric: bool) -> QuantizedWeight | None:
     K, N = res.w_q.shape
     natural = np.array_equal(res.g_idx, np.arange(K) // (K // res.scales.shape[0]))
@@ -85,8 +123,18 @@ def _packed_from_result(res, bits: int, group_size: int, symmetric: bool) -> Qua
                            shape=(K, N), dtype="float32", symmetric=bool(symmetric), double_quant=False)
 
 
+def _gptq_one(w, h, opts: GPTQOptions):
+    """GPTQ of one [K, N] weight: (fake-quant float32 weight, packed weight or None, g_idx)."""
+    res = gptq_quantize(np.asarray(w), h, bits=opts.bits, group_size=None if opts.group_size == -1 else opts.group_size,
+                        symmetric=opts.symmetric, block_size=opts.block_size, percdamp=opts.percdamp,
+                        act_order=opts.act_order, static_groups=opts.static_groups)
+    return np.asarray(res.w_q, np.float32), _packed_from_result(res, opts.bits, opts.group_size, opts.symmetric), \
+        res.g_idx
+
+
 def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> LayerOut:
     p = dict(ctx.params)
+    moe = lf.is_moe_params(p)  # a sparse layer: router (kept float) + stacked experts (per expert, module doc)
     stages = TRUE_SEQUENTIAL if opts.true_sequential else (tuple(n for s in TRUE_SEQUENTIAL for n in s),)
     info = {}
     packed, g_idx = {}, {}
@@ -95,27 +143,43 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> La
     exact: dict[str, np.ndarray] = {}
     for stage in stages:
         # only the inputs this stage reads (the layer past them is not computed); one Hessian and one
-        # Hinv per input (q/k/v share attn_in, gate/up share mlp_in)
+        # Hinv per input (q/k/v share attn_in, gate/up share mlp_in). A sparse layer's expert statistics are
+        # computed from mlp_in (an expert's down_proj input depends on the expert)
         need = {INPUT_OF[name] for name in stage}
+        if moe:
+            need = {"mlp_in" if inp in ("mlp_in", "down_in") else inp for inp in need}
         caps = ctx.inputs_only(need, p, given={k: v for k, v in exact.items() if k not in need})
-        h_of = {inp: prepare_hessian(hessian(x, ctx.runner), percdamp=opts.percdamp, act_order=opts.act_order)
-                for inp, x in caps.items()}
-        hs = {name: h_of[INPUT_OF[name]] for name in stage}
+        prep = lambda h: prepare_hessian(h, percdamp=opts.percdamp, act_order=opts.act_order)  # noqa: E731
+        h_raw = {inp: hessian(x, ctx.runner) for inp, x in caps.items()  # a sparse layer's mlp_in: the shared
+                 if not (moe and inp == "mlp_in")                       # gate/up Hessian of "all" only
+                 or (opts.moe_calibration == "all" and {"gate_proj", "up_proj"} & set(stage))}
+        h_of = {inp: prep(h) for inp, h in h_raw.items() if not (moe and inp == "mlp_in")}
+        hs = {}
+        for name in stage:
+            if moe and name in lf.EXPERT_PROJS:
+                raw = expert_hessians(name, caps["mlp_in"], p, ctx, opts.moe_calibration, shared=h_raw.get("mlp_in"))
+                if all(h is raw[0] for h in raw):  # one Hessian for every expert: one Hinv
+                    hs[name] = [hs.get("gate_proj" if name == "up_proj" else "up_proj", [None])[0]
+                                or prep(raw[0])] * len(raw)
+                else:
+                    hs[name] = [prep(h) for h in raw]
+            else:
+                hs[name] = h_of[INPUT_OF[name]]
         exact.update((k, v) for k, v in caps.items() if k != "attn_in")
         exact = {k: v for k, v in exact.items() if not set(stage) & set(UPSTREAM[k])}
-        del caps, h_of
+        del caps, h_of, h_raw
         for name in stage:
-            res = gptq_quantize(np.asarray(p[name]), hs[name], bits=opts.bits,
-                                group_size=None if opts.group_size == -1 else opts.group_size,
-                                symmetric=opts.symmetric, block_size=opts.block_size, percdamp=opts.percdamp,
-                                act_order=opts.act_order, static_groups=opts.static_groups)
-            # the same float32 values the packed weight dequantizes to
-            p[name] = np.asarray(res.w_q, np.float32)
-            qw = _packed_from_result(res, opts.bits, opts.group_size, opts.symmetric)
+            if isinstance(hs[name], list):  # stacked experts: one GPTQ per expert slice, stacked back
+                outs = [_gptq_one(w, h, opts) for w, h in zip(p[name], hs[name])]
+                p[name] = np.stack([o[0] for o in outs])
+                qw = stack_experts([o[1] for o in outs]) if all(o[1] is not None for o in outs) else None
+                gi = None if qw is not None else np.stack([o[2] for o in outs])
+            else:
+                p[name], qw, gi = _gptq_one(p[name], hs[name], opts)
             if qw is not None:
                 packed[name] = qw
             else:
-                g_idx[name] = res.g_idx
+                g_idx[name] = gi
             info[name] = "packed" if qw is not None else "act-order g_idx (fake-quant only)"
     result.info.setdefault("layers", {})[ctx.index] = info
     if opts.propagate == "quantized":  # the next layer's input, from the exact inputs kept

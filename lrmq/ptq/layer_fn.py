@@ -17,6 +17,13 @@ The weights dict (``get_layer_params``) is keyed by owner name: ``q_proj`` .. ``
 * ``o_in``: the attention output before ``o_proj`` ([.., heads*head_dim])
 * ``mlp_in``: input of gate/up (``mlp_norm(h)`` pre-norm, ``h`` post-norm)
 * ``down_in``: ``silu(gate(x)) * up(x)``
+
+A mixture-of-experts layer (Qwen3-MoE) holds ``router`` ([D, E], a Linear: never quantized) and the stacked
+expert kernels under the dense names: ``gate_proj`` / ``up_proj`` [E, D, F], ``down_proj`` [E, F, D]
+(``ExpertLinear``). Its ``mlp_in`` is the router's input (every expert's gate/up input), captured through the
+router's seam; an expert's ``down_in`` depends on the expert, so it is not a capture: :func:`expert_down_xtx`
+computes each expert's ``X^T X`` from ``mlp_in`` and the expert's gate/up weights (:func:`expert_token_mask`:
+over every calibration token, or only the tokens routed to the expert).
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from flax import nnx
 
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import DecoderLayer, RMSNorm
-from lrmq.model.linear import Linear
+from lrmq.model.linear import ExpertLinear, Linear
+from lrmq.model.moe import route
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # which captured input feeds which Linear
@@ -44,6 +52,18 @@ UPSTREAM = {"attn_in": (), "o_in": ("q_proj", "k_proj", "v_proj"),
             "down_in": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")}
 MODULE_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # a sparse layer's stacked expert kernels
+
+
+def is_moe_params(p) -> bool:
+    """A layer weights dict of a mixture-of-experts layer (its router and stacked [E, K, N] experts)."""
+    return "router" in p
+
+
+def module_path(name: str, moe: bool) -> str:
+    """The module path of a projection inside its layer: ``attn.q_proj``, ``mlp.gate_proj``; in a sparse layer
+    the stacked experts ``mlp.experts.gate_proj``."""
+    return f"mlp.experts.{name}" if moe and name in EXPERT_PROJS else f"{MODULE_OF[name]}.{name}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +92,8 @@ def param_key(path: tuple) -> str:
 def layer_spec(cfg: ModelConfig, i: int) -> LayerSpec:
     lt = cfg.layer_types[i]
     cfg32 = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")  # all PTQ math is float32
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg32, lt, nnx.Rngs(0))))
+    moe = cfg.is_moe_layer(i)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg32, lt, nnx.Rngs(0), moe=moe)))
     paths = tuple((param_key(p), tuple(p)) for p, _ in nnx.to_flat_state(state))
     keys = [k for k, _ in paths]
     if len(set(keys)) != len(keys):
@@ -86,10 +107,12 @@ def layer_spec(cfg: ModelConfig, i: int) -> LayerSpec:
 
 
 def _weight_vars(layer):
-    """(key, variable, Linear whose kernel it is or None) of every weight: Linear kernels and biases,
-    norm scales."""
+    """(key, variable, Linear / ExpertLinear whose kernel it is or None) of every weight: Linear and ExpertLinear
+    kernels, biases, norm scales."""
     for path, m in nnx.iter_modules(layer):
-        if isinstance(m, Linear):
+        if isinstance(m, ExpertLinear):
+            yield str(path[-1]), m.kernel, m
+        elif isinstance(m, Linear):
             yield str(path[-1]), m.kernel, m
             if m.bias is not None:
                 yield f"{path[-1]}.bias", m.bias, None
@@ -181,13 +204,53 @@ def replaying_inputs(linears: dict[str, Linear], given: dict):
             linears[name].dot_general = dot_general
 
 
-def shared_inputs(seen: dict) -> dict:
-    """Per-Linear inputs -> per-input captures (``attn_in`` ...): q/k/v read one tensor, gate/up another."""
+def shared_inputs(seen: dict, lead: tuple | None = None) -> dict:
+    """Per-Linear inputs -> per-input captures (``attn_in`` ...): q/k/v read one tensor, gate/up another. A sparse
+    layer's router reads ``mlp_in`` flattened to [B*T, D]: given back as ``lead`` [B, T] + (D,)."""
     caps: dict = {}
     for name in LINEARS:
         if name in seen:
             caps.setdefault(INPUT_OF[name], seen[name])
+    if "router" in seen and "mlp_in" not in caps:
+        r = seen["router"]
+        caps["mlp_in"] = r.reshape(*(lead or r.shape[:-1]), r.shape[-1])
     return caps
+
+
+def expert_token_mask(x, router, top_k: int, normalize: bool, calibration: str):
+    """[E, M] float32 weights of the M tokens of x [..., D] in each expert's statistics: every token (``"all"``,
+    llmcompressor's ``moe_calibrate_all_experts``) or the tokens the router sends to the expert (``"routed"``,
+    its top-k of ``router`` [D, E]: what the expert sees in inference)."""
+    x = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
+    e = router.shape[-1]
+    if calibration == "all":
+        return jnp.ones((e, x.shape[0]), jnp.float32)
+    if calibration != "routed":
+        raise ValueError(f"expert calibration must be 'all' or 'routed', got {calibration!r}")
+    _, chosen = route(x @ jnp.asarray(router, jnp.float32), top_k, normalize)
+    return jnp.sum(jax.nn.one_hot(chosen, e, dtype=jnp.float32), axis=1).T
+
+
+def expert_hidden(x, gate, up):
+    """[E, M, F] every expert's ``silu(x W_gate[e]) * (x W_up[e])`` (its down_proj input) of x [..., D], float32."""
+    x = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
+    g = jnp.einsum("md,edf->emf", x, jnp.asarray(gate, jnp.float32))
+    u = jnp.einsum("md,edf->emf", x, jnp.asarray(up, jnp.float32))
+    return jax.nn.silu(g) * u
+
+
+def expert_mlp_in_xtx(x, router, *, top_k: int, normalize: bool, calibration: str):
+    """[E, D, D] each expert's gate/up input ``X^T X`` over its tokens (``expert_token_mask``) of x [..., D]."""
+    m = expert_token_mask(x, router, top_k, normalize, calibration)
+    x = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
+    return jnp.einsum("em,md,mk->edk", m, x, x, preferred_element_type=jnp.float32)
+
+
+def expert_down_xtx(x, router, gate, up, *, top_k: int, normalize: bool, calibration: str):
+    """[E, F, F] each expert's down_proj input ``X^T X`` over its tokens of x [..., D] (``mlp_in``)."""
+    m = expert_token_mask(x, router, top_k, normalize, calibration)
+    h = expert_hidden(x, gate, up) * m[..., None]
+    return jnp.einsum("emf,emg->efg", h, h, preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- forwards
@@ -201,7 +264,7 @@ def layer_forward(p, spec: LayerSpec, x, positions, capture: bool = False):
         return layer(x, positions)[0]
     with recording_inputs(linears_of(layer)) as seen:
         out, _ = layer(x, positions)
-    return out, shared_inputs(seen)
+    return out, shared_inputs(seen, x.shape[:-1])
 
 
 def part_forward(p, spec: LayerSpec, part: str, x, positions):
@@ -229,7 +292,7 @@ def layer_run(p, spec: LayerSpec, x, positions, names: tuple | None = None, give
         out, _ = layer(x, positions)
     if names is None:
         return out
-    caps = shared_inputs(seen)
+    caps = shared_inputs(seen, x.shape[:-1])
     return {name: caps[name] for name in names}
 
 

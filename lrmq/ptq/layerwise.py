@@ -128,8 +128,9 @@ class LayerContext:
         return f"layers.{self.index}"
 
 
-def linear_path(i: int, name: str) -> str:
-    return f"layers.{i}.{MODULE_OF[name]}.{name}"
+def linear_path(i: int, name: str, moe: bool = False) -> str:
+    """``layers.3.attn.q_proj``; in a sparse layer (``moe``) the stacked experts ``layers.3.mlp.experts.gate_proj``."""
+    return f"layers.{i}.{lf.module_path(name, moe)}"
 
 
 def embed_tokens(source, tokens) -> np.ndarray:

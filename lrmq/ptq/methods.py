@@ -108,7 +108,7 @@ def gptq_options(cfg):
     return GPTQOptions(bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, block_size=g.block_size,
                        percdamp=g.percdamp, act_order=g.act_order, static_groups=g.static_groups,
                        true_sequential=g.true_sequential, propagate=g.propagate,
-                       batch_size=cfg.calibration.batch_size)
+                       batch_size=cfg.calibration.batch_size, moe_calibration=cfg.calibration.moe_experts)
 
 
 # ----------------------------------------------------------------------------- methods

@@ -115,6 +115,29 @@ def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
     return (ft_dir if q.quantize == "finetuned" else base_dir), imps, files, report
 
 
+MOE_METHODS = ("rtn", "int8", "gptq")  # the methods that quantize a mixture-of-experts model per expert
+
+
+def check_moe(cfg: QuantizeConfig, mcfg: ModelConfig, path: str, names: Mapping[str, str] | None = None) -> None:
+    """A mixture-of-experts checkpoint: a method that quantizes it per expert, and a group size that divides every
+    expert projection's input size (ConfigError naming both), before anything is read. ``names``: what the
+    messages call a config key (the flag form: {"group_size": "--group-size"})."""
+    if not mcfg.num_experts:
+        return
+    name = lambda key: (names or {}).get(key, key)  # noqa: E731
+    if cfg.method not in MOE_METHODS:
+        raise ConfigError(f"{path}: a mixture-of-experts model; {name('method')} {cfg.method} does not quantize "
+                          f"experts yet (per expert: {', '.join(MOE_METHODS)})")
+    g = cfg.group_size
+    if cfg.method != "nf4" and g > 0:
+        i = mcfg.moe_layers[0]
+        for name, k in (("gate_proj", mcfg.hidden_size), ("up_proj", mcfg.hidden_size),
+                        ("down_proj", mcfg.moe_intermediate_size)):
+            if k % g:
+                raise ConfigError(f"{name('group_size')} {g} does not divide layers.{i}.mlp.experts.{name}'s input size K={k} "
+                                  "(use a divisor or -1)")
+
+
 def prepare(cfg: QuantizeConfig, names: Mapping[str, str] | None = None) -> Prepared:
     """Every input of the run, read and checked (FileNotFoundError, QuantLRMError, CalibrationError, ...).
     ``names``: what the messages call a config key (the flag form: {"calibration.path": "--calibration"})."""
@@ -124,9 +147,7 @@ def prepare(cfg: QuantizeConfig, names: Mapping[str, str] | None = None) -> Prep
     if cfg.method == "quantlrm":
         model_path, importances, files, report = quantlrm_importance(cfg, model_path)
     checkpoint_kind(model_path)  # clear error for a missing / non-checkpoint dir
-    if model_config(model_path).num_experts:
-        raise ConfigError(f"{model_path}: a mixture-of-experts model; PTQ of its experts (per expert) is not "
-                          f"supported yet")
+    check_moe(cfg, model_config(model_path), model_path, names)
     tok_dir = resolve_checkpoint(cfg.tokenizer) if cfg.tokenizer else model_path
     option = (names or {}).get("calibration.path", "calibration.path")
     tokens = calibration_tokens(cfg, tok_dir, option) if needs_calibration(cfg.method) else None

@@ -45,7 +45,8 @@ class Program:
 def abstract_layer_params(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Shapes of layer i's float32 weights, keyed as ``layer_fn.get_layer_params``."""
     cfg32 = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
-    state = nnx.state(nnx.eval_shape(lambda: DecoderLayer(cfg32, cfg.layer_types[i], nnx.Rngs(0))), nnx.Param)
+    state = nnx.state(nnx.eval_shape(lambda: DecoderLayer(cfg32, cfg.layer_types[i], nnx.Rngs(0),
+                                                                  moe=cfg.is_moe_layer(i))), nnx.Param)
     return {lf.param_key(tuple(p)): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(state)}
 
 

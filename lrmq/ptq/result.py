@@ -48,7 +48,8 @@ class PTQResult:
         weights kept in ``packed`` / ``g_idx``. With ``emit`` (a streamed run): the layer goes to ``emit`` and
         only its formats are kept."""
         def collect(out):
-            paths = {name: linear_path(out.index, name) for name in (*out.packed, *out.g_idx)}
+            moe = "router" in out.params
+            paths = {name: linear_path(out.index, name, moe) for name in (*out.packed, *out.g_idx)}
             if emit is None:
                 as_source(source).write_back(out)
                 self.packed.update((paths[n], qw) for n, qw in out.packed.items())

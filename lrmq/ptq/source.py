@@ -75,11 +75,16 @@ class CheckpointSource:
         return {n: self._get(n) for n in self.reader.names() if not n.startswith("layers.")}
 
     @functools.lru_cache(maxsize=None)
-    def _paths(self, layer_type: str) -> tuple:
-        return lf.layer_spec(self.cfg, self.cfg.layer_types.index(layer_type)).param_paths
+    def _paths(self, kind: tuple) -> tuple:
+        """Weight paths of a layer of ``kind`` (layer type, sparse): the first layer of that kind's."""
+        first = next(j for j in range(self.cfg.num_layers) if self._kind(j) == kind)
+        return lf.layer_spec(self.cfg, first).param_paths
+
+    def _kind(self, i: int) -> tuple:
+        return self.cfg.layer_types[i], self.cfg.is_moe_layer(i)
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
-        names = {key: f"layers.{i}." + ".".join(map(str, path)) for key, path in self._paths(self.cfg.layer_types[i])}
+        names = {key: f"layers.{i}." + ".".join(map(str, path)) for key, path in self._paths(self._kind(i))}
         arrays = self.reader.get_many(list(names.values()))  # one read of the layer where reads have a cost (orbax)
         return {key: np.asarray(arrays[n]).astype(self.param_dtype, copy=False).astype(np.float32) for key, n in names.items()}
 

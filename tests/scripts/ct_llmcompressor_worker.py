@@ -16,6 +16,13 @@ with its ``PackedQuantizationCompressor``, then ``update_config`` writes ``quant
 (``apply_quantization_config``, the values, ``ModelCompressor.compress_model``, ``save_pretrained``,
 ``update_config``: the steps of llmcompressor's save wrapper).
 
+``gptq MODEL_DIR TOKENS.npy OUT_DIR GROUP_SIZE [IGNORE,...]``: llmcompressor's own GPTQ of MODEL_DIR (``oneshot`` with
+``GPTQModifier(scheme="W4A16", targets=["Linear"], ignore=IGNORE)``, its defaults otherwise: actorder static,
+block 128, dampening 0.01, the sequential pipeline, ``moe_calibrate_all_experts=True``; ``scheme`` spelled out
+when GROUP_SIZE is not 128) on the calibration blocks TOKENS.npy (int [n, T], in order), saved compressed. Default
+IGNORE: ``lm_head`` and ``re:.*mlp.gate$`` (llmcompressor's Qwen3-MoE example). Also writes
+``OUT_DIR/values.npz``: every quantized Linear's dequantized weight, scale and zero point before compression.
+
 ``load TOKENS.npy OUT.json DIR...``: loads each DIR with this venv's transformers, both ways
 (``CompressedTensorsConfig(dequantize=True)`` and ``dequantize=False``), and records per directory and
 mode either the logits of TOKENS (``OUT.json`` + ``OUT.json.<i>.<mode>.npy``) or the error.
@@ -151,6 +158,38 @@ def ct_write(model_dir, values, out):
     _versions(out)
 
 
+def gptq(model_dir, tokens, out, group_size, ignore="lm_head,re:.*mlp.gate$"):
+    import shutil
+
+    import llmcompressor
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from transformers import AutoModelForCausalLM
+
+    toks = np.load(tokens)
+    ds = Dataset.from_dict({"input_ids": toks.tolist(), "attention_mask": np.ones_like(toks).tolist()})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    group, ignore = int(group_size), ignore.split(",")
+    kw = dict(scheme="W4A16") if group == 128 else dict(config_groups={"group_0": {
+        "targets": ["Linear"], "weights": _scheme({"bits": 4, "symmetric": True, "group_size": group})}})
+    oneshot(model=model, dataset=ds, recipe=[GPTQModifier(targets=["Linear"], ignore=ignore, **kw)],
+            num_calibration_samples=len(toks), max_seq_length=toks.shape[1], shuffle_calibration_samples=False,
+            pipeline="sequential")
+    vals = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "weight_scale"):
+            vals["w:" + name] = mod.weight.detach().float().numpy()
+            vals["s:" + name] = mod.weight_scale.detach().float().numpy()
+            vals["z:" + name] = mod.weight_zero_point.detach().numpy().astype(np.int8)
+    model.save_pretrained(out, save_compressed=True)
+    np.savez(os.path.join(out, "values.npz"), **vals)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(model_dir, name)):
+            shutil.copy(os.path.join(model_dir, name), out)
+    _versions(out, llmcompressor=llmcompressor.__version__)
+
+
 def load(tokens, out, *dirs):
     import compressed_tensors
     import transformers
@@ -176,4 +215,4 @@ def load(tokens, out, *dirs):
 
 
 if __name__ == "__main__":
-    {"write": write, "ct-write": ct_write, "load": load}[sys.argv[1]](*sys.argv[2:])
+    {"write": write, "ct-write": ct_write, "gptq": gptq, "load": load}[sys.argv[1]](*sys.argv[2:])
