@@ -59,8 +59,9 @@ from lrmq.ptq.pipeline import (load_float_model, model_config, open_float_source
                                run_quantize)
 from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.quant.quantizers import check_bits
+from lrmq.ptq.rtn import targeted
 from lrmq.quant.training import param_bytes
-from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
+from lrmq.quant.transforms import DEFAULT_TARGETS
 
 # (bits, group_size) of a method when the flags leave them unset; otherwise QuantizeConfig's 4 / 128
 FLAG_DEFAULTS = {"int8": (8, -1), "nf4": (4, 64)}
@@ -222,12 +223,12 @@ def check_targets(model, cfg) -> None:
     """--targets matches a Linear, and (int methods) --group-size divides each one's K."""
     if cfg.method in LAYERWISE_METHODS:
         return
-    found = iter_linears(model, cfg.targets)
+    found = targeted(model, cfg.targets)
     if not found:
         raise UsageError(f"--targets {cfg.targets!r} matches no Linear module")
     g = cfg.group_size
     if cfg.method != "nf4":
-        for path, lin in found:
+        for path, lin in found:  # an ExpertLinear's in_features: each expert's K
             if g not in (-1, 0) and (g <= 0 or lin.in_features % g):
                 raise UsageError(f"--group-size {g} does not divide {path}'s input size K={lin.in_features} "
                                  "(use a divisor or -1)")

@@ -115,7 +115,7 @@ def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
     return (ft_dir if q.quantize == "finetuned" else base_dir), imps, files, report
 
 
-MOE_METHODS = ("rtn", "int8", "gptq")  # the methods that quantize a mixture-of-experts model per expert
+MOE_METHODS = ("rtn", "int8", "nf4", "gptq")  # the methods that quantize a mixture-of-experts model per expert
 
 
 def check_moe(cfg: QuantizeConfig, mcfg: ModelConfig, path: str, names: Mapping[str, str] | None = None) -> None:
@@ -124,9 +124,9 @@ def check_moe(cfg: QuantizeConfig, mcfg: ModelConfig, path: str, names: Mapping[
     messages call a config key (the flag form: {"group_size": "--group-size"})."""
     if not mcfg.num_experts:
         return
-    name = lambda key: (names or {}).get(key, key)  # noqa: E731
+    called = lambda key: (names or {}).get(key, key)  # noqa: E731
     if cfg.method not in MOE_METHODS:
-        raise ConfigError(f"{path}: a mixture-of-experts model; {name('method')} {cfg.method} does not quantize "
+        raise ConfigError(f"{path}: a mixture-of-experts model; {called('method')} {cfg.method} does not quantize "
                           f"experts yet (per expert: {', '.join(MOE_METHODS)})")
     g = cfg.group_size
     if cfg.method != "nf4" and g > 0:
@@ -134,7 +134,7 @@ def check_moe(cfg: QuantizeConfig, mcfg: ModelConfig, path: str, names: Mapping[
         for name, k in (("gate_proj", mcfg.hidden_size), ("up_proj", mcfg.hidden_size),
                         ("down_proj", mcfg.moe_intermediate_size)):
             if k % g:
-                raise ConfigError(f"{name('group_size')} {g} does not divide layers.{i}.mlp.experts.{name}'s input size K={k} "
+                raise ConfigError(f"{called('group_size')} {g} does not divide layers.{i}.mlp.experts.{name}'s input size K={k} "
                                   "(use a divisor or -1)")
 
 

@@ -23,8 +23,23 @@ from lrmq.ptq.result import PTQResult
 from lrmq.quant import packing
 from lrmq.quant.quantizers import compute_qparams, dequantize_codes, quantize_codes, resolve_group_size
 from lrmq.quant.formats import PER_TENSOR, WeightFormat, dequantize, quantize_weight
-from lrmq.quant.qweight import QuantizedWeight
-from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears
+from lrmq.quant.qweight import QuantizedWeight, stack_experts
+from lrmq.quant.transforms import DEFAULT_TARGETS, iter_expert_linears, iter_linears
+
+
+def targeted(model, targets: str):
+    """[(path, module)] of every Linear and every mixture-of-experts ExpertLinear (its stacked [E, K, N] experts,
+    quantized per expert) whose path matches ``targets``, in module order; a router is never among them."""
+    found = iter_expert_linears(model, targets)
+    dense = iter_linears(model, f"(?!.*\\.mlp\\.experts\\.)(?:{targets})") if found else iter_linears(model, targets)
+    return dense + found
+
+
+def quantize_experts(w, bits: int, group_size: int, symmetric: bool):
+    """:func:`quantize_linear` of each expert's [K, N] slice of a stacked [E, K, N] weight: (fake-quant float32
+    [E, K, N], stacked-experts QuantizedWeight)."""
+    outs = [quantize_linear(w[e], bits, group_size, symmetric) for e in range(w.shape[0])]
+    return jnp.stack([fq for fq, _ in outs]), stack_experts([qw for _, qw in outs])
 
 
 @partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "per_tensor"))
@@ -56,10 +71,13 @@ def _set_kernel(lin, w) -> None:
 def rtn_quantize_model(model, *, bits: int = 4, group_size: int = 128, symmetric: bool = False,
                        targets: str = DEFAULT_TARGETS, method: str = "rtn") -> PTQResult:
     """Round-to-nearest int of every Linear whose path matches ``targets`` (default: the seven
-    projections of every layer; AWQ's alpha=0 without clipping)."""
+    projections of every layer; AWQ's alpha=0 without clipping); a mixture-of-experts layer's experts per expert
+    (``targeted``), its router never."""
     result = PTQResult(method=method, packed={}, bits=bits, group_size=group_size, symmetric=symmetric)
-    for path, lin in iter_linears(model, targets):
-        fq, result.packed[path] = quantize_linear(lin.float_weight(), bits, group_size, symmetric)
+    for path, lin in targeted(model, targets):
+        w = lin.float_weight()
+        quantize = quantize_experts if w.ndim == 3 else quantize_linear
+        fq, result.packed[path] = quantize(w, bits, group_size, symmetric)
         _set_kernel(lin, fq)
     if group_size == PER_TENSOR:  # the arrays say per channel; the format is one scale per tensor
         result.weight_format = WeightFormat(bits=bits, group_size=PER_TENSOR, symmetric=bool(symmetric), scheme=method)
@@ -69,7 +87,7 @@ def rtn_quantize_model(model, *, bits: int = 4, group_size: int = 128, symmetric
 def nf4_quantize_model(model, *, block_size: int = 64, targets: str = DEFAULT_TARGETS) -> PTQResult:
     """bitsandbytes NF4 with double quantization (``block_size`` values per absmax) of every targeted Linear."""
     result = PTQResult(method="nf4", packed={}, bits=4, group_size=block_size, symmetric=True)
-    for path, lin in iter_linears(model, targets):
+    for path, lin in targeted(model, targets):
         qw = quantize_weight(lin.float_weight(), fmt="nf4", bits=4, block_size=block_size, double_quant=True)
         result.packed[path] = qw
         _set_kernel(lin, dequantize(qw))

@@ -1,0 +1,133 @@
+"""PTQ per expert on the shipped tiny Qwen3-MoE (lrmq/assets/tiny-moe: sparse / dense / sparse, 8 experts top-2):
+GPTQ with llmcompressor's all-experts calibration (each expert's Hessian over every calibration token), the
+routed alternative, RTN per expert, the router never quantized, and the compressed-tensors export's per-expert
+tensors and ignore list (llmcompressor's names; benchmarks/ptq_moe_vs_llmcompressor.py compares them with
+llmcompressor's own output)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from lrmq.checkpoint.load import load_model
+from lrmq.model.config import ConfigError
+from lrmq.ptq import export_formats as ef
+from lrmq.ptq import layer_fn as lf
+from lrmq.ptq.gptq import gptq_quantize
+from lrmq.ptq.gptq_model import GPTQOptions, gptq_quantize_model, hessian
+from lrmq.ptq.layerwise import embed_tokens, positions_for
+from lrmq.quant.formats import dequantize, expert_slice, unpacked_codes
+
+TOKS = np.random.default_rng(0).integers(0, 300, (2, 24)).astype(np.int32)
+OPTS = GPTQOptions(bits=4, group_size=32, symmetric=True, act_order=True, static_groups=True, true_sequential=False,
+                   batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def float_moe():
+    return load_model("tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def gptq_moe():
+    """(float layer-0 weights and input, GPTQ'd model, result): llmcompressor's settings (act-order static, one
+    float forward per layer, all-experts calibration)."""
+    model = load_model("tiny-moe")
+    p0 = {k: np.asarray(v, np.float32) for k, v in lf.get_layer_params(model.layers[0]).items()}
+    x0 = embed_tokens(model, TOKS)
+    result = gptq_quantize_model(model, TOKS, OPTS, progress=False)
+    return p0, x0, model, result
+
+
+def test_gptq_per_expert_uses_every_token_and_keeps_the_router(gptq_moe):
+    p0, x0, model, result = gptq_moe
+    cfg = model.cfg
+    assert [i for i in range(cfg.num_layers) if f"layers.{i}.mlp.experts.gate_proj" in result.packed] == [0, 2]
+    assert "layers.1.mlp.gate_proj" in result.packed  # the dense layer between them
+    assert not any("router" in k for k in result.packed)
+    np.testing.assert_array_equal(np.asarray(model.layers[0].mlp.router.kernel.get_value()), p0["router"])
+    # layer 0 by hand: gate/up of every expert GPTQ'd with the Hessian of mlp_in over ALL calibration tokens,
+    # down_proj of expert e with silu(x Wg[e]) * (x Wu[e]) over all tokens (llmcompressor's calibrate_all_experts)
+    _, caps = lf.layer_forward(p0, lf.layer_spec(cfg, 0), x0, positions_for(*TOKS.shape), capture=True)
+    mlp_in = np.asarray(caps["mlp_in"])
+    h_in = hessian(mlp_in)
+    hid = np.asarray(lf.expert_hidden(mlp_in, p0["gate_proj"], p0["up_proj"]))
+    kw = dict(bits=4, group_size=32, symmetric=True, act_order=True, static_groups=True)
+    for name in ("gate_proj", "down_proj"):
+        qw = result.packed[f"layers.0.mlp.experts.{name}"]
+        assert qw.shape == p0[name].shape and qw.num_experts == cfg.num_experts
+        w_model = np.asarray(getattr(model.layers[0].mlp.experts, name).kernel.get_value())
+        np.testing.assert_array_equal(np.asarray(dequantize(qw)), w_model)  # the model holds the packed codes
+        for e in (0, cfg.num_experts - 1):
+            h = h_in if name == "gate_proj" else np.float32(2.0 / len(TOKS)) * (hid[e].T @ hid[e])
+            ref = gptq_quantize(p0[name][e], h, **kw)
+            np.testing.assert_allclose(np.asarray(dequantize(expert_slice(qw, e))), ref.w_q, atol=1e-6)
+
+
+def test_routed_calibration_counts_only_routed_tokens(float_moe):
+    """calibration.moe_experts=routed: expert e's Hessian sums over the tokens its router sends it (top-k of the
+    router's softmax), so it differs from the all-token one and is zero for an expert no token reaches."""
+    cfg = float_moe.cfg
+    p0 = {k: np.asarray(v, np.float32) for k, v in lf.get_layer_params(float_moe.layers[0]).items()}
+    x = np.random.default_rng(1).normal(size=(40, cfg.hidden_size)).astype(np.float32)
+    kw = dict(top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
+    mask = np.asarray(lf.expert_token_mask(x, p0["router"], calibration="routed", **kw))
+    assert mask.shape == (cfg.num_experts, 40) and (mask.sum(0) == cfg.num_experts_per_tok).all()
+    routed = np.asarray(lf.expert_mlp_in_xtx(x, p0["router"], calibration="routed", **kw))
+    every = np.asarray(lf.expert_mlp_in_xtx(x, p0["router"], calibration="all", **kw))
+    for e in range(cfg.num_experts):
+        sel = x[mask[e] > 0]
+        np.testing.assert_allclose(routed[e], sel.T @ sel, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(every[e], x.T @ x, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="'all' or 'routed'"):
+        lf.expert_token_mask(x, p0["router"], calibration="some", **kw)
+
+
+def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
+    """RTN quantizes each expert's slice as a Linear alone; the compressed-tensors export writes llmcompressor's
+    per-expert tensors (model.layers.N.mlp.experts.E.*_proj.weight_packed / weight_scale / weight_shape
+    [/ weight_zero_point]) and its ignore list (the routers by name in module order, lm_head last)."""
+    from lrmq.ptq.exports import save_compressed_tensors
+    from lrmq.ptq.rtn import quantize_linear, rtn_quantize_model
+    from safetensors.numpy import load_file
+
+    model = load_model("tiny-moe")
+    w = np.asarray(model.layers[2].mlp.experts.up_proj.kernel.get_value())
+    router = np.asarray(model.layers[2].mlp.router.kernel.get_value())
+    result = rtn_quantize_model(model, bits=4, group_size=64, symmetric=False)
+    qw = result.packed["layers.2.mlp.experts.up_proj"]
+    _, ref = quantize_linear(w[5], 4, 64, False)
+    for f in ("codes", "scales", "zeros"):
+        np.testing.assert_array_equal(np.asarray(getattr(expert_slice(qw, 5), f)), np.asarray(getattr(ref, f)))
+    np.testing.assert_array_equal(np.asarray(model.layers[2].mlp.router.kernel.get_value()), router)
+    out = save_compressed_tensors(model, result, str(tmp_path / "ct"), dtype="float32")
+    t = load_file(os.path.join(out, "model.safetensors"))
+    qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    assert qc["ignore"] == ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate", "lm_head"]
+    pre = "model.layers.2.mlp.experts.5.up_proj."
+    assert {k[len(pre):] for k in t if k.startswith(pre)} == {"weight_packed", "weight_scale", "weight_shape",
+                                                              "weight_zero_point"}
+    assert t["model.layers.2.mlp.gate.weight"].shape == (8, 128) and not any(".experts.8." in k for k in t)
+    codes, scales, zeros, _ = ef.ct_pack_quantized_import({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)},
+                                                          bits=4, symmetric=False)
+    np.testing.assert_array_equal(codes, np.asarray(unpacked_codes(expert_slice(qw, 5))))  # expert 5's own codes
+    np.testing.assert_array_equal(scales, np.asarray(expert_slice(qw, 5).scales))
+
+
+def test_moe_refusals():
+    """A method that does not quantize experts yet, and a group size that does not divide an expert's K, are
+    refused before anything is read, naming the tensor."""
+    from lrmq.ptq.config import QuantizeConfig
+    from lrmq.ptq.pipeline import check_moe, model_config, resolve_model_path
+
+    path = resolve_model_path("tiny-moe")
+    mcfg = model_config(path)
+    with pytest.raises(ConfigError, match="method awq does not quantize experts"):
+        check_moe(QuantizeConfig(model=path, method="awq"), mcfg, path)
+    with pytest.raises(ConfigError, match=r"--group-size 128 does not divide layers.0.mlp.experts.down_proj's "
+                                          r"input size K=64"):
+        check_moe(QuantizeConfig(model=path, method="gptq", group_size=128), mcfg, path, {"group_size": "--group-size"})
+    check_moe(QuantizeConfig(model=path, method="gptq", group_size=64), mcfg, path)
