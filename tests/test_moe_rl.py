@@ -14,7 +14,7 @@ from conftest import tiny_train_config
 from lrmq.checkpoint.load import load_model
 from lrmq.configlib import ConfigError
 from lrmq.model.decoder import positions_from_mask
-from lrmq.model.moe import load_balancing_loss
+from lrmq.model.moe import UNRECORDED, load_balancing_loss
 from lrmq.rl.losses import LossBatch, LossConfig, grpo_loss
 
 
@@ -85,10 +85,18 @@ def test_update_logs_expert_load_and_adds_the_aux_loss(tmp_path, hf_checkpoint):
                       rewards=np.zeros(4, np.float32))
     batch = jax.tree.map(jnp.asarray, padded_batch(rb))
     routing = _routing(model, batch.tokens, positions_from_mask(batch.mask), False)
+    # the sampler's record (a MoE rollout records it with or without replay): the learner's own routing, but row 0's
+    # tokens in the first sparse layer ran the two experts the learner leaves out, padding unrecorded
+    record = np.moveaxis(np.asarray(routing.experts), 0, 2).astype(np.uint8)  # [S, T, L, k]
+    record[0, :, 0] = [np.setdiff1d(np.arange(4), e) for e in record[0, :, 0]]
+    record[mask == 0] = UNRECORDED
+    want_route = 2 * mask[0].sum() / (2 * 2 * mask.sum())  # k slots differ on row 0's real tokens, of L x k per token
+    batch = batch.replace(experts=jnp.asarray(record))  # routing_replay off: compared, not replayed
     graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)
     tx, _ = make_optimizer(cfg)
     step = make_train_step(graphdef, cfg, tx)
     _, _, out = step(jax.tree.map(jnp.copy, trainable), rest, tx.init(trainable), batch, None)
+    np.testing.assert_allclose(float(out["moe/route_mismatch"]), want_route, rtol=1e-6)
     load = np.asarray(routing.load)
     expected_max = 4 * (load / load.sum(-1, keepdims=True)).max()  # E x the largest share of a layer's slots
     assert 1.0 < expected_max <= 2.0  # E / k at most
@@ -96,7 +104,7 @@ def test_update_logs_expert_load_and_adds_the_aux_loss(tmp_path, hf_checkpoint):
     aux = float(load_balancing_loss(routing))
     np.testing.assert_allclose(float(out["moe/aux_loss"]), aux, rtol=1e-5)
     # the loss is the policy loss (behaviour log-probs as pi_old, one micro-batch) + coef x aux
-    logp = nnx.jit(lambda m, b: batch_logprobs(m, b, 1.0)[0])(model, batch)
+    logp = nnx.jit(lambda m, b: batch_logprobs(m, b, 1.0)[0])(model, batch.replace(experts=None))
     loss_sum, count, _ = grpo_loss(logp, LossBatch(batch.advantages, batch.completion_mask,
                                                    old_logp=batch.behaviour_logp), LossConfig())
     np.testing.assert_allclose(float(out["loss"]), float(loss_sum / count) + coef * aux, rtol=1e-5, atol=1e-6)
@@ -153,7 +161,7 @@ def test_replayed_update_scores_what_the_sampler_sampled(hf_checkpoint):
     from lrmq.model.moe import UNRECORDED
     from lrmq.rl.batch import packed_batch, padded_batch
     from lrmq.rl.losses import rollout_mismatch_metrics
-    from lrmq.rl.step import batch_logprobs
+    from lrmq.rl.step import batch_logprobs, route_mismatch
 
     model = _loud_moe(hf_checkpoint("qwen3_moe")[0])
     rb = _moe_rollout(model)
@@ -194,25 +202,32 @@ def test_replayed_update_scores_what_the_sampler_sampled(hf_checkpoint):
     sampler_logp = score(model, sampler_batch)[0] * cmask
     diff = {}
     for name, b in (("routed", plain), ("replayed", sampler_batch)):
-        logp = score(model, b)[0]
+        logp, ran = score(model, b)
         metrics = rollout_mismatch_metrics(logp, sampler_logp, cmask)
+        metrics["moe/route_mismatch"] = route_mismatch(ran, jnp.asarray(flipped))
         diff[name] = {k: float(v[0] / v[1]) for k, v in metrics.items()}
     assert diff["routed"]["mismatch/logp_diff"] > 1e-2, diff
     assert diff["replayed"]["mismatch/logp_diff"] < 1e-6 and abs(diff["replayed"]["mismatch/kl_k3"]) < 1e-9, diff
+    # moe/route_mismatch: both slots of every flipped token-layer differ from what the learner ran by itself, of
+    # the recorded tokens' 2 layers x 2 slots; none when it replays the record
+    np.testing.assert_allclose(diff["routed"]["moe/route_mismatch"], at.sum() / (2 * recorded.sum()), rtol=1e-6)
+    assert diff["replayed"]["moe/route_mismatch"] == 0.0
 
 
 def test_compile_only_batch_carries_the_replayed_experts(tmp_path):
-    """`--compile-only` lowers the update on the batch the trainer passes: with rollout.routing_replay, its replayed
-    experts [S, P+N, sparse layers, k] uint8 (`precompile.replay_shape`), as the Learner's programs take them; none
-    without (no compile: the abstract batch only)."""
+    """`--compile-only` lowers the update on the batch the trainer passes: a mixture-of-experts run's carries the
+    sampler's recorded experts [S, P+N, sparse layers, k] uint8 (`precompile.replay_shape`), as the Learner's programs
+    take them (replayed with rollout.routing_replay, else read by moe/route_mismatch); a dense model's none (no
+    compile: the abstract batch only)."""
     from lrmq import aot
-    from lrmq.checkpoint.load import TINY_MOE_DIR, read_model_config
+    from lrmq.checkpoint.load import TINY_MODEL_DIR, TINY_MOE_DIR, read_model_config
 
     mcfg = read_model_config(TINY_MOE_DIR)
     mesh = aot.make_mesh(aot.MeshConfig(1, 1, 1))
-    cfg = tiny_train_config(str(tmp_path), model={"checkpoint": "tiny-moe"}, rollout={"routing_replay": True})
-    batch = aot.abstract_batch(cfg, mesh, model_cfg=mcfg)
-    assert batch.experts is not None and batch.experts.dtype == jnp.uint8
-    assert batch.experts.shape[-2:] == (len(mcfg.moe_layers), mcfg.num_experts_per_tok) == (2, 2)
-    plain = tiny_train_config(str(tmp_path), model={"checkpoint": "tiny-moe"})
-    assert aot.abstract_batch(plain, mesh, model_cfg=mcfg).experts is None
+    for replay in (True, False):
+        cfg = tiny_train_config(str(tmp_path), model={"checkpoint": "tiny-moe"}, rollout={"routing_replay": replay})
+        batch = aot.abstract_batch(cfg, mesh, model_cfg=mcfg)
+        assert batch.experts is not None and batch.experts.dtype == jnp.uint8
+        assert batch.experts.shape[-2:] == (len(mcfg.moe_layers), mcfg.num_experts_per_tok) == (2, 2)
+    dense = tiny_train_config(str(tmp_path))
+    assert aot.abstract_batch(dense, mesh, model_cfg=read_model_config(TINY_MODEL_DIR)).experts is None

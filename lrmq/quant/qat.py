@@ -18,6 +18,19 @@ Schemes (`QuantSection.qat_scheme`):
 
 Gradients go straight through to the float master weights (AQT's STE; our stop_gradient STE).
 
+**Mixture-of-experts expert weights** (`ExpertLinear`, stacked [E, K, N] kernels through `jax.lax.ragged_dot`;
+selected by the same `quant.targets` regex, `transforms.iter_expert_linears`): AQT has no ragged_dot, so their
+`ragged_dot` seam is set to `ExpertSTERaggedDot` (`PerExpertTensorSTERaggedDot` for paper_int8), a weight
+fake-quant with a straight-through gradient, per expert: each expert's [K, N] weight goes through the very
+function the scheme's dense reference uses (`fake_quant_weight`: AQT's symmetric absmax per output channel / per
+group of `qat_group_size` input rows, scale absmax / qmax, rounded as AQT rounds; lrmq's RTN for the asym
+schemes; paper_int8's per-tensor scale frozen at load, one per expert), then `ragged_dot` with the sorted rows.
+w8a8 fake-quantizes the expert inputs per token (row) too, STE. What is identical to the dense Linears: the
+integer codes and scales of every weight (an expert is quantized as a Linear of its shape would be). What is not:
+AQT multiplies the integer operands and rescales the product, the expert path multiplies the dequantized weight
+(equal up to float rounding of the products); `qat_stochastic_rounding` (AQT's gradient quantization) has no
+expert form and is refused when the targets select experts.
+
 **Rollouts use the same quantized forward.** The dot_general is a static attribute of the module, so it
 lives in the graphdef that both the jitted train step and the generation `Engine` merge: sampling, log-probs
 and the update all see exactly the quantized policy (as paper 1, whose vLLM-free HF generate ran the
@@ -44,10 +57,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lrmq.model.linear import Linear, default_dot_general
+from lrmq.model.linear import ExpertLinear, Linear, default_dot_general, default_ragged_dot
 from lrmq.quant.formats import PER_CHANNEL, PER_TENSOR, WeightFormat
 from lrmq.quant.quantizers import fake_quant, fake_quant_per_tensor, per_tensor_scale
-from lrmq.quant.transforms import DEFAULT_TARGETS, iter_linears, require_linears
+from lrmq.quant.transforms import (DEFAULT_TARGETS, ROUTER_SUFFIX, iter_expert_linears, iter_linears,
+                                   require_linears)
 
 SCHEMES = ("paper_int8", "int8", "int4", "int4_asym", "int8_asym", "w8a8")
 ASYM_SCHEMES = {"int4_asym": 4, "int8_asym": 8}  # min-max with a zero point (own STE, lrmq's RTN quantizer)
@@ -236,6 +250,68 @@ def fake_quant_activations(x, bits: int = 8):
     return _sym_fake_quant(x, bits, 0, axis=x.ndim - 1)
 
 
+# ----------------------------------------------------------------------------- expert weights (ragged_dot)
+def _ste(w, wq):
+    return w + jax.lax.stop_gradient(wq - w)  # forward wq, backward identity
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSTERaggedDot:
+    """ragged_dot of an `ExpertLinear` (rows sorted by expert . stacked weight [E, K, N]) through the weight a scheme's
+    dense QAT forward multiplies by, per expert (`fake_quant_weight` of each expert's [K, N], every group of
+    `group_size` input rows its own scale; 0 = per output channel), identity backward (STE). `act_bits`: the rows
+    fake-quantized per token too (w8a8), STE. Frozen and hashable: static in the graphdef, as `AqtDotGeneral`."""
+
+    scheme: str
+    group_size: int = 0
+    act_bits: int | None = None
+
+    def quantize(self, w):
+        wq = jax.vmap(lambda we: fake_quant_weight(we, self.scheme, self.group_size))(jax.lax.stop_gradient(w))
+        return _ste(w, wq)
+
+    def __call__(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
+        if self.act_bits:
+            lhs = _ste(lhs, fake_quant_activations(jax.lax.stop_gradient(lhs), self.act_bits))
+        return jax.lax.ragged_dot(lhs, self.quantize(rhs), group_sizes, precision=precision,
+                                  preferred_element_type=preferred_element_type)
+
+
+class PerExpertTensorSTERaggedDot(nnx.Module):
+    """paper_int8 on an `ExpertLinear`: each expert's weight fake-quantized per tensor with its own int8 scale, frozen
+    from the base weights at load (`FrozenScale` [E], state as `PerTensorSTEDotGeneral`'s), identity backward."""
+
+    def __init__(self, scales, bits: int = 8):
+        self.scale = FrozenScale(jnp.asarray(scales, jnp.float32))
+        self.bits = bits
+
+    def quantize(self, w):
+        wq = jax.vmap(lambda we, s: fake_quant_per_tensor(we, self.bits, scale=s))(jax.lax.stop_gradient(w),
+                                                                                     self.scale[...])
+        return _ste(w, wq)
+
+    def __call__(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
+        return jax.lax.ragged_dot(lhs, self.quantize(rhs), group_sizes, precision=precision,
+                                  preferred_element_type=preferred_element_type)
+
+
+def make_ragged_dot(scheme: str, w=None, *, group_size: int = 0):
+    """The QAT ragged_dot of scheme `scheme` for a stacked expert weight `w` [E, K, N] (paper_int8 reads it for its
+    per-expert scales)."""
+    if scheme == "paper_int8":
+        if group_size:
+            raise ValueError("qat_scheme='paper_int8' is per-tensor; qat_group_size must be 0")
+        return PerExpertTensorSTERaggedDot(jax.lax.stop_gradient(jax.vmap(lambda we: per_tensor_scale(we, 8))(w)))
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
+    return ExpertSTERaggedDot(scheme=scheme, group_size=int(group_size), act_bits=8 if scheme == "w8a8" else None)
+
+
+def set_ragged_dot(el: ExpertLinear, rd) -> None:
+    """Set an ExpertLinear's ragged_dot (a module as data, anything else as static: `set_dot_general`'s rule)."""
+    el.ragged_dot = nnx.data(rd) if isinstance(rd, nnx.Module) else nnx.static(rd)
+
+
 # ----------------------------------------------------------------------------- the transform
 def make_dot_general(scheme: str, w=None, *, group_size: int = 0, stochastic_rounding: bool = False, seed: int = 0,
                      salt: int = 0):
@@ -260,24 +336,47 @@ def make_dot_general(scheme: str, w=None, *, group_size: int = 0, stochastic_rou
 
 def apply_qat(model, scheme: str = "paper_int8", *, pattern: str = DEFAULT_TARGETS, group_size: int = 0,
               stochastic_rounding: bool = False, seed: int = 0) -> list[str]:
-    """Set the QAT dot_general on every targeted Linear (in place). Returns the paths touched.
+    """Set the QAT dot_general on every targeted Linear and the QAT ragged_dot on every targeted mixture-of-experts
+    expert projection (in place). Returns the paths touched.
 
-    paper_int8 reads each base weight once here to fix its scale.
+    paper_int8 reads each base weight once here to fix its scale (one per expert of an expert projection).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
+    linears, experts = select_targets(model, pattern, "apply_qat")
+    if experts and stochastic_rounding:
+        raise ValueError(f"apply_qat: qat_stochastic_rounding quantizes AQT's backward, which has no ragged_dot: the "
+                         f"targets select the expert weights {experts[0][0]}; turn it off or leave the experts out "
+                         f"of quant.targets")
     touched = []
-    for path, lin in require_linears(model, pattern, "apply_qat"):
+    for path, lin in linears + experts:
         w = lin.kernel[...]
         if not hasattr(w, "shape") or hasattr(w, "codes"):
             raise ValueError(f"apply_qat: {path} holds a packed weight; QAT needs float master weights")
-        if group_size and w.shape[0] % group_size:
-            raise ValueError(f"apply_qat: qat_group_size={group_size} does not divide {path}'s K={w.shape[0]}")
-        dg = make_dot_general(scheme, w, group_size=group_size, stochastic_rounding=stochastic_rounding, seed=seed,
-                              salt=path_salt(path))
-        set_dot_general(lin, dg)
+        if group_size and w.shape[-2] % group_size:
+            raise ValueError(f"apply_qat: qat_group_size={group_size} does not divide {path}'s K={w.shape[-2]}")
+        if isinstance(lin, ExpertLinear):
+            set_ragged_dot(lin, make_ragged_dot(scheme, w, group_size=group_size))
+        else:
+            dg = make_dot_general(scheme, w, group_size=group_size, stochastic_rounding=stochastic_rounding,
+                                  seed=seed, salt=path_salt(path))
+            set_dot_general(lin, dg)
         touched.append(path)
     return touched
+
+
+def select_targets(model, pattern: str | None, what: str) -> tuple[list[tuple[str, Linear]],
+                                                                 list[tuple[str, ExpertLinear]]]:
+    """(Linears, mixture-of-experts ExpertLinears) whose paths `pattern` selects, for a transform that handles both
+    (a router is never selected: `iter_linears`'s rule); refused in one line, as `require_linears`, when it selects
+    nothing."""
+    experts = iter_expert_linears(model, pattern)
+    if not experts:
+        return require_linears(model, pattern, what), []
+    rx = re.compile(pattern) if pattern is not None else None
+    linears = [(p, lin) for p, lin in iter_linears(model, None)
+               if (rx is None or rx.fullmatch(p)) and not p.endswith(ROUTER_SUFFIX)]
+    return linears, experts
 
 
 def set_dot_general(lin: Linear, dg) -> None:
@@ -287,10 +386,14 @@ def set_dot_general(lin: Linear, dg) -> None:
 
 
 def remove_qat(model) -> None:
-    """Restore the plain dot_general on every Linear."""
+    """Restore the plain dot_general on every Linear and the plain ragged_dot on every expert projection."""
     for _, lin in iter_linears(model, None):
         set_dot_general(lin, default_dot_general)
+    for _, el in iter_expert_linears(model, None):
+        set_ragged_dot(el, default_ragged_dot)
 
 
-def is_qat(lin: Linear) -> bool:
+def is_qat(lin: Linear | ExpertLinear) -> bool:
+    if isinstance(lin, ExpertLinear):
+        return isinstance(lin.ragged_dot, (ExpertSTERaggedDot, PerExpertTensorSTERaggedDot))
     return isinstance(lin.dot_general, (PerTensorSTEDotGeneral, AqtDotGeneral, AsymSTEDotGeneral))

@@ -1,15 +1,17 @@
 """Train-mode preparation (QAT / QLoRA), packing Linears, float export and the memory report.
 
 * `prepare_for_training(model, qcfg, *, seed, mesh=None)`:
-  - ``qat``: `apply_qat` (float master weights stay `nnx.Param`s; only the dot_generals change).
+  - ``qat``: `apply_qat` (float master weights stay `nnx.Param`s; only the dot_generals change, and the
+    ragged_dots of targeted mixture-of-experts experts: per-expert fake-quant, STE).
   - ``qlora``: every targeted Linear's kernel becomes a packed `QuantizedKernel` (NF4 + double quant,
     block 64, or int4 asymmetric with `base_group_size`); the float kernel is dropped. Then LoRA
-    adapters (`nnx.LoRAParam`) are attached.
+    adapters (`nnx.LoRAParam`) are attached. Targets that select mixture-of-experts experts are refused (no adapter
+    hook on `ExpertLinear`).
 * `trainable_filter(mode)`: what the optimizer trains (LoRA adapters under QLoRA, else every Param).
 * `quantize_linears(model, qweights)` installs given QuantizedWeights (used by the PTQ CLI too).
 * `pack_linears(model, packing)`: round-to-nearest pack into a kernel layout (`formats.PACKINGS`).
-* `export_float_model(model)`: merge adapters, dequantize packed kernels, reset dot_generals: a plain
-  float Decoder (in place; also returned) that `save_hf_model` accepts.
+* `export_float_model(model)`: merge adapters, dequantize packed kernels (packed experts too), reset dot_generals
+  (and the experts' QAT ragged_dots): a plain float Decoder (in place; also returned) that `save_hf_model` accepts.
 * `param_bytes(model)`: {"base", "adapters", "total", "linears"} bytes of the variables.
 
 Packed weights are placed on the mesh of the float kernel they replace (`transforms.set_packed_kernel`).
@@ -22,14 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrmq.model.linear import Linear, default_dot_general
+from lrmq.model.linear import Linear, default_dot_general, default_ragged_dot
 from lrmq.quant.formats import PACKINGS, quantize_weight
 from lrmq.quant.lora import apply_lora, merge_lora
-from lrmq.quant.qat import apply_qat, set_dot_general
+from lrmq.quant.qat import apply_qat, set_dot_general, set_ragged_dot
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.quant.transforms import (
+    ATTENTION_TARGETS,
     DEFAULT_TARGETS,
     is_packed,
+    iter_expert_linears,
     iter_linears,
     mesh_of,
     module_at,
@@ -101,6 +105,12 @@ def prepare_for_training(model, qcfg, *, seed: int = 0, mesh=None):
                   stochastic_rounding=qcfg.qat_stochastic_rounding, seed=seed)
         return model
     if mode == "qlora":
+        experts = iter_expert_linears(model, qcfg.targets)
+        if experts:
+            raise ValueError(f"quant.mode=qlora: quant.targets={qcfg.targets!r} selects the mixture-of-experts expert "
+                             f"weights {experts[0][0]}: LoRA adapters on experts are not built (ExpertLinear's packed "
+                             f"path has no adapter hook); leave the experts out (e.g. {ATTENTION_TARGETS!r}) or use "
+                             "quant.mode=qat")
         pack_base(model, qcfg.targets, qcfg.base_format, qcfg.base_group_size, mesh=mesh)
         apply_lora(model, qcfg.targets, rank=qcfg.lora_rank, alpha=qcfg.lora_alpha, dropout=qcfg.lora_dropout,
                    rngs=nnx.Rngs(params=seed), seed=seed, mesh=mesh)
@@ -120,6 +130,10 @@ def export_float_model(model):
         if is_packed(lin):
             restore_float_kernel(model, lin, lin.float_weight())
         set_dot_general(lin, default_dot_general)
+    for _, el in iter_expert_linears(model, None):  # mixture-of-experts experts: QAT's ragged_dot, packed kernels
+        if is_packed(el):
+            restore_float_kernel(model, el, el.float_weight())
+        set_ragged_dot(el, default_ragged_dot)
     return model
 
 

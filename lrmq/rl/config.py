@@ -159,13 +159,14 @@ class RolloutSection:
                                       "gathered at the replayed ids, so its gradients still reach the gates of the "
                                       "chosen experts. Refused for a dense model (docs/moe.md, 'RL on MoE')")
 
-    def engine_config(self, pool_bytes: int = 0) -> EngineConfig:
+    def engine_config(self, pool_bytes: int = 0, *, moe: bool = False) -> EngineConfig:
         """The rollout engine, whole: `pool_bytes` is the KV pool's budget per device when kv_pages is 0
-        (`kv_pool.pool_budget`; 0 = the worst case)."""
+        (`kv_pool.pool_budget`; 0 = the worst case). `moe`: a mixture-of-experts policy, whose rollouts record the
+        experts every token ran (replayed with routing_replay, else compared by ``moe/route_mismatch``)."""
         return EngineConfig(slots=self.generation_batch or self.prompts_per_step * self.group_size,
                             page_size=self.page_size, pages=self.kv_pages, sync_steps=self.sync_steps,
                             kv_cache=self.kv_cache, attention=self.decode_attention, pool_bytes=int(pool_bytes),
-                            record_experts=self.routing_replay)
+                            record_experts=self.routing_replay or moe)
 
 
 @dataclass
@@ -449,11 +450,16 @@ class TrainConfig:
 
     def check_model(self, model_cfg) -> None:
         """Refuse the mixture-of-experts options for a dense model (`ModelConfig.num_experts == 0`): they would do
-        nothing; and routing replay of more experts than its uint8 ids hold."""
+        nothing; routing replay of more experts than its uint8 ids hold; and AWQ rollout scales on a mixture of
+        experts (AWQ's scale groups are the dense MLP's)."""
         if model_cfg.num_experts:
             if self.rollout.routing_replay and model_cfg.num_experts >= 255:
                 raise ConfigError(f"rollout.routing_replay: {model_cfg.num_experts} experts do not fit the replayed "
                                   "uint8 ids (at most 254)")
+            if self.rollout.quant != "none" and self.rollout.quant_scales == "awq":
+                raise ConfigError(f"rollout.quant_scales=awq: model.checkpoint={self.model.checkpoint!r} is a "
+                                  "mixture-of-experts model and the rollout copy's AWQ scale search covers dense MLPs "
+                                  "only; use rollout.quant_scales=rtn")
             return
         for key, value, off in (("algo.router_aux_coef", self.algo.router_aux_coef, 0.0),
                                 ("rollout.routing_replay", self.rollout.routing_replay, False)):

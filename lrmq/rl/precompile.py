@@ -92,8 +92,9 @@ def packed_chooser(shapes: list[UpdateShape]):
 
 
 def replay_shape(cfg: TrainConfig, model_cfg) -> tuple[int, int] | None:
-    """(sparse layers, k) of the experts an update batch carries with rollout.routing_replay, else None."""
-    return (len(model_cfg.moe_layers), model_cfg.num_experts_per_tok) if cfg.rollout.routing_replay else None
+    """(sparse layers, k) of the experts an update batch carries (the sampler's record: every mixture-of-experts run,
+    replayed with rollout.routing_replay, else read by ``moe/route_mismatch`` only), None for a dense model."""
+    return (len(model_cfg.moe_layers), model_cfg.num_experts_per_tok) if model_cfg.num_experts else None
 
 
 def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh, *, old_logp: bool = False,

@@ -30,15 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrmq.model.linear import default_dot_general
+from lrmq.model.linear import ExpertLinear, default_dot_general, default_ragged_dot
 from lrmq.ptq import awq
 from lrmq.ptq import layer_fn as lf
 from lrmq.ptq.awq import AWQOptions, awq_quantize_model
 from lrmq.quant.training import export_float_model
 from lrmq.quant.formats import quantize_weight
-from lrmq.quant.qat import set_dot_general
-from lrmq.quant.qkernel import QuantizedKernel
-from lrmq.quant.transforms import kernel_axes, qweight_shardings, require_linears
+from lrmq.quant.qat import select_targets, set_dot_general, set_ragged_dot
+from lrmq.quant.qkernel import QuantizedExpertKernel, QuantizedKernel
+from lrmq.quant.transforms import kernel_axes, qweight_shardings
 from lrmq.sharding import LOGICAL_AXES_KEY, abstract_state
 
 # rollout.quant -> quantize_weight options (the group size of int formats comes from the config)
@@ -74,7 +74,8 @@ def check_shapes(model, spec: RolloutQuant, option: str = "rollout.quant_group_s
     """Refuse, naming the Linear and the option, a group size that does not divide a targeted Linear's rows."""
     if ROLLOUT_FORMATS[spec.fmt]["fmt"] != "int" or spec.group_size == -1:
         return
-    for path, lin in require_linears(model, spec.targets, "rollout.quant"):
+    linears, experts = select_targets(model, spec.targets, "rollout.quant")
+    for path, lin in linears + experts:
         if lin.in_features % spec.group_size:
             raise ValueError(f"{option}={spec.group_size} does not divide {path}'s {lin.in_features} input rows "
                              "(use a divisor, or -1 for one scale per output channel)")
@@ -94,11 +95,14 @@ def fold_awq_scales(model, scales: dict) -> None:
 def quantize_for_rollout(model, spec: RolloutQuant, mesh=None, scales: dict | None = None) -> list[str]:
     """Pack the targeted Linears of `model` (in place; works on traced weights, inside jit) and return their
     paths: adapters merged into the (dequantized) base when `spec.merge_lora`, AWQ `scales` folded, QAT
-    dot_generals reset (a packed kernel brings its own matmul)."""
-    linears = require_linears(model, spec.targets, "rollout.quant")
-    for path, lin in linears:
+    dot_generals reset (a packed kernel brings its own matmul). A mixture-of-experts model's targeted expert
+    projections are packed too, each stacked [E, K, N] kernel into one stacked-experts weight (every expert
+    quantized alone, as a Linear of its shape: `formats.quantize_weight`), served by `QuantizedExpertKernel`'s
+    grouped matmul; the router is never a target and stays float."""
+    linears, experts = select_targets(model, spec.targets, "rollout.quant")
+    for path, lin in linears + experts:
         w = lin.float_weight()
-        if lin.lora is not None:
+        if getattr(lin, "lora", None) is not None:
             if not spec.merge_lora:
                 raise ValueError(f"{path} has a LoRA adapter: the rollout copy merges adapters only with "
                                  "rollout.lora=merged")
@@ -107,14 +111,18 @@ def quantize_for_rollout(model, spec: RolloutQuant, mesh=None, scales: dict | No
         lin.kernel = nnx.Param(w, **{LOGICAL_AXES_KEY: kernel_axes(lin)})
     if scales:
         fold_awq_scales(model, scales)
-    for path, lin in linears:
+    for path, lin in linears + experts:
         qw = quantize_weight(lin.kernel.get_value(), **spec.options())
         axes = kernel_axes(lin)
         if mesh is not None and mesh.size > 1:
             qw = jax.tree.map(jax.lax.with_sharding_constraint, qw, qweight_shardings(qw, axes, mesh))
-        lin.kernel = QuantizedKernel(qw, **{LOGICAL_AXES_KEY: axes})
-        set_dot_general(lin, default_dot_general)
-    return [path for path, _ in linears]
+        if isinstance(lin, ExpertLinear):
+            lin.kernel = QuantizedExpertKernel(qw, **{LOGICAL_AXES_KEY: axes})
+            set_ragged_dot(lin, default_ragged_dot)
+        else:
+            lin.kernel = QuantizedKernel(qw, **{LOGICAL_AXES_KEY: axes})
+            set_dot_general(lin, default_dot_general)
+    return [path for path, _ in linears + experts]
 
 
 def _copy_filter(awq_scales: bool):

@@ -162,7 +162,7 @@ class Sampler:
         adv = np.asarray(compute_advantages(a.advantage, rewards, g, eps=a.adv_eps, std_ddof=a.std_ddof,
                                             scale=a.scale_rewards))
         rb = build_batch(tokens, mask, comp, lengths, out.logprobs, adv, rewards)
-        if out.experts is not None:  # rollout.routing_replay: the experts the update's forward replays
+        if out.experts is not None:  # a MoE rollout: the experts the update replays (routing_replay) or compares
             rb = dataclasses.replace(rb, experts=replay_experts(mask, lengths, comp.shape[1], out.experts))
         cut = truncated_rows(comp, lengths, self.tokenizer.eos_ids)
         if a.mask_truncated_completions:

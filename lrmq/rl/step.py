@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrmq.model.decoder import positions_from_mask
-from lrmq.model.moe import load_balancing_loss
+from lrmq.model.moe import UNRECORDED, load_balancing_loss
 from lrmq.rl.batch import UpdateBatch
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.losses import (AGGREGATIONS, CORRECTION_METRICS, MISMATCH_METRICS, LossBatch, grpo_loss,
@@ -113,11 +113,36 @@ def batch_logprobs(model, mb: UpdateBatch, temperature: float, **kw):
     return _completion_forward(model, mb.tokens, mb.mask, mb.completion, temperature, experts=mb.experts, **kw)
 
 
-def routing_metrics(routing) -> dict:
+def routing_metrics(routing, recorded=None) -> dict:
     """The `moe/*` metrics' accumulators of a forward's stacked `Routing`: ``moe/expert_load`` = (token-slots of
     each sparse layer's experts [L, E], the layer's token-slots [L, 1]), summed over micro-batches;
-    `finish_routing_metrics` turns it into ``moe/expert_load_max``."""
-    return {"moe/expert_load": (routing.load, jnp.sum(routing.load, axis=-1, keepdims=True))}
+    `finish_routing_metrics` turns it into ``moe/expert_load_max``. With the sampler's `recorded` experts (the
+    batch's `experts`), ``moe/route_mismatch`` (`route_mismatch`) too."""
+    out = {"moe/expert_load": (routing.load, jnp.sum(routing.load, axis=-1, keepdims=True))}
+    if recorded is not None:
+        out["moe/route_mismatch"] = route_mismatch(routing.experts, recorded)
+    return out
+
+
+def route_mismatch(ran, recorded) -> tuple[jax.Array, jax.Array]:
+    """``moe/route_mismatch`` as (sum, count): of the token-slots the sampler recorded (`recorded` [B, T, sparse
+    layers, k], `UNRECORDED` where it ran nothing), those whose expert the update's forward did not run for that
+    token in that layer (`ran`: `Routing.experts` [sparse layers, B, T, k]), i.e. k - |learner's k experts &
+    sampler's k experts| per token and layer, over k x the recorded tokens and layers. 0 with routing replay (the
+    update runs the sampler's experts); without it, the share of routing the learner and the sampler disagree on."""
+    ran = jnp.moveaxis(ran, 0, -2).astype(jnp.int32)  # [B, T, L, k]
+    rec = recorded.astype(jnp.int32)
+    valid = rec[..., :1] != UNRECORDED  # [B, T, L, 1]
+    same = jnp.any(ran[..., :, None] == rec[..., None, :], axis=-1)  # [B, T, L, k]: learner's slot j in the record
+    differ = jnp.logical_and(valid, jnp.logical_not(same))
+    return (jax.lax.stop_gradient(jnp.sum(differ, dtype=jnp.float32)),
+            jnp.sum(valid, dtype=jnp.float32) * ran.shape[-1])
+
+
+def forward_batch(cfg: TrainConfig, mb: UpdateBatch) -> UpdateBatch:
+    """The batch the update's forward runs: its recorded `experts` replayed only with rollout.routing_replay (a
+    mixture-of-experts rollout records them anyway, for ``moe/route_mismatch``)."""
+    return mb if cfg.rollout.routing_replay or mb.experts is None else mb.replace(experts=None)
 
 
 def finish_routing_metrics(out: dict) -> dict:
@@ -171,7 +196,7 @@ def micro_batches(x, n_micro: int):
 def _loss_fn(trainable, rest, graphdef, mb: UpdateBatch, total_count, ref_logp, cfg: TrainConfig,
              old_from: OldLogpSource):
     model = nnx.merge(graphdef, trainable, rest)
-    logp, ent, routing = batch_logprobs(model, mb, cfg.rollout.temperature, remat=cfg.model.remat,
+    logp, ent, routing = batch_logprobs(model, forward_batch(cfg, mb), cfg.rollout.temperature, remat=cfg.model.remat,
                                         chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
     old = {"behaviour_logp": mb.behaviour_logp, "own": None, "old_logp": mb.old_logp}[old_from]
     aux = load_balancing_loss(routing) if routing is not None and cfg.algo.router_aux_coef else None
@@ -179,7 +204,7 @@ def _loss_fn(trainable, rest, graphdef, mb: UpdateBatch, total_count, ref_logp, 
                                                      behaviour_logp=mb.behaviour_logp, ref_logp=ref_logp),
                                      cfg.loss_config(), router_aux=aux)
     if routing is not None:
-        metrics.update(routing_metrics(routing))
+        metrics.update(routing_metrics(routing, mb.experts))
     m = mb.completion_mask
     metrics["entropy"] = ((jax.lax.stop_gradient(ent) * m).sum(), m.sum())
     # sampler vs the learner before the update: the old log-probs when handed over, else this forward's (the
@@ -224,6 +249,8 @@ def train_step(graphdef, cfg: TrainConfig, tx, old_from: OldLogpSource, trainabl
     if model_cfg.num_experts:  # moe/expert_load: [sparse layers, experts] token-slots
         layers = len(model_cfg.moe_layers)
         zero_metrics["moe/expert_load"] = (jnp.zeros((layers, model_cfg.num_experts)), jnp.zeros((layers, 1)))
+        if batch.experts is not None:
+            zero_metrics["moe/route_mismatch"] = (jnp.zeros(()), jnp.zeros(()))
     (grads, loss_sum, msum), logps = jax.lax.scan(body, (zeros_g, jnp.zeros(()), zero_metrics), (micro, ref_micro))
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, opt_state, trainable)
@@ -293,6 +320,7 @@ def make_ref_logprobs(graphdef, cfg: TrainConfig):
 
     def reference_logprobs(ref_trainable, rest, batch: UpdateBatch):
         model = nnx.merge(graphdef, ref_trainable, rest)
+        batch = forward_batch(cfg, batch)
         kw = dict(chunk=cfg.model.logits_chunk, scan=cfg.model.scan_layers)
         if batch.layout != "pack":  # the batch's replayed experts too, as the policy's forward
             return _completion_forward(model, batch.tokens, batch.mask, batch.completion, cfg.rollout.temperature,

@@ -130,19 +130,20 @@ class GRPOTrainer:
         hbm = self.cfg.run.hbm_limit_gib * GIB if self.cfg.run.hbm_limit_gib else hbm_bytes(device)
         split = is_split(self.mesh, self.sampler_mesh)
         budget, reserved = 0, update_bytes
+        moe = bool(lr.model_cfg.num_experts)  # the rollouts record each token's experts
         make = lambda engine: Sampler(self.cfg, self.tokenizer, policy_graphdef=lr.graphdef,
                                       rollout_graphdef=lr.rollout_graphdef, model_cfg=lr.model_cfg,
                                       mesh=self.sampler_mesh, engine=engine, eval_rows=self.eval_rows,
                                       suite_eval=self.suite_eval)
         if not r.kv_pages:
             if split:  # the sampler's own weights in its decode layout
-                probe = make(r.engine_config())
+                probe = make(r.engine_config(moe=moe))
                 abstract = lr.rollout_abstract()
                 reserved = bytes_per_device(jax.tree.map(
                     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                     probe.shardings(abstract)))
             budget = pool_budget(hbm, reserved, r.kv_memory_fraction)
-        sampler = make(r.engine_config(budget))
+        sampler = make(r.engine_config(budget, moe=moe))
         if budget:
             sampler.log_pool(hbm, reserved, "the sampler's weights" if split else "the update's")
         return sampler
