@@ -18,6 +18,7 @@ import numpy as np
 
 from . import reference as _ref
 from . import tpu as _tpu
+from . import tpu_grouped as _tpu_grouped
 from .target import current_target
 
 
@@ -184,3 +185,84 @@ def nf4_matmul(x, codes, absmax, block_size: int = 64, *, impl="auto", interpret
     if impl_r != "gpu":
         tiles = {k_: v for k_, v in tiles.items() if k_ not in ("splits", "num_warps", "num_stages")}
     return _qmatmul(x, (codes, absmax), _Cfg("nf4", impl_r, interp, block_size, _tiles(tiles)))
+
+
+# ------------------------------------------------------------------------- grouped (mixture of experts)
+# x [M, K] rows sorted by expert, `group_sizes` [E], stacked expert weights: the Mosaic TPU kernel
+# (`tpu_grouped`) or the XLA reference (dequantize every expert, `jax.lax.ragged_dot`). No GPU kernel: "auto"
+# on a GPU target takes the XLA path. Differentiable w.r.t. x only (dx = ragged_dot(dy, W^T)).
+_GROUPED = {
+    "int4": (lambda x, gs, q, c, **kw: _tpu_grouped.grouped_matmul_tpu("int4", x, gs, *q, c.group_size, **kw),
+             lambda x, gs, q, c, **kw: _ref.grouped_int4_matmul_reference(x, gs, *q, c.group_size, **kw),
+             lambda q, c: _ref.dequantize_grouped_int4(*q, c.group_size)),
+    "int8": (lambda x, gs, q, c, **kw: _tpu_grouped.grouped_matmul_tpu("int8", x, gs, *q, **kw),
+             lambda x, gs, q, c, **kw: _ref.grouped_int8_matmul_reference(x, gs, *q, **kw),
+             lambda q, c: _ref.dequantize_grouped_int8(*q)),
+}
+
+
+def _grouped_forward(x, group_sizes, q, cfg: _Cfg):
+    tpu, ref, _ = _GROUPED[cfg.fmt]
+    if cfg.impl == "xla":
+        return ref(x, group_sizes, q, cfg, compute_dtype=_xla_compute_dtype(x.dtype))
+    return tpu(x, group_sizes, q, cfg, interpret=cfg.interpret, **dict(cfg.tiles))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(x, group_sizes, q, cfg):
+    return _grouped_forward(x, group_sizes, q, cfg)
+
+
+def _grouped_fwd(x, group_sizes, q, cfg):
+    return _grouped_forward(x, group_sizes, q, cfg), (group_sizes, q)
+
+
+def _grouped_bwd(cfg, res, dy):
+    group_sizes, q = res
+    w_t = jnp.swapaxes(_GROUPED[cfg.fmt][2](q, cfg), 1, 2)  # [E, N, K] float32
+    cdt = _xla_compute_dtype(dy.dtype)
+    if cdt is None:
+        dx = jax.lax.ragged_dot(dy.astype(jnp.float32), w_t, group_sizes, precision=jax.lax.Precision.HIGHEST)
+    else:
+        dx = jax.lax.ragged_dot(dy, w_t.astype(cdt), group_sizes, preferred_element_type=jnp.float32)
+    return dx.astype(dy.dtype), _int_zero_cotangent(group_sizes), tuple(_float_or_int_zero(a) for a in q)
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def _grouped_tiles(kw) -> tuple:
+    bad = set(kw) - {"block_m", "block_n", "block_k"}
+    if bad:
+        raise TypeError(f"unexpected keyword arguments {sorted(bad)} (the grouped kernels take block_m / block_n / "
+                        "block_k)")
+    return tuple(sorted((k, v) for k, v in kw.items() if v is not None))
+
+
+def _grouped_impl(impl, interpret):
+    impl_r, interp = resolve_impl(impl, interpret)
+    if impl_r == "gpu":
+        if impl != "auto":
+            raise ValueError("the grouped (mixture-of-experts) kernels have no GPU implementation; use impl='auto', "
+                             "'tpu' or 'xla'")
+        impl_r, interp = "xla", False
+    return impl_r, interp
+
+
+def grouped_int4_matmul(x, group_sizes, codes, scales, zeros, group_size=None, *, impl="auto", interpret=None,
+                        **tiles):
+    """y[M, N]: rows of x [M, K] sorted by expert, `group_sizes[e]` rows of expert e (in order), each times its
+    expert's int4 weight (codes uint8 [E, K/2, N], K-packed as `int4_matmul`'s; scales / zeros [E, K/g, N]);
+    rows past sum(group_sizes) give 0 (`jax.lax.ragged_dot`). Tile overrides: block_m / block_n / block_k (TPU).
+    Differentiable w.r.t. x only."""
+    impl_r, interp = _grouped_impl(impl, interpret)
+    g = group_size or x.shape[-1] // scales.shape[1]
+    return _grouped(x, group_sizes.astype(jnp.int32), (codes, scales, zeros),
+                    _Cfg("int4", impl_r, interp, g, _grouped_tiles(tiles)))
+
+
+def grouped_int8_matmul(x, group_sizes, codes, scales, zeros, *, impl="auto", interpret=None, **tiles):
+    """`grouped_int4_matmul` for 8-bit experts: codes uint8 [E, K, N], scales / zeros [E, 1 or K/g, N]."""
+    impl_r, interp = _grouped_impl(impl, interpret)
+    return _grouped(x, group_sizes.astype(jnp.int32), (codes, scales, zeros),
+                    _Cfg("int8", impl_r, interp, None, _grouped_tiles(tiles)))

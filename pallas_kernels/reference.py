@@ -113,3 +113,30 @@ def int8_matmul_reference(x, codes, scales, zeros, *, compute_dtype=None):
 
 def nf4_matmul_reference(x, codes, absmax, block_size: int = 64, *, compute_dtype=None):
     return _dot(x, dequantize_nf4(codes, absmax, block_size), compute_dtype, transpose_w=True)
+
+
+# Grouped (mixture-of-experts) forms: stacked expert weights [E, ...], rows of x sorted by expert, `group_sizes`
+# [E] rows each (`jax.lax.ragged_dot`; rows past their sum give 0).
+def _ragged(x, w, group_sizes, compute_dtype):
+    cd = jnp.float32 if compute_dtype is None else compute_dtype
+    y = jax.lax.ragged_dot(x.astype(cd), w.astype(cd), group_sizes, precision=_HI,
+                           preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def dequantize_grouped_int4(codes, scales, zeros, group_size=None, dtype=jnp.float32) -> jax.Array:
+    """Stacked int4 experts: codes [E, K/2, N], scales / zeros [E, K/g, N] -> [E, K, N]."""
+    return jax.vmap(lambda c, s, z: dequantize_int4(c, s, z, group_size, dtype))(codes, scales, zeros)
+
+
+def dequantize_grouped_int8(codes, scales, zeros, dtype=jnp.float32) -> jax.Array:
+    """Stacked int8 experts: codes [E, K, N], scales / zeros [E, 1 or K/g, N] -> [E, K, N]."""
+    return jax.vmap(lambda c, s, z: dequantize_int8(c, s, z, dtype))(codes, scales, zeros)
+
+
+def grouped_int4_matmul_reference(x, group_sizes, codes, scales, zeros, group_size=None, *, compute_dtype=None):
+    return _ragged(x, dequantize_grouped_int4(codes, scales, zeros, group_size), group_sizes, compute_dtype)
+
+
+def grouped_int8_matmul_reference(x, group_sizes, codes, scales, zeros, *, compute_dtype=None):
+    return _ragged(x, dequantize_grouped_int8(codes, scales, zeros), group_sizes, compute_dtype)

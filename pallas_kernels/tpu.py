@@ -84,7 +84,7 @@ def _accumulate(acc_ref, o_ref, partial):
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _step_rows(ref, staged_ref, rows):
+def _step_rows(ref, staged_ref, rows, kk=None):
     """This K step's `rows` rows of a grouped side array (scales or zero points) as f32.
 
     Per-step blocks of bk/g rows must be a multiple of the array's HBM row tiling: 32 for uint8
@@ -94,10 +94,12 @@ def _step_rows(ref, staged_ref, rows):
     first K step and read per step after that. Values are exact, so results are unchanged.
     With rows a multiple of 8 the scratch is [K/g, bn], sliced at 8-aligned offsets; otherwise
     Mosaic cannot prove a dynamic row offset aligned (E2003), so the scratch is
-    [steps, rows, bn], filled by static slices and indexed on its leading axis."""
+    [steps, rows, bn], filled by static slices and indexed on its leading axis. `kk`: the K step (default
+    `pl.program_id(2)`; a kernel that reads it under `pl.when` passes it in, as interpret mode cannot lower a
+    program id there)."""
     if staged_ref is None:
         return ref[...]
-    kk = pl.program_id(2)
+    kk = pl.program_id(2) if kk is None else kk
     per_step = staged_ref.ndim == 3
 
     @pl.when(kk == 0)
@@ -132,10 +134,10 @@ def _side_specs(per_channel, staged, sb, rows_total, bn):
     return tuple(whole if st else step for st in staged)
 
 
-def _side_rows(refs, scratch, staged, sb):
+def _side_rows(refs, scratch, staged, sb, kk=None):
     """(scale rows, zero rows) of this K step; `scratch` holds the staging buffers in order."""
     it = iter(scratch)
-    return tuple(_step_rows(r, next(it) if st else None, sb) for r, st in zip(refs, staged))
+    return tuple(_step_rows(r, next(it) if st else None, sb, kk) for r, st in zip(refs, staged))
 
 
 # ---------------------------------------------------------------------------------------- int4

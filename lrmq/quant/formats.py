@@ -164,7 +164,10 @@ class Packing:
     operands(qw): the arrays the kernel takes after x; call(x, *operands, qw=, impl=) runs it.
     specs(k, n, qw): PartitionSpecs of the operands, given the mesh axes K and N are split over.
     k_split(qw): (K unit, groups): K may be split t ways only if K % (t * unit) == 0 and the
-      groups (if more than one) divide by t, so every shard holds whole groups."""
+      groups (if more than one) divide by t, so every shard holds whole groups.
+    grouped_call(x, group_sizes, *operands, qw=, impl=): the grouped (mixture-of-experts) kernel for a
+      stacked-experts weight of this layout (operands with a leading expert axis), or None (dequantize in XLA,
+      then `ragged_dot`)."""
 
     name: str
     options: dict
@@ -173,6 +176,7 @@ class Packing:
     call: Callable[..., jax.Array]
     specs: Callable[[Any, Any, QuantizedWeight], tuple]
     k_split: Callable[[QuantizedWeight], tuple[int, int]]
+    grouped_call: Callable[..., jax.Array] | None = None
 
 
 PACKINGS: Registry = Registry("packing")
@@ -189,14 +193,16 @@ PACKINGS.register("int4")(Packing(
     operands=lambda qw: (qw.codes, qw.scales, qw.zeros),
     call=lambda x, *ops, qw, impl: pk.int4_matmul(x, *ops, impl=impl),  # g from the local scales
     specs=_affine_specs,
-    k_split=lambda qw: (2, qw.K // qw.group_size)))
+    k_split=lambda qw: (2, qw.K // qw.group_size),
+    grouped_call=lambda x, gs, *ops, qw, impl: pk.grouped_int4_matmul(x, gs, *ops, impl=impl)))
 PACKINGS.register("int8")(Packing(
     "int8", dict(fmt="int", bits=8, group_size=-1, symmetric=False),
     serves=lambda qw: qw.fmt == "int" and qw.bits == 8,
     operands=lambda qw: (qw.codes, qw.scales, qw.zeros),
     call=lambda x, *ops, qw, impl: pk.int8_matmul(x, *ops, impl=impl),
     specs=_affine_specs,
-    k_split=lambda qw: (1, qw.K // qw.group_size)))
+    k_split=lambda qw: (1, qw.K // qw.group_size),
+    grouped_call=lambda x, gs, *ops, qw, impl: pk.grouped_int8_matmul(x, gs, *ops, impl=impl)))
 PACKINGS.register("nf4")(Packing(
     "nf4", dict(fmt="nf4", bits=4, block_size=64, double_quant=True),
     # blocks are flat in torch order: the kernel needs every row to hold whole blocks

@@ -150,7 +150,13 @@ def qragged_dot(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, *, im
     """The grouped matmul of a mixture-of-experts layer with packed experts: x [M, K], rows sorted by expert
     (`group_sizes` [E]: rows of expert 0 first, then 1, ...; rows past their sum give 0) times a stacked-experts
     `qw` (shape (E, K, N)) -> [M, N], `jax.lax.ragged_dot(x, dequantize(qw), group_sizes)`; gradient w.r.t. x only.
-    The XLA path dequantizes every expert then runs `ragged_dot`."""
+
+    On a TPU target (`pallas_kernels.current_target`, as `qmatmul`) int4 and int8 experts run the grouped Pallas
+    kernel (`pallas_kernels.grouped_int4_matmul` / `grouped_int8_matmul`: each expert's tile dequantized in VMEM);
+    everywhere else, for other formats, and under a multi-device mesh outside a shard_map (the kernel cannot be
+    partitioned automatically; the expert-parallel `shard_map` of `lrmq.model.moe` calls it per chip), the XLA path:
+    every expert dequantized, then `jax.lax.ragged_dot`. `impl` forces one as `qmatmul`'s ("tpu" off a TPU:
+    interpret mode)."""
     if qw.num_experts is None:
         raise ValueError(f"qragged_dot takes a stacked-experts weight of shape (E, K, N), got shape {qw.shape}")
     if x.ndim != 2 or x.shape[-1] != qw.K:
@@ -158,4 +164,20 @@ def qragged_dot(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, *, im
     if tuple(group_sizes.shape) != (qw.num_experts,):
         raise ValueError(f"qragged_dot: group_sizes must be [{qw.num_experts}] (one per expert), got "
                          f"{tuple(group_sizes.shape)}")
-    return _dequant_ragged_dot(x, qw, group_sizes)
+    packing = packing_of(qw)
+    if packing is None or packing.grouped_call is None:
+        return _dequant_ragged_dot(x, qw, group_sizes)
+    impl_r, _ = pk.resolve_impl(impl)
+    mesh = pk.mesh_in_effect()
+    if impl_r != "tpu" or (mesh is not None and mesh.size > 1 and not is_manual(mesh)):
+        return _dequant_ragged_dot(x, qw, group_sizes)
+    return packing.grouped_call(x, group_sizes, *packing.operands(qw), qw=qw, impl=impl).astype(x.dtype)
+
+
+def qragged_dot_path(qw: QuantizedWeight, impl: str = "auto") -> str:
+    """Which path `qragged_dot` takes for a stacked-experts weight traced now (outside a multi-device mesh): the
+    grouped kernel's packing name ('int4' | 'int8') on a TPU target, else 'dequant'."""
+    packing = packing_of(qw)
+    if packing is None or packing.grouped_call is None or pk.resolve_impl(impl)[0] != "tpu":
+        return "dequant"
+    return packing.name
