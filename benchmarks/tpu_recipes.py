@@ -11,7 +11,18 @@ file (resumable: finished entries are skipped) and rendered as the markdown tabl
     python benchmarks/tpu_recipes.py --out F --only qwen3_0.6b_grpo --modes bf16 --set rollout.max_new_tokens=4096
 
 `--set KEY=VALUE ...` compiles the recipe with those overrides (an entry of its own, keyed by them): the
-long-completion entries of the second table, whose rollout KV pool is sized to the chip (rollout.kv_pages=0).
+long-completion entries of the second table, whose rollout KV pool is sized to the chip (rollout.kv_pages=0),
+and the expert-parallel entries of Qwen3-30B-A3B (`--set mesh.fsdp=1 mesh.expert=8`).
+
+`--rollout-on TOPOLOGY` compiles only the recipe's rollout (the engine's prefill and decode programs for its
+prompts x group sequences, the KV pool sized to the chip as the trainer sizes it with rollout.kv_pages=0, less
+nothing: no update shares the chips) on another slice, e.g. Qwen3-30B-A3B's rollouts on v6e-8, in this process:
+
+    python benchmarks/tpu_recipes.py --out F --only pod_v5p64_30b_a3b_grpo --rollout-on v6e:2x4 \
+        --set mesh.data=1 mesh.fsdp=4 mesh.expert=2
+
+Every entry records each program's collectives (`lrmq.hlo.collective_totals`: the all-to-all bytes per device of
+one run, loops' trip counts included).
 """
 
 from __future__ import annotations
@@ -86,6 +97,45 @@ def run_one(name: str, mode: str, timeout: float, overrides: tuple[str, ...] = (
     return out
 
 
+def rollout_one(name: str, topology: str, overrides: tuple[str, ...] = ()) -> dict:
+    """The recipe's rollout programs alone on `topology` (`aot.check_generate`, the pool sized to the chip: the
+    worst case when it fits 90% of HBM), under the recipe's mesh section with `overrides`: an entry of the JSON."""
+    from lrmq import aot
+    from lrmq.configlib import load_config
+    from lrmq.generation.sampling import SamplingConfig
+    from lrmq.rl.config import TrainConfig
+    from lrmq.rl.setup import model_config
+    from lrmq.sharding import MeshConfig, make_mesh
+
+    cfg = load_config(TrainConfig, os.path.join(REPO, "configs", "paper1", name + ".yaml"),
+                      [*overrides, "rollout.kv_pages=0"])
+    m, r = cfg.mesh, cfg.rollout
+    devices = aot.target_devices(topology)
+    mesh = make_mesh(MeshConfig(m.data, m.fsdp, m.tensor, m.expert), devices=devices)
+    mcfg = model_config(cfg)
+    run = aot.abstract_run(cfg, mesh)
+    graphdef, states = aot.rollout_model(run)
+    lines: list[str] = []
+    t0 = time.perf_counter()
+    report, verdict = aot.check_generate(
+        graphdef, states, mesh, model_cfg=mcfg, engine=r.engine_config(moe=mcfg.num_experts > 0),
+        requests=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len, max_new=r.max_new_tokens,
+        sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        slots_option="rollout.generation_batch", pages_option="rollout.kv_pages", log=lines.append)
+    for row in report.rows:
+        row["name"] = "rollout " + row["name"]
+    return {"target": topology, "hbm_bytes": report.hbm, "headroom": aot.HEADROOM, "fits": report.fits,
+            "kv_pool": report.pool, "mode": cfg.quant.mode, "model": cfg.model.shapes or cfg.model.checkpoint,
+            "programs": report.rows, "placement": {"placement": "rollout only", "sampler": dict(mesh.shape),
+                                                   "sampler_chips": mesh.devices.size},
+            "recipe": name, "rc": 0 if report.fits else 3, "wall_s": time.perf_counter() - t0,
+            "layers": layers_of(name), "load_avg": os.getloadavg()[0], "commit": source_commit(),
+            "date": time.strftime("%Y-%m-%d"), "overrides": [f"rollout-on={topology}", *overrides],
+            "verdict": verdict, "log": lines, "traceback": False,
+            "command": f"python benchmarks/tpu_recipes.py --out F --only {name} --rollout-on {topology} --set "
+                       + " ".join(overrides)}
+
+
 def key_of(r: dict) -> tuple:
     return r["recipe"], r["mode"], r.get("layers", "loop"), tuple(r.get("overrides", ()))
 
@@ -114,7 +164,7 @@ def pool_table(results: list[dict]) -> str:
     rows = []
     for r in sorted((r for r in results if r.get("overrides")), key=lambda r: (r["recipe"], r["overrides"])):
         if "error" in r:
-            rows.append([r["recipe"], " ".join(r["overrides"]), "-", "-", "-", "-", "-", "-",
+            rows.append([r["recipe"], " ".join(r["overrides"]), *["-"] * 8,
                          "error: " + " ".join(r["error"])[:100]])
             continue
         mem = {p["name"]: p for p in r["programs"]}
@@ -125,11 +175,23 @@ def pool_table(results: list[dict]) -> str:
                      f"({pool['sized']}; worst case {pool['worst_case_pages']:,})" if pool else "-")
         secs = " / ".join(f"{mem[n]['seconds']:.0f}" for n in ("train_step", "rollout prefill", "rollout decode")
                           if n in mem)
+        a2a = " / ".join(f"{all_to_all_bytes(mem[n]) / 2 ** 30:.2f}" if all_to_all_bytes(mem[n]) is not None
+                         else "?" for n in ("train_step", "rollout prefill", "rollout decode") if n in mem)
         rows.append([r["recipe"], " ".join(r["overrides"]), r["target"], gib(r["hbm_bytes"]), pool_cell,
-                     cell("train_step"), cell("rollout prefill"), cell("rollout decode"), secs,
+                     cell("train_step"), cell("rollout prefill"), cell("rollout decode"), secs, a2a,
                      ("yes" if r["fits"] else "no") + f" (exit {r['rc']}): {r.get('verdict', '')[:160]}"])
     return md_table(["recipe", "overrides", "topology", "HBM GiB", "KV pool per chip", "step GiB", "prefill GiB",
-                     "decode GiB", "compile s (step / prefill / decode)", "fits (10% headroom), verdict"], rows)
+                     "decode GiB", "compile s (step / prefill / decode)", "all-to-all GiB per run",
+                     "fits (10% headroom), verdict"], rows)
+
+
+def all_to_all_bytes(program: dict) -> float | None:
+    """Bytes a program's all-to-alls (ragged or not) move per device in one run (`aot.program_collectives`: loops'
+    trip counts included); None for an entry compiled before they were recorded."""
+    coll = program.get("collectives")
+    if coll is None:
+        return None
+    return float(sum(c["operand_bytes"] for op, c in coll.items() if op in ("all-to-all", "ragged-all-to-all")))
 
 
 def merge(out: str, res: dict) -> dict:
@@ -159,12 +221,22 @@ def main() -> int:
     ap.add_argument("--table", action="store_true", help="print the markdown tables of --out and exit")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for these compiles (an entry of their own)")
+    ap.add_argument("--rollout-on", default=None, metavar="TOPOLOGY",
+                    help="compile only the recipes' rollout programs, for this TPU topology (e.g. v6e:2x4)")
     a = ap.parse_args()
     payload = json.load(open(a.out)) if os.path.exists(a.out) else {"machine": machine_info(), "results": []}
     if a.table:
         print(table(payload["results"]) + "\n\n" + pool_table(payload["results"]))
         return 0
     done = {key_of(r) for r in payload["results"] if "error" not in r}
+    if a.rollout_on:
+        for name in recipes(a.only):
+            res = rollout_one(name, a.rollout_on, tuple(a.set))
+            payload = merge(a.out, res)
+            print(f"{name} rollout on {a.rollout_on}: fits={res['fits']} ({res['wall_s']:.0f} s): {res['verdict']}",
+                  flush=True)
+        print(pool_table(payload["results"]))
+        return 0
     for name in recipes(a.only):
         for mode in a.modes:
             if (name, mode, layers_of(name), tuple(a.set)) in done and not a.redo:

@@ -28,6 +28,7 @@ from lrmq.configlib import ConfigError
 from lrmq.generation.engine import Engine, EngineConfig, pool_info
 from lrmq.generation.kv_pool import pool_budget
 from lrmq.generation.sampling import SamplingConfig
+from lrmq.hlo import collective_totals
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.quant.training import pack_linears, prepare_for_training, trainable_filter
@@ -268,7 +269,34 @@ def program_row(name: str, compile_fn) -> dict:
                 "seconds": time.perf_counter() - t0}
     cost = compiled_cost(compiled)
     return {"name": name, "memory": memory_report(compiled), "flops": float(cost.get("flops", 0.0)),
-            "bytes": float(cost.get("bytes accessed", 0.0)), "seconds": secs}
+            "bytes": float(cost.get("bytes accessed", 0.0)), "seconds": secs, "collectives": program_collectives(compiled)}
+
+
+def program_collectives(compiled) -> dict | None:
+    """`hlo.collective_totals` of a compiled program (one run: its loops' trip counts included), None where its
+    text is not what lrmq.hlo reads."""
+    try:
+        return collective_totals(compiled.as_text())
+    except ValueError:
+        return None
+
+
+ALL_TO_ALL = ("all-to-all", "ragged-all-to-all")
+
+
+def all_to_all_line(report: "FitReport") -> str | None:
+    """One line: the all-to-all bytes each program moves per device in one run (expert-parallel dispatch; a
+    ragged one counted at the mean over the devices, `hlo.collective_totals`, a device's own experts' slots
+    included), None when none has any."""
+    parts = []
+    for r in report.rows:
+        coll = r.get("collectives") or {}
+        moved = [coll[op] for op in ALL_TO_ALL if op in coll]
+        if moved:
+            unknown = " (a loop's trip count unknown: counted once)" if any(m["unknown_trips"] for m in moved) else ""
+            parts.append(f"{r['name']} {sum(m['operand_bytes'] for m in moved) / GIB:.3f} GiB in "
+                         f"{sum(m['count'] for m in moved)} exchanges{unknown}")
+    return "all-to-all per device per program run: " + "; ".join(parts) if parts else None
 
 
 _UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
@@ -296,7 +324,7 @@ def _micro_batch_candidates(cfg: TrainConfig, mesh) -> list[int]:
     """Micro-batch sizes below the configured one that divide the batch and the data axes, largest first."""
     s = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     cur = cfg.optim.micro_batch_size or s
-    div = mesh.shape["data"] * mesh.shape["fsdp"]
+    div = batch_divisor(mesh)
     return [m for m in range(cur - 1, 0, -1) if s % m == 0 and m % div == 0]
 
 

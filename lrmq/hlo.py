@@ -122,10 +122,11 @@ class Module:
         count is unknown, flagged): [{"op", "name", "computation", "bytes" (result), "operand_bytes",
         "group", "times", "shapes"}]."""
         out = []
+        types = {i.name: i.type for i in self.computations.get(root, [])}
         for ins in self.computations.get(root, []):
             base = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
             if base in COLLECTIVES:
-                out.append(_collective(ins, base, root, multiplier))
+                out.append(_collective(ins, base, root, multiplier, types))
             elif ins.op == "while":
                 trips = self.trip_count(ins)
                 for part in ("body", "condition"):
@@ -152,14 +153,36 @@ def _group_size(line: str) -> int:
     return 1
 
 
-def _collective(ins: Instruction, base: str, computation: str, times: int) -> dict:
+def _collective(ins: Instruction, base: str, computation: str, times: int, types: dict | None = None) -> dict:
     sizes = array_bytes(ins.type)
     shapes = array_shapes(ins.type)
     result = max(sizes) if sizes else 0  # async starts print (operand, result) tuples: the larger one
     group = _group_size(ins.line)
     operand = {"all-gather": result // max(group, 1), "reduce-scatter": result * group}.get(base, result)
+    if base == "ragged-all-to-all":  # one of the rows sent (operand) and the buffer received into (result) is the
+        ops = _operands(ins)  # device's own rows, the other sized for the worst case (every device's rows to one):
+        sent = sum(array_bytes((types or {}).get(ops[0], ""))) if ops else 0  # the smaller is the mean per device
+        operand = min(sent, result) if sent else result
     return {"op": base, "name": ins.name, "computation": computation, "bytes": result, "operand_bytes": operand,
             "group": group, "times": times, "shapes": shapes}
+
+
+def collective_totals(text: str) -> dict[str, dict]:
+    """{op: {"count", "bytes", "operand_bytes", "unknown_trips"}} of every collective a compiled program's text
+    runs from its entry, loop bodies counted their trip counts (`Module.collectives`): how many run, their result
+    bytes and their operand bytes (per device) summed. For a ragged-all-to-all, whose sizes are data-dependent,
+    "operand_bytes" is the smaller of its operand and its result: the exchange's rows are each device's own (the
+    dispatch sends a device's token-slots, the return receives them), the other buffer is sized for the worst
+    case, so it is the bytes a device sends and receives on average over the devices (a balanced router: each)."""
+    module = Module(text)
+    out: dict[str, dict] = {}
+    for c in module.collectives(module.entry):
+        t = out.setdefault(c["op"], {"count": 0, "bytes": 0, "operand_bytes": 0, "unknown_trips": False})
+        t["count"] += c["times"]
+        t["bytes"] += c["bytes"] * c["times"]
+        t["operand_bytes"] += c["operand_bytes"] * c["times"]
+        t["unknown_trips"] |= bool(c.get("unknown_trips"))
+    return out
 
 
 def decode_loop(module: Module) -> Instruction:

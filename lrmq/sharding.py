@@ -2,8 +2,11 @@
 
 Parameters are annotated with logical axes ("embed", "heads", "mlp", "vocab", ...) under the metadata key
 `LOGICAL_AXES_KEY` (`lrmq.model.params.param` sets it); `RULES` maps each to mesh axes of a
-(data, fsdp, tensor) mesh. All mesh axes are Auto, so XLA propagates activation
-shardings and AQT's dot_general (which cannot take `out_sharding`) works.
+(data, fsdp, tensor) mesh, with a fourth axis, `expert`, where MeshConfig.expert > 1 (expert parallelism: the
+stacked expert kernels split over it by their leading "expert" dimension, the batch and every other weight's model
+dimension split over it as over fsdp; `lrmq.model.moe.Experts` dispatches the tokens to their experts' chips with
+an all-to-all). A mesh without it (expert = 1) is the (data, fsdp, tensor) mesh it always was. All mesh axes are
+Auto, so XLA propagates activation shardings and AQT's dot_general (which cannot take `out_sharding`) works.
 """
 
 from __future__ import annotations
@@ -20,14 +23,21 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# The expert-parallel mesh axis, after MESH_AXES (innermost: the all-to-all dispatch between nearest chips); only
+# in a mesh whose MeshConfig.expert > 1, so code reading it asks `mesh.shape.get(EXPERT_AXIS, 1)`.
+EXPERT_AXIS = "expert"
+# The axes a batch's rows are split over (those the mesh has with > 1 device): data parallel, FSDP and expert
+# parallel alike (an expert-parallel chip holds its own tokens and sends each to its expert's chip).
+BATCH_AXES = ("data", "fsdp", EXPERT_AXIS)
 # The nnx.Variable metadata key holding a parameter's logical axes. lrmq keeps its own key rather than flax's
 # eager `sharding`, so models build outside a mesh and the annotation survives flax's renames across versions.
 LOGICAL_AXES_KEY = "logical_axes"
 
 # logical axis -> mesh axis (or None = replicated). One table, as the HF name map.
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
-    "embed": "fsdp",
+    "batch": BATCH_AXES,
+    "embed": ("fsdp", EXPERT_AXIS),  # the expert axis shards the other weights as fsdp does (the experts: over E)
+    "expert": EXPERT_AXIS,
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
@@ -41,27 +51,38 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1  # -1: all remaining devices
     tensor: int = 1
+    expert: int = 1  # > 1: an EXPERT_AXIS of this size after the others (expert parallelism)
 
 
-def make_mesh(cfg: MeshConfig | tuple[int, int, int] | None = None, devices=None) -> Mesh:
+def mesh_axes(cfg: MeshConfig) -> tuple[str, ...]:
+    """The axis names of `cfg`'s mesh: MESH_AXES, and EXPERT_AXIS when cfg.expert > 1."""
+    return MESH_AXES + ((EXPERT_AXIS,) if cfg.expert > 1 else ())
+
+
+def make_mesh(cfg: MeshConfig | tuple[int, ...] | None = None, devices=None) -> Mesh:
+    """The mesh of `cfg` (a MeshConfig, or its fields as a tuple (data, fsdp, tensor[, expert])) over `devices`
+    (default all): at most one axis -1 (the devices left), the product equal to the device count."""
     devices = devices if devices is not None else jax.devices()
     if cfg is None:
         cfg = MeshConfig()
     if isinstance(cfg, tuple):
         cfg = MeshConfig(*cfg)
-    shape = [cfg.data, cfg.fsdp, cfg.tensor]
+    if cfg.expert < 1:
+        raise ValueError(f"mesh expert={cfg.expert}: expected >= 1")
+    names = mesh_axes(cfg)
+    shape = [cfg.data, cfg.fsdp, cfg.tensor, cfg.expert][:len(names)]
     n = len(devices)
     if shape.count(-1) > 1:
         raise ValueError(f"mesh {shape}: at most one axis may be -1")
     if -1 in shape:
         rest = math.prod(s for s in shape if s != -1)
         if n % rest:
-            raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} does not divide {n} devices")
+            raise ValueError(f"mesh {dict(zip(names, shape))} does not divide {n} devices")
         shape[shape.index(-1)] = n // rest
     if math.prod(shape) != n:
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices, have {n}")
+        raise ValueError(f"mesh {dict(zip(names, shape))} needs {math.prod(shape)} devices, have {n}")
     dev = np.asarray(devices).reshape(shape)
-    return Mesh(dev, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(dev, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 # The decode layout (the generation engine relays the weights into it once per device call, never per token):
@@ -113,8 +134,8 @@ def entry_axes(entry) -> tuple[str, ...]:
 
 
 def axes_size(mesh, axes) -> int:
-    """Devices along `axes` of `mesh` (1 for none)."""
-    return math.prod(mesh.shape[a] for a in axes)
+    """Devices along `axes` of `mesh` (1 for none; an axis the mesh does not have counts 1)."""
+    return math.prod(mesh.shape.get(a, 1) for a in axes)
 
 
 def dividing_axes(mesh, names, size: int, exclude=()) -> tuple[str, ...]:
@@ -142,7 +163,7 @@ def logical_to_spec(axes: tuple[str | None, ...] | None, shape: tuple[int, ...],
         if target is None:
             out.append(None)
             continue
-        names = tuple(a for a in entry_axes(target) if a not in used and mesh.shape[a] > 1)
+        names = tuple(a for a in entry_axes(target) if a not in used and mesh.shape.get(a, 1) > 1)
         if not names or dim % axes_size(mesh, names):
             out.append(None)
             continue
@@ -199,9 +220,14 @@ def _matches(axes, shape) -> bool:
     return axes is not None and len(axes) == len(shape)
 
 
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The BATCH_AXES `mesh` has with more than one device: those a batch's rows are split over."""
+    return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Shard the leading (batch) dimension over data x fsdp."""
-    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    """Shard the leading (batch) dimension over data x fsdp (x expert)."""
+    axes = batch_axes(mesh)
     return NamedSharding(mesh, P(spec_entry(axes), *([None] * (ndim - 1))))
 
 
@@ -214,7 +240,7 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
+    axes = batch_axes(mesh)
     if not axes or x.ndim == 0 or x.shape[0] % axes_size(mesh, axes):
         return x
     return jax.lax.with_sharding_constraint(x, P(spec_entry(axes), *([None] * (x.ndim - 1))))
@@ -232,7 +258,8 @@ def bytes_per_device(tree) -> int:
 
 
 def batch_divisor(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """Devices a batch's rows are split over (`batch_axes`): a batch size must be a multiple of it."""
+    return axes_size(mesh, batch_axes(mesh))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:

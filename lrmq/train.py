@@ -143,6 +143,9 @@ def compile_only(cfg, topology: str, report_path: str | None, platform: str = "t
     print(report.table())
     if report.pool is not None:
         print(aot.pool_line(report.pool, "rollout.kv_pages"))
+    a2a = aot.all_to_all_line(report)
+    if a2a:
+        print(a2a)
     note = aot.memory_note(report, devices)
     if note:
         print(note)

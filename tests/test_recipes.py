@@ -64,7 +64,7 @@ def check_recipe(path: str) -> None:
     assert math.floor(available / cfg.rollout.prompts_per_step) == cfg.run.steps, name
     # The mesh covers the slice the recipe names, and its comments count that slice's chips and hosts.
     chips, hosts = SLICES[cfg.mesh.topology]
-    mesh_devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    mesh_devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor * cfg.mesh.expert
     assert mesh_devices == chips, f"{name}: mesh {mesh_devices} devices on {cfg.mesh.topology} ({chips} chips)"
     for line in text.splitlines():
         for m in re.finditer(r"(?<!of )\b(\d+) chips", line):  # a line naming the v5p-64 pod speaks of that slice

@@ -8,6 +8,20 @@ flattened top-k ids; group sizes by bincount), each projection one `jax.lax.ragg
 [experts, in, out] kernels (`ExpertLinear`), then unsorted and summed with the routing weights. No token is
 dropped (no capacity factor): every group is as large as its expert's load.
 
+Expert parallelism: under a mesh with an `expert` axis (`lrmq.sharding.EXPERT_AXIS`, MeshConfig.expert > 1) that
+divides num_experts, `Experts` runs in a `jax.shard_map` (`_expert_parallel`): each chip holds E / S experts (S the
+axis size) and its own tokens. Where the tokens are split over the expert axis (training: the batch rows are), each
+chip sorts its token-slots by expert, exchanges the per-expert counts (an all-gather of E integers), sends each
+slot to its expert's chip with one `ragged_all_to_all`, sorts what it received by local expert, runs the grouped
+matmuls, and sends the results back with a second one (MaxText's layers/moe.py scheme). The receive buffer holds
+the worst case (S x its own slots: every slot sent to one chip), so no token is dropped, as without the axis. Where
+the tokens are not split over it (the decode layout splits the batch over `data` only), every chip computes its
+experts' share of its tokens and the shares are summed (a psum over the expert axis). The expert kernels' model
+dimension is gathered at the shard_map's edge (FSDP); an `mlp` dimension split over tensor axes stays split, each
+chip computing its columns and the down projections' partial sums added (the decode layout's tensor parallelism:
+no weight is gathered per token). XLA:CPU has no ragged-all-to-all: on the CPU the same exchange runs as a
+padded `all_to_all` (`_ragged_exchange`), so the multi-device CPU test checks the same offsets.
+
 Choice and computation are separate (`MoE.routed` = `route`, then `Experts(x, experts, weights)`), so a
 forward can be given the experts another one chose (routing replay: `replayed_weights`) without a second expert
 path. `MoE.routed` also returns what its router did (`Routing`): the experts, for a sampler to record, and the
@@ -20,9 +34,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 
 from lrmq.model.config import ModelConfig
 from lrmq.model.linear import ExpertLinear, Linear
+from lrmq.sharding import (EXPERT_AXIS, axes_size, dividing_axes, entry_axes, is_manual, logical_to_spec,
+                           rules_in_effect, spec_entry)
 
 
 # A replayed expert id meaning "not recorded" (a token the sampler never ran: the last completion token, padding):
@@ -94,6 +111,9 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
         """x [N, D], experts / weights [N, k] -> [N, D]: sum over j of weights[n, j] * expert experts[n, j] (x[n])."""
+        plan = _expert_plan(self, x.shape[0])
+        if plan is not None:
+            return _expert_parallel(self, plan, x, experts, weights)
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # token-slot pairs grouped by expert, tokens in order within a group
@@ -103,6 +123,143 @@ class Experts(nnx.Module):
         ys = self.down_proj(h, sizes)
         ys = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(n, k, -1)  # back to token order
         return jnp.sum(ys * weights.astype(ys.dtype)[..., None], axis=1)
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+def _is_packed(kernel) -> bool:
+    # looked up on the class, as lrmq.model.linear does: a packed kernel variable brings its own matmul
+    return any(callable(getattr(type(kernel), m, None)) for m in ("packed_ragged_dot", "packed_matmul"))
+
+
+@struct.dataclass
+class _Plan:
+    """How `_expert_parallel` splits one call: the mesh in effect, the token axes (the batch axes of the rules in
+    effect that divide the token count, the `mlp` axes excluded), the `mlp` axes the kernels' hidden dimension stays
+    split over, and whether the tokens are split over the expert axis (all-to-all dispatch) or not (psum)."""
+
+    mesh: object = struct.field(pytree_node=False)
+    tokens: tuple = struct.field(pytree_node=False)
+    mlp: tuple = struct.field(pytree_node=False)
+    dispatch: bool = struct.field(pytree_node=False)
+
+
+def _expert_plan(module: "Experts", n_tokens: int) -> _Plan | None:
+    """The expert-parallel plan of a call on `n_tokens` tokens, or None for the single-program path: no mesh in
+    effect, no expert axis (> 1 device) dividing num_experts, or already inside a shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get(EXPERT_AXIS, 1) <= 1 or is_manual(mesh):
+        return None
+    if module.num_experts % mesh.shape[EXPERT_AXIS]:
+        return None
+    for lin in (module.gate_proj, module.up_proj, module.down_proj):
+        if _is_packed(lin.kernel):
+            raise ValueError(f"packed expert kernels under an expert mesh axis (mesh.expert="
+                             f"{mesh.shape[EXPERT_AXIS]}): expert parallelism runs float (or QAT) expert kernels "
+                             f"only; use mesh.expert=1 for packed experts")
+    rules = rules_in_effect()
+    k = module.gate_proj.kernel
+    spec = tuple(logical_to_spec(("expert", "embed", "mlp"), tuple(k.shape), mesh, rules)) + (None,) * 3
+    mlp = tuple(a for a in entry_axes(spec[2]) if a != EXPERT_AXIS)
+    if mlp and module.down_proj.kernel.shape[1] % axes_size(mesh, mlp):
+        mlp = ()
+    tokens = dividing_axes(mesh, entry_axes(rules.get("batch")), n_tokens, exclude=mlp)
+    return _Plan(mesh, tokens, mlp, EXPERT_AXIS in tokens)
+
+
+def _exclusive_cumsum(v: jax.Array, axis: int = -1) -> jax.Array:
+    return jnp.cumsum(v, axis=axis) - v
+
+
+def _ragged_exchange(x, out, input_offsets, send_sizes, output_offsets, recv_sizes):
+    """`jax.lax.ragged_all_to_all` over the expert axis (its semantics: rows [input_offsets[j], + send_sizes[j])
+    of x go to chip j, written there from ITS output row output_offsets[j]; recv_sizes[i] rows come from chip i),
+    lowered as such where the backend has it, and on the CPU (XLA:CPU has no ragged-all-to-all) as an
+    `all_to_all` of each destination's rows padded to x's length, placed by a scatter at the senders' offsets."""
+
+    def padded(x, out, input_offsets, send_sizes, output_offsets, recv_sizes):
+        m = x.shape[0]
+        r = jnp.arange(m)
+        rows = input_offsets[:, None] + r[None, :]  # [S, m]: the rows sent to each chip, padded to m
+        keep = r[None, :] < send_sizes[:, None]
+        send = jnp.where(keep[..., None], jnp.take(x, jnp.clip(rows, 0, m - 1), axis=0), 0)
+        got = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=False)  # [S, m, D]: got[i] = chip i's rows for me
+        at = jax.lax.all_to_all(output_offsets, EXPERT_AXIS, 0, 0, tiled=True)  # at[i]: where chip i writes here
+        dest = jnp.where(r[None, :] < recv_sizes[:, None], at[:, None] + r[None, :], out.shape[0])
+        return out.at[dest.reshape(-1)].set(got.reshape(-1, x.shape[-1]), mode="drop", unique_indices=True)
+
+    def ragged(*args):
+        return jax.lax.ragged_all_to_all(*args, axis_name=EXPERT_AXIS)
+
+    return jax.lax.platform_dependent(x, out, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                      cpu=padded, default=ragged)
+
+
+def _ffn(module: "Experts", xs, sizes, kernels, mlp: tuple):
+    """The SwiGLU experts on rows `xs` sorted by local expert (`sizes` [E / S] rows each; rows past their sum are
+    padding, returned as 0), through each ExpertLinear's `ragged_dot` seam with the local `kernels`; the down
+    projection's partial sums over the `mlp` axes added."""
+    def proj(lin, h, w):
+        return lin.ragged_dot(h.astype(lin.dtype), w.astype(lin.dtype), sizes).astype(lin.dtype)
+
+    h = jax.nn.silu(proj(module.gate_proj, xs, kernels[0])) * proj(module.up_proj, xs, kernels[1])
+    y = proj(module.down_proj, h, kernels[2])
+    if mlp:
+        y = jax.lax.psum(y, mlp)
+    valid = jnp.arange(xs.shape[0]) < jnp.sum(sizes)
+    return jnp.where(valid[:, None], y, 0)
+
+
+def _expert_parallel(module: "Experts", plan: _Plan, x, experts, weights):
+    """`Experts.__call__` in a shard_map over `plan.mesh` (the module docstring: dispatch by ragged all-to-all,
+    or a psum when the tokens are not split over the expert axis)."""
+    mesh, e = plan.mesh, module.num_experts
+    s = mesh.shape[EXPERT_AXIS]
+    el = e // s
+    tok, mlp = spec_entry(plan.tokens), spec_entry(plan.mlp)
+    specs = (P(EXPERT_AXIS, None, mlp), P(EXPERT_AXIS, None, mlp), P(EXPERT_AXIS, mlp, None))
+    kernels = tuple(lin.kernel.get_value() for lin in (module.gate_proj, module.up_proj, module.down_proj))
+    out_dtype = module.down_proj.dtype
+
+    def body(x, experts, weights, *kernels):
+        n, k = experts.shape
+        me = jax.lax.axis_index(EXPERT_AXIS)
+        flat = experts.reshape(-1)
+        if not plan.dispatch:  # every chip has all its group's tokens: its own experts' share, summed over chips
+            local = flat - me * el
+            key = jnp.where((local >= 0) & (local < el), local, el)
+            order = jnp.argsort(key, stable=True)
+            sizes = jnp.bincount(key, length=el + 1)[:el].astype(jnp.int32)
+            ys = _ffn(module, jnp.take(x, order // k, axis=0), sizes, kernels, mlp=())
+            ys = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(n, k, -1)
+            y = jnp.sum(ys * weights.astype(ys.dtype)[..., None], axis=1)
+            return jax.lax.psum(y, (EXPERT_AXIS, *plan.mlp))
+        order = jnp.argsort(flat, stable=True)  # this chip's slots by expert, so by destination chip
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
+        xs = jnp.take(x, order // k, axis=0)
+        counts = jax.lax.all_gather(sizes, EXPERT_AXIS).reshape(s, s, el)  # [sender, destination, local expert]
+        per_pair = jnp.sum(counts, axis=-1)  # [sender, destination] slots
+        send = per_pair[me]
+        recv = per_pair[:, me]
+        rows = s * n * k  # the worst case: every chip's slots to this one
+        out_at = _exclusive_cumsum(per_pair, axis=0)[me]  # where each destination writes my rows: after lower senders'
+        got = _ragged_exchange(xs, jnp.zeros((rows, x.shape[-1]), xs.dtype), _exclusive_cumsum(send), send,
+                               out_at, recv)
+        # what came is by sender, then local expert: each row's local expert, padding (past the total) last
+        mine = counts[:, me].reshape(-1)  # [sender x local expert] rows, in arrival order
+        ends = jnp.cumsum(mine)
+        seg = jnp.searchsorted(ends, jnp.arange(rows), side="right")
+        key = jnp.where(seg < s * el, seg % el, el)
+        lorder = jnp.argsort(key, stable=True)
+        ys = _ffn(module, jnp.take(got, lorder, axis=0), jnp.sum(counts[:, me], axis=0), kernels, plan.mlp)
+        ys = jnp.zeros_like(ys).at[lorder].set(ys, unique_indices=True)  # back in arrival order
+        back = _ragged_exchange(ys, jnp.zeros((n * k, ys.shape[-1]), ys.dtype), _exclusive_cumsum(recv), recv,
+                                _exclusive_cumsum(per_pair, axis=1)[:, me], send)
+        ys = jnp.zeros_like(back).at[order].set(back, unique_indices=True).reshape(n, k, -1)
+        return jnp.sum(ys * weights.astype(ys.dtype)[..., None], axis=1)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(tok, None), P(tok, None), P(tok, None), *specs),
+                       out_specs=P(tok, None), check_vma=False)
+    return fn(x, experts, weights, *kernels).astype(out_dtype)
 
 
 class MoE(nnx.Module):

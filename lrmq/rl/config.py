@@ -307,6 +307,10 @@ class MeshSection:
     data: int = opt(1, "data-parallel mesh axis: batch split, parameters replicated (-1 = all remaining devices)", ge=1, also=(-1,))
     fsdp: int = opt(-1, "FSDP mesh axis: batch split and parameters sharded (-1 = all remaining devices)", ge=1, also=(-1,))
     tensor: int = opt(1, "tensor-parallel mesh axis: heads, MLP and vocabulary dimensions sharded", ge=1)
+    expert: int = opt(1, "expert-parallel mesh axis (a mixture of experts): each chip holds num_experts / expert of "
+                         "the experts and the batch is split over it too, tokens sent to their experts' chips by "
+                         "all-to-all (docs/moe.md, 'Expert parallelism'); 1 = none. With rollout.placement=split it "
+                         "applies to the learner's mesh only", ge=1)
     topology: str = opt("", "the hardware the recipe is written for, as a TPU topology (e.g. v5p:2x4x4): "
                             "--compile-only compiles for it when no --topology is given")
     rollout_fraction: float = opt(0.5, "rollout.placement=split: the share of each host's local chips given to the "
@@ -367,7 +371,7 @@ class TrainConfig:
     algo: AlgoSection = opt(help="advantages, policy loss, KL penalty and reward", factory=AlgoSection)
     optim: OptimSection = opt(help="AdamW, learning-rate schedule, gradient accumulation", factory=OptimSection)
     quant: QuantSection = opt(help="quantization-aware training (QAT) or QLoRA", factory=QuantSection)
-    mesh: MeshSection = opt(help="device mesh (data x fsdp x tensor)", factory=MeshSection)
+    mesh: MeshSection = opt(help="device mesh (data x fsdp x tensor [x expert])", factory=MeshSection)
     run: RunSection = opt(help="run directory, length, checkpoints, evaluation", factory=RunSection)
 
     def validate(self):
@@ -379,8 +383,8 @@ class TrainConfig:
             raise ConfigError(f"optim.micro_batch_size={o.micro_batch_size} does not divide the "
                               f"{seqs} sequences per step (prompts_per_step x group_size)")
         if self.mesh.data > 0 and self.mesh.fsdp > 0:
-            check_data_parallel_batch(seqs, o.micro_batch_size, self.mesh.data * self.mesh.fsdp,
-                                      "mesh.data x mesh.fsdp")
+            check_data_parallel_batch(seqs, o.micro_batch_size, self.mesh.data * self.mesh.fsdp * self.mesh.expert,
+                                      "mesh.data x mesh.fsdp" + (" x mesh.expert" if self.mesh.expert > 1 else ""))
         if self.run.steps < 1:
             raise ConfigError("run.steps must be >= 1")
         try:  # a set pool too small for one rollout sequence: refused here, not by the scheduler mid-rollout

@@ -63,11 +63,12 @@ def placement_meshes(cfg, devices=None):
     m = cfg.mesh
     devices = list(devices if devices is not None else jax.devices())
     if cfg.rollout.placement == "colocated":
-        mesh = _mesh(MeshConfig(m.data, m.fsdp, m.tensor), devices, "mesh.data / mesh.fsdp / mesh.tensor")
+        mesh = _mesh(MeshConfig(m.data, m.fsdp, m.tensor, m.expert), devices,
+                     "mesh.data / mesh.fsdp / mesh.tensor / mesh.expert")
         return mesh, mesh
     sampler_devs, learner_devs = split_devices(devices, m.rollout_fraction)
-    learner = _mesh(MeshConfig(m.data, m.fsdp, m.tensor), learner_devs,
-                    f"mesh.data / mesh.fsdp / mesh.tensor (the learner's {len(learner_devs)} devices)")
+    learner = _mesh(MeshConfig(m.data, m.fsdp, m.tensor, m.expert), learner_devs,
+                    f"mesh.data / mesh.fsdp / mesh.tensor / mesh.expert (the learner's {len(learner_devs)} devices)")
     fsdp = m.rollout_fsdp or sampler_fsdp(cfg, len(sampler_devs) // m.rollout_tensor, sampler_devs[0].platform,
                                           model_config(cfg).num_kv_heads)
     sampler = _mesh(MeshConfig(m.rollout_data, fsdp, m.rollout_tensor), sampler_devs,

@@ -103,7 +103,7 @@ def abstract_update(cfg: TrainConfig, shape: UpdateShape, mesh, *, old_logp: boo
     with the batch sharding (`UpdateBatch.abstract`): what `jax.jit(step).lower` takes for the batch the trainer
     will pass; `old_logp`: the batch of the updates that divide by the first one's log-probs; `experts`: (sparse
     layers, k) of the replayed experts (rollout.routing_replay)."""
-    groups = mesh.shape["data"] * mesh.shape["fsdp"]
+    groups = batch_divisor(mesh)
     s, n_micro, _ = _geometry(cfg, groups)
     n = shape.completion if shape.layout != "pack" else cfg.rollout.max_new_tokens
     sharding = lambda ndim: batch_sharding(mesh, ndim)

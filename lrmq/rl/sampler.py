@@ -25,6 +25,7 @@ from lrmq.rl.config import TrainConfig
 from lrmq.rl.kv_scales import KVCalibration
 from lrmq.rl.messages import Rollout, WeightVersion
 from lrmq.rl.rewards import score_completions, weighted_rewards
+from lrmq.sharding import batch_divisor
 
 log = logging.getLogger("lrmq.train")
 GIB = 1024 ** 3
@@ -190,7 +191,7 @@ class Sampler:
         rows = self.eval_rows[: (limit or self.cfg.run.eval_size)]
         if not rows:
             return {}
-        div = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        div = batch_divisor(self.mesh)
         rows = rows[: max(div, len(rows) // div * div)]
         tokens, mask, _ = self.encode_prompts([r["problem"] for r in rows])
         answers = [str(r["answer"]) for r in rows]
