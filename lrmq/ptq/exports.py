@@ -269,7 +269,8 @@ class _HFWriter:
                 raise ExportError(f"compressed-tensors export writes one config group: found bits {sorted(self.bits)}, "
                                   f"symmetric {sorted(self.sym)}")
             qc = ef.ct_quantization_config(next(iter(self.bits)), groups.pop(), next(iter(self.sym)),
-                                           ignore=ct_ignore(self.unquantized))
+                                           ignore=ct_ignore(self.unquantized),
+                                           actorder=getattr(result, "actorder", None))
         _write_config(self.directory, self.cfg, qc, self.dtype, tokenizer_from)
 
 

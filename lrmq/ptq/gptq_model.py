@@ -193,7 +193,7 @@ def gptq_quantize_model(source, tokens, opts: GPTQOptions = GPTQOptions(), *, pr
     source whose layers go to ``emit``); ``tokens`` int [n_seq, T]; ``mesh``: the PTQ mesh (default: all local
     devices)."""
     result = PTQResult(method="gptq", packed={}, bits=opts.bits, group_size=opts.group_size,
-                       symmetric=opts.symmetric)
+                       symmetric=opts.symmetric, actorder="static" if opts.act_order and opts.static_groups else None)
     timings: list[float] = []
     lw.run_layerwise(source, tokens, lambda ctx: gptq_layer(ctx, opts, result), emit=result.collector(source, emit),
                      propagate=opts.propagate, batch_size=opts.batch_size, mesh=mesh, desc="GPTQ", progress=progress,

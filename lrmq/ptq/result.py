@@ -31,6 +31,9 @@ class PTQResult:
     # None: `WeightFormat.of_weight` of the packed weights with `method` as the scheme (`weight_format()`)
     weight_format: Optional[WeightFormat] = None
 
+    # GPTQ with act_order and static groups: "static" (compressed-tensors' / llmcompressor's actorder name: the rows
+    # were quantized in activation order, the groups are consecutive, nothing changes in the format)
+    actorder: Optional[str] = None
     # a streamed run (the layers went to an export, not into `packed`): the formats and act-order Linears seen
     streamed_formats: list = dataclasses.field(default_factory=list)
 

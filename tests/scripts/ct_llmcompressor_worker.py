@@ -21,7 +21,15 @@ with its ``PackedQuantizationCompressor``, then ``update_config`` writes ``quant
 block 128, dampening 0.01, the sequential pipeline, ``moe_calibrate_all_experts=True``; ``scheme`` spelled out
 when GROUP_SIZE is not 128) on the calibration blocks TOKENS.npy (int [n, T], in order), saved compressed. Default
 IGNORE: ``lm_head`` and ``re:.*mlp.gate$`` (llmcompressor's Qwen3-MoE example). Also writes
-``OUT_DIR/values.npz``: every quantized Linear's dequantized weight, scale and zero point before compression.
+``OUT_DIR/values.npz``: every quantized Linear's dequantized weight, scale and zero point before compression, and
+``OUT_DIR/hessians.npz``: the normalized Hessian GPTQ used for each Linear of the first decoder layer (recorded
+as ``GPTQModifier.compress_module_list`` is entered; read only, the run is unchanged).
+
+``hessians MODEL_DIR TOKENS.npy OUT.npz``: the first decoder layer's GPTQ Hessians (``2 x sum x x^T / blocks``)
+of a Qwen3-MoE computed from transformers' own forward of each block, as llmcompressor's all-experts calibration
+defines them (every expert's gate/up on every token's ``post_attention_layernorm`` output, its down_proj on
+``silu(gate) * up`` of every token), twice: with the model's causal attention (``causal:<module>``) and with no
+attention mask at all (``nomask:<module>``, ``create_causal_mask`` returning None).
 
 ``load TOKENS.npy OUT.json DIR...``: loads each DIR with this venv's transformers, both ways
 (``CompressedTensorsConfig(dequantize=True)`` and ``dequantize=False``), and records per directory and
@@ -167,6 +175,17 @@ def gptq(model_dir, tokens, out, group_size, ignore="lm_head,re:.*mlp.gate$"):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from transformers import AutoModelForCausalLM
 
+    hessians = {}
+    compress = GPTQModifier.compress_module_list
+
+    def recording(self, module_list):  # the first layer's Hessians (2 x sum x x^T / samples), as GPTQ reads them
+        for m in module_list:
+            name = self._module_names[m]
+            if name.startswith("model.layers.0."):
+                hessians[name] = (self._hessians[m] / self._num_samples[m]).float().numpy()
+        return compress(self, module_list)
+
+    GPTQModifier.compress_module_list = recording
     toks = np.load(tokens)
     ds = Dataset.from_dict({"input_ids": toks.tolist(), "attention_mask": np.ones_like(toks).tolist()})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -184,10 +203,56 @@ def gptq(model_dir, tokens, out, group_size, ignore="lm_head,re:.*mlp.gate$"):
             vals["z:" + name] = mod.weight_zero_point.detach().numpy().astype(np.int8)
     model.save_pretrained(out, save_compressed=True)
     np.savez(os.path.join(out, "values.npz"), **vals)
+    np.savez(os.path.join(out, "hessians.npz"), **hessians)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if os.path.exists(os.path.join(model_dir, name)):
             shutil.copy(os.path.join(model_dir, name), out)
     _versions(out, llmcompressor=llmcompressor.__version__)
+
+
+def hessians(model_dir, tokens, out):
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as mq
+    from transformers import AutoModelForCausalLM
+
+    toks = np.load(tokens)
+    res = {}
+    for mode in ("causal", "nomask"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        layer, seen = model.model.layers[0], {}
+
+        def hook(name):
+            def f(mod, args, output):
+                x = (output if name == "mlp_in" else args[0]).reshape(-1, args[0].shape[-1]).double()
+                seen.setdefault(name, []).append(x)
+            return f
+
+        layer.self_attn.q_proj.register_forward_hook(hook("attn_in"))
+        layer.self_attn.o_proj.register_forward_hook(hook("o_in"))
+        layer.post_attention_layernorm.register_forward_hook(hook("mlp_in"))
+        orig = mq.create_causal_mask
+        if mode == "nomask":
+            mq.create_causal_mask = lambda *a, **k: None
+        try:
+            with torch.no_grad():
+                for b in toks:
+                    model(input_ids=torch.from_numpy(b[None]))
+        finally:
+            mq.create_causal_mask = orig
+        x = {k: torch.cat(v) for k, v in seen.items()}
+        h = lambda a: (2 * a.T @ a / len(toks)).float().numpy()  # noqa: E731
+        pre = "model.layers.0."
+        for name in ("q_proj", "k_proj", "v_proj"):
+            res[f"{mode}:{pre}self_attn.{name}"] = h(x["attn_in"])
+        res[f"{mode}:{pre}self_attn.o_proj"] = h(x["o_in"])
+        experts = layer.mlp.experts
+        inter = experts.down_proj.shape[-1]
+        for e in range(experts.num_experts):
+            gu = experts.gate_up_proj[e].detach().double()  # [2F, D]: gate rows then up rows
+            hid = torch.nn.functional.silu(x["mlp_in"] @ gu[:inter].T) * (x["mlp_in"] @ gu[inter:].T)
+            for name in ("gate_proj", "up_proj"):
+                res[f"{mode}:{pre}mlp.experts.{e}.{name}"] = h(x["mlp_in"])
+            res[f"{mode}:{pre}mlp.experts.{e}.down_proj"] = h(hid)
+    np.savez(out, **res)
 
 
 def load(tokens, out, *dirs):
@@ -215,4 +280,4 @@ def load(tokens, out, *dirs):
 
 
 if __name__ == "__main__":
-    {"write": write, "ct-write": ct_write, "gptq": gptq, "load": load}[sys.argv[1]](*sys.argv[2:])
+    {"write": write, "ct-write": ct_write, "gptq": gptq, "hessians": hessians, "load": load}[sys.argv[1]](*sys.argv[2:])
