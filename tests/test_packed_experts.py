@@ -133,7 +133,7 @@ def test_grouped_kernel_matches_the_xla_path_in_interpret_mode(fmt, g, sizes, dt
     expert + ragged_dot), forward and the x-gradient of its custom_vjp."""
     import pallas_kernels as pk
 
-    qw = _grouped_operands(fmt, 6, 512, 256, g)
+    qw = _grouped_operands(fmt, 6, 512, 128, g)
     m = 40
     x = jnp.asarray(np.random.default_rng(1).normal(size=(m, 512)), dtype)
     gs = jnp.asarray(sizes, jnp.int32)
