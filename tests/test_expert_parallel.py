@@ -50,6 +50,30 @@ def test_expert_mesh_axis_and_config(tmp_path):
         placement_meshes(cfg, jax.devices())  # 4 experts' chips on this 1-device host
 
 
+def test_packed_experts_under_an_expert_axis_are_refused_in_one_line():
+    from flax import nnx
+
+    from lrmq.model.config import ModelConfig
+    from lrmq.model.moe import Experts, _expert_plan
+    from lrmq.quant.formats import quantize_weight
+    from lrmq.quant.transforms import set_packed_expert_kernel
+
+    cfg = ModelConfig.from_hf_dict(dict(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=64,
+                                        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        head_dim=32, max_position_embeddings=64), dtype="float32")
+    experts = Experts(cfg, nnx.Rngs(0))
+    expert_mesh = AbstractMesh((1, 1, 1, 4), mesh_axes(MeshConfig(1, 1, 1, 4)))
+    with jax.sharding.use_abstract_mesh(expert_mesh):
+        assert _expert_plan(experts, 8).dispatch  # float kernels: expert parallel, 8 tokens over the expert axis
+    set_packed_expert_kernel(experts.up_proj, quantize_weight(experts.up_proj.kernel.get_value(), group_size=32))
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1, 4, 1), ("data", "fsdp", "tensor"))):
+        assert _expert_plan(experts, 8) is None  # no expert axis: today's path, packed kernels included
+    with jax.sharding.use_abstract_mesh(expert_mesh), pytest.raises(ValueError, match=r"^packed expert kernels "
+                                                                    r"under an expert mesh axis \(mesh.expert=4\)"):
+        _expert_plan(experts, 8)
+
+
 def test_expert_parallel_matches_one_device(multi_device_run):
     r = multi_device_run("expert_parallel_check.py", timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-3000:]
