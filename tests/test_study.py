@@ -114,6 +114,38 @@ def test_quant_rollout_studies():
                 assert dim % train.rollout.quant_group_size == 0, (name, a.name, dim)
 
 
+def test_moe_study():
+    """configs/study/moe.yaml (tiny-moe, docs/RESULTS.md "Tiny MoE") expands; every train arm's config loads on
+    tiny-moe with what its name says (routing replay, int4 rollouts with a group dividing every input size of
+    tiny-moe, the load-balancing loss); every PTQ arm quantizes grpo's policy by a per-expert method whose group
+    divides every expert projection's K (lrmq.quantize's own MoE check)."""
+    from lrmq.configlib import load_config
+    from lrmq.ptq.config import QuantizeConfig
+    from lrmq.ptq.pipeline import check_moe, model_config
+    from lrmq.rl.config import TrainConfig
+
+    cfg = load_study_config(os.path.join(REPO_ROOT, "configs/study/moe.yaml"))
+    arms = {a.name: a for a in expand(cfg)}
+    assert len(arms) == 12 and arms["base"].kind == "base"
+    mcfg = model_config(os.path.join(REPO_ROOT, "lrmq/assets/tiny-moe"))
+    ks = (mcfg.hidden_size, mcfg.intermediate_size, mcfg.moe_intermediate_size)
+    for a in arms.values():
+        if a.kind == "train":
+            t = load_config(TrainConfig, os.path.join(REPO_ROOT, cfg.train.config), [*cfg.train.overrides, *a.train])
+            assert t.model.checkpoint == "tiny-moe" and t.run.steps == 30, a.name
+            assert t.rollout.routing_replay == a.name.endswith("-replay"), a.name
+            assert (t.algo.router_aux_coef == 0.001) == (a.name == "grpo-aux"), a.name
+            assert (t.rollout.quant == "int4") == a.name.startswith("int4"), a.name
+            if t.rollout.quant != "none":
+                assert all(k % t.rollout.quant_group_size == 0 for k in ks), a.name
+        elif a.kind == "ptq":
+            assert a.source == "grpo" and a.baseline in ("", "grpo"), a.name  # empty: compared with its source
+            q = load_config(QuantizeConfig, None, ["model=tiny-moe", "calibration.path=c.jsonl", f"method={a.method}",
+                                                   f"bits={a.bits}", f"group_size={a.group_size}"])
+            check_moe(q, mcfg, "tiny-moe")
+            assert all(k % a.group_size == 0 for k in ks), a.name
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["arms=[{name: q, kind: ptq, source: nope, method: rtn}]"], "source 'nope' is not an arm"),
     (["arms=[{name: b, kind: base}, {name: q, kind: ptq, source: b, method: quantlrm}]"], "needs a train arm"),
