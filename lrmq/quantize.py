@@ -246,6 +246,11 @@ def write_flag_outputs(model, result, args, tokenizer_from: str) -> tuple[int, i
     return before, after
 
 
+def linear_count(qws) -> int:
+    """Quantized projections: a Linear's weight counts one, a stacked-experts weight one per expert."""
+    return sum(qw.num_experts or 1 for qw in qws)
+
+
 def run(args) -> dict:
     """Quantize per the flags; returns a small summary. Raises UsageError (or another INPUT_ERRORS) on bad input."""
     cfg = config_from_flags(args)
@@ -267,7 +272,8 @@ def run(args) -> dict:
     check_targets(model, cfg)
     result = PTQ_METHODS.get(cfg.method)(model, cfg, prep.inputs)
     before, after = write_flag_outputs(model, result, args, prep.model_path)
-    return {"method": args.method, "quantized": len(result.packed), "weight_format": result.describe_format(),
+    return {"method": args.method, "quantized": linear_count(result.packed.values()),
+            "weight_format": result.describe_format(),
             "bytes_before": before, "bytes_after": after,
             "out": args.out, "format": args.format, "hf_fake": args.export_hf_fake}
 
@@ -291,7 +297,7 @@ def run_streamed(args, cfg, prep) -> dict:
         packed = []
 
         def emit(out):
-            packed.extend(out.packed)
+            packed.extend(out.packed.values())
             for e in opened:
                 e.write_layer(out)
 
@@ -299,7 +305,7 @@ def run_streamed(args, cfg, prep) -> dict:
         for e in opened:
             e.finish(result)
     after = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out) if f.endswith(".safetensors"))
-    return {"method": args.method, "quantized": len(packed), "weight_format": result.describe_format(),
+    return {"method": args.method, "quantized": linear_count(packed), "weight_format": result.describe_format(),
             "bytes_before": before, "bytes_after": after, "out": args.out, "format": args.format,
             "hf_fake": args.export_hf_fake}
 
@@ -388,8 +394,9 @@ def compile_only_main(argv) -> int:
         qcfg = compile_only_config(args)
         mcfg = compile_only_model(args.shapes)
         if mcfg.num_experts:
-            raise UsageError(f"--shapes {args.shapes}: a mixture-of-experts model; PTQ of its experts (per expert) "
-                             f"is not supported yet")
+            raise UsageError(f"--shapes {args.shapes}: a mixture-of-experts model; --compile-only does not compile the "
+                             f"per-expert programs (expert Hessians, grouped forward) yet; the run itself quantizes "
+                             f"it per expert (rtn, int8, nf4, gptq; docs/moe.md)")
         n, t = args.calibration_blocks, args.block_size or min(512, mcfg.max_position_embeddings)
         if t > mcfg.max_position_embeddings:
             raise UsageError(f"--block-size {t} is longer than {args.shapes}'s max_position_embeddings "

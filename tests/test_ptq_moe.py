@@ -131,3 +131,18 @@ def test_moe_refusals():
                                           r"input size K=64"):
         check_moe(QuantizeConfig(model=path, method="gptq", group_size=128), mcfg, path, {"group_size": "--group-size"})
     check_moe(QuantizeConfig(model=path, method="gptq", group_size=64), mcfg, path)
+
+
+def test_checkpoint_source_reads_sparse_and_dense_layers(float_moe):
+    """The streamed run's source (layer by layer from the checkpoint) gives each layer's weights as the loaded
+    model holds them: a sparse layer's router and stacked experts, the dense layer's MLP."""
+    from lrmq.checkpoint.load import resolve_checkpoint
+    from lrmq.ptq.source import CheckpointSource
+
+    src = CheckpointSource(resolve_checkpoint("tiny-moe"))
+    for i in (0, 1):
+        got = src.layer(i)
+        want = {k: np.asarray(v, np.float32) for k, v in lf.get_layer_params(float_moe.layers[i]).items()}
+        assert sorted(got) == sorted(want) and ("router" in got) == (i != 1)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
