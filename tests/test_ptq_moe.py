@@ -84,6 +84,15 @@ def test_routed_calibration_counts_only_routed_tokens(float_moe):
         np.testing.assert_allclose(every[e], x.T @ x, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="'all' or 'routed'"):
         lf.expert_token_mask(x, p0["router"], calibration="some", **kw)
+    # the whole model with routed statistics and lrmq's own GPTQ defaults (true-sequential stages, asymmetric): the
+    # down stage's expert Hessians come from the already-quantized gate/up
+    model = load_model("tiny-moe")
+    result = gptq_quantize_model(model, TOKS[:1], GPTQOptions(group_size=32, moe_calibration="routed", batch_size=1),
+                                 progress=False)
+    qw = result.packed["layers.2.mlp.experts.down_proj"]
+    assert qw.num_experts == cfg.num_experts and not qw.symmetric
+    np.testing.assert_array_equal(np.asarray(dequantize(qw)),
+                                  np.asarray(model.layers[2].mlp.experts.down_proj.kernel.get_value()))
 
 
 def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
@@ -115,6 +124,17 @@ def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
                                                           bits=4, symmetric=False)
     np.testing.assert_array_equal(codes, np.asarray(unpacked_codes(expert_slice(qw, 5))))  # expert 5's own codes
     np.testing.assert_array_equal(scales, np.asarray(expert_slice(qw, 5).scales))
+    # NF4 per expert: expert e's blocks are those of NF4-quantizing its slice alone (bitsandbytes, double quant)
+    from lrmq.ptq.rtn import nf4_quantize_model
+    from lrmq.quant.formats import quantize_weight
+
+    model = load_model("tiny-moe")
+    w = np.asarray(model.layers[0].mlp.experts.down_proj.kernel.get_value())
+    nf4 = nf4_quantize_model(model, block_size=64).packed["layers.0.mlp.experts.down_proj"]
+    ref = quantize_weight(w[3], fmt="nf4", bits=4, block_size=64, double_quant=True)
+    assert nf4.fmt == "nf4" and nf4.num_experts == 8
+    for f, v in ref.arrays().items():
+        np.testing.assert_array_equal(np.asarray(getattr(expert_slice(nf4, 3), f)), np.asarray(v))
 
 
 def test_moe_refusals():
