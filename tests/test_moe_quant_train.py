@@ -140,3 +140,26 @@ def test_rollout_copy_packs_the_experts_and_the_engine_decodes_them():
                  config=EngineConfig(slots=4, page_size=4))
     out = eng.generate(copy.states(trainable, rest), prompts, max_new_tokens=10, sampling=SamplingConfig(greedy=True))
     np.testing.assert_array_equal(np.asarray(out.tokens), _greedy_full_forward(packed, prompts, 10))
+
+
+def test_qat_experts_under_expert_parallelism_take_their_chip_s_share():
+    """In an expert-parallel shard_map each chip's call holds its contiguous block of experts and, with tensor > 1,
+    part of down_proj's input rows: paper_int8 takes those experts' frozen scales (by the expert axis' index; here a
+    vmap named like the axis stands in for the 4 chips), and a scheme whose scale groups would straddle chips is
+    refused at trace time in one line."""
+    from lrmq.sharding import EXPERT_AXIS
+
+    model = _tiny_moe()
+    apply_qat(model, "paper_int8")
+    rd = model.layers[0].mlp.experts.down_proj.ragged_dot
+    w = model.layers[0].mlp.experts.down_proj.kernel.get_value()  # [8, 64, 128]
+    whole = rd.quantize(w)
+    chips = jax.vmap(rd.quantize, axis_name=EXPERT_AXIS)(w.reshape(4, 2, 64, 128))
+    np.testing.assert_array_equal(np.asarray(chips.reshape(w.shape)), np.asarray(whole))
+    h = jnp.ones((3, 32), jnp.float32)
+    sizes = jnp.asarray([1, 2], jnp.int32)
+    for scheme, group, what in (("int4", 0, "per-output-channel scales"), ("w8a8", 16, "activation scales")):
+        rd = ExpertSTERaggedDot(scheme, group, 8 if scheme == "w8a8" else None, in_features=64)
+        with pytest.raises(ValueError, match=f"^QAT {scheme} on expert weights: .*{what} .* holds 32 of them"):
+            rd(h, w[:2, :32], sizes)
+    ExpertSTERaggedDot("int4", 16, in_features=64)(h, w[:2, :32], sizes)  # groups within a chip's rows: exact

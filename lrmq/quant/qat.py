@@ -60,6 +60,7 @@ from flax import nnx
 from lrmq.model.linear import ExpertLinear, Linear, default_dot_general, default_ragged_dot
 from lrmq.quant.formats import PER_CHANNEL, PER_TENSOR, WeightFormat
 from lrmq.quant.quantizers import fake_quant, fake_quant_per_tensor, per_tensor_scale
+from lrmq.sharding import EXPERT_AXIS
 from lrmq.quant.transforms import (DEFAULT_TARGETS, ROUTER_SUFFIX, iter_expert_linears, iter_linears,
                                    require_linears)
 
@@ -260,13 +261,32 @@ class ExpertSTERaggedDot:
     """ragged_dot of an `ExpertLinear` (rows sorted by expert . stacked weight [E, K, N]) through the weight a scheme's
     dense QAT forward multiplies by, per expert (`fake_quant_weight` of each expert's [K, N], every group of
     `group_size` input rows its own scale; 0 = per output channel), identity backward (STE). `act_bits`: the rows
-    fake-quantized per token too (w8a8), STE. Frozen and hashable: static in the graphdef, as `AqtDotGeneral`."""
+    fake-quantized per token too (w8a8), STE. Frozen and hashable: static in the graphdef, as `AqtDotGeneral`.
+
+    `in_features`: the projection's K. Under expert parallelism (`lrmq.model.moe`'s shard_map) each chip's call holds
+    its own experts, and a K split over `tensor` (down_proj's hidden dimension) arrives split: exact when every
+    scale group lies within one chip's rows (`group_size` dividing the local K), refused in one line otherwise
+    (per-channel scales and w8a8's per-token activation scales need the whole K)."""
 
     scheme: str
     group_size: int = 0
     act_bits: int | None = None
+    in_features: int = 0
+
+    def _check_local(self, k_local: int) -> None:
+        if not self.in_features or k_local == self.in_features:
+            return
+        if self.act_bits or not self.group_size or k_local % self.group_size:
+            what, fix = (("w8a8's per-token activation scales", "a weight-only scheme") if self.act_bits else
+                         ("per-output-channel scales" if not self.group_size else
+                          f"qat_group_size={self.group_size}'s scale groups", f"a qat_group_size dividing {k_local}"))
+            raise ValueError(f"QAT {self.scheme} on expert weights: {what} need the expert projection's whole "
+                             f"{self.in_features} input rows, but this chip holds {k_local} of them (expert "
+                             f"parallelism with the expert hidden dimension split over tensor); use {fix} or "
+                             "mesh.tensor=1")
 
     def quantize(self, w):
+        self._check_local(w.shape[-2])
         wq = jax.vmap(lambda we: fake_quant_weight(we, self.scheme, self.group_size))(jax.lax.stop_gradient(w))
         return _ste(w, wq)
 
@@ -279,15 +299,20 @@ class ExpertSTERaggedDot:
 
 class PerExpertTensorSTERaggedDot(nnx.Module):
     """paper_int8 on an `ExpertLinear`: each expert's weight fake-quantized per tensor with its own int8 scale, frozen
-    from the base weights at load (`FrozenScale` [E], state as `PerTensorSTEDotGeneral`'s), identity backward."""
+    from the base weights at load (`FrozenScale` [E], state as `PerTensorSTEDotGeneral`'s), identity backward. Under
+    expert parallelism a chip's call holds its E / S experts (the expert axis' contiguous block): it takes their
+    scales (elementwise with a fixed scale, so a K split over tensor changes nothing)."""
 
     def __init__(self, scales, bits: int = 8):
         self.scale = FrozenScale(jnp.asarray(scales, jnp.float32))
         self.bits = bits
 
     def quantize(self, w):
-        wq = jax.vmap(lambda we, s: fake_quant_per_tensor(we, self.bits, scale=s))(jax.lax.stop_gradient(w),
-                                                                                     self.scale[...])
+        scales = self.scale[...]
+        if scales.shape[0] != w.shape[0]:  # in an expert-parallel shard_map: this chip's experts, a contiguous block
+            n = w.shape[0]
+            scales = jax.lax.dynamic_slice_in_dim(scales, jax.lax.axis_index(EXPERT_AXIS) * n, n)
+        wq = jax.vmap(lambda we, s: fake_quant_per_tensor(we, self.bits, scale=s))(jax.lax.stop_gradient(w), scales)
         return _ste(w, wq)
 
     def __call__(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
@@ -297,14 +322,15 @@ class PerExpertTensorSTERaggedDot(nnx.Module):
 
 def make_ragged_dot(scheme: str, w=None, *, group_size: int = 0):
     """The QAT ragged_dot of scheme `scheme` for a stacked expert weight `w` [E, K, N] (paper_int8 reads it for its
-    per-expert scales)."""
+    per-expert scales; every scheme its K)."""
     if scheme == "paper_int8":
         if group_size:
             raise ValueError("qat_scheme='paper_int8' is per-tensor; qat_group_size must be 0")
         return PerExpertTensorSTERaggedDot(jax.lax.stop_gradient(jax.vmap(lambda we: per_tensor_scale(we, 8))(w)))
     if scheme not in SCHEMES:
         raise ValueError(f"unknown qat_scheme {scheme!r}; known: {list(SCHEMES)}")
-    return ExpertSTERaggedDot(scheme=scheme, group_size=int(group_size), act_bits=8 if scheme == "w8a8" else None)
+    return ExpertSTERaggedDot(scheme=scheme, group_size=int(group_size), act_bits=8 if scheme == "w8a8" else None,
+                              in_features=int(w.shape[-2]) if w is not None else 0)
 
 
 def set_ragged_dot(el: ExpertLinear, rd) -> None:
