@@ -95,18 +95,17 @@ def unit_expert_down_xtx(router, gate, up, x, *, top_k, normalize, calibration):
     return lf.expert_down_xtx(x, router, gate, up, top_k=top_k, normalize=normalize, calibration=calibration)
 
 
-def expert_hessians(name: str, mlp_in, p, ctx: lw.LayerContext, calibration: str, shared=None) -> list:
+def expert_hessians(name: str, mlp_in, p, ctx: lw.LayerContext, calibration: str) -> list:
     """The E Hessians (``2/n_seq X^T X``, as :func:`hessian`) of the stacked expert projection ``name`` of a sparse
-    layer, from its ``mlp_in`` [n, T, D] and the current weights ``p`` (down_proj reads gate/up). ``shared``: the
-    Hessian of ``mlp_in`` itself, every expert's gate/up Hessian when ``calibration`` is "all"."""
+    layer, from its ``mlp_in`` [n, T, D] and the current weights ``p`` (down_proj reads gate/up); with
+    ``calibration`` "all" every expert's gate/up Hessian is the one of ``mlp_in`` itself."""
     cfg = ctx.cfg
     kw = dict(top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, calibration=calibration)
     scale = np.float32(2.0 / mlp_in.shape[0])
     router = np.asarray(p["router"], np.float32)
     if name != "down_proj":
         if calibration == "all":
-            h = shared if shared is not None else hessian(mlp_in, ctx.runner)
-            return [h] * cfg.num_experts
+            return [hessian(mlp_in, ctx.runner)] * cfg.num_experts
         return list(ctx.runner.sum(unit_expert_mlp_in_xtx, ctx.runner.replicate((router,)), (mlp_in,), **kw) * scale)
     rep = ctx.runner.replicate((router, np.asarray(p["gate_proj"], np.float32), np.asarray(p["up_proj"], np.float32)))
     return list(ctx.runner.sum(unit_expert_down_xtx, rep, (mlp_in,), **kw) * scale)
@@ -150,24 +149,21 @@ def gptq_layer(ctx: lw.LayerContext, opts: GPTQOptions, result: PTQResult) -> La
             need = {"mlp_in" if inp in ("mlp_in", "down_in") else inp for inp in need}
         caps = ctx.inputs_only(need, p, given={k: v for k, v in exact.items() if k not in need})
         prep = lambda h: prepare_hessian(h, percdamp=opts.percdamp, act_order=opts.act_order)  # noqa: E731
-        h_raw = {inp: hessian(x, ctx.runner) for inp, x in caps.items()  # a sparse layer's mlp_in: the shared
-                 if not (moe and inp == "mlp_in")                       # gate/up Hessian of "all" only
-                 or (opts.moe_calibration == "all" and {"gate_proj", "up_proj"} & set(stage))}
-        h_of = {inp: prep(h) for inp, h in h_raw.items() if not (moe and inp == "mlp_in")}
+        # a sparse layer's mlp_in Hessian is every expert's gate/up Hessian with "all" (one Hinv for all of them);
+        # with "routed" each expert's is its own, and down_proj's always is (expert_hessians)
+        shared = moe and opts.moe_calibration == "all" and bool({"gate_proj", "up_proj"} & set(stage))
+        h_of = {inp: prep(hessian(x, ctx.runner)) for inp, x in caps.items()
+                if not (moe and inp == "mlp_in") or shared}
         hs = {}
         for name in stage:
             if moe and name in lf.EXPERT_PROJS:
-                raw = expert_hessians(name, caps["mlp_in"], p, ctx, opts.moe_calibration, shared=h_raw.get("mlp_in"))
-                if all(h is raw[0] for h in raw):  # one Hessian for every expert: one Hinv
-                    hs[name] = [hs.get("gate_proj" if name == "up_proj" else "up_proj", [None])[0]
-                                or prep(raw[0])] * len(raw)
-                else:
-                    hs[name] = [prep(h) for h in raw]
+                hs[name] = ([h_of["mlp_in"]] * ctx.cfg.num_experts if shared and name != "down_proj" else
+                            [prep(h) for h in expert_hessians(name, caps["mlp_in"], p, ctx, opts.moe_calibration)])
             else:
                 hs[name] = h_of[INPUT_OF[name]]
         exact.update((k, v) for k, v in caps.items() if k != "attn_in")
         exact = {k: v for k, v in exact.items() if not set(stage) & set(UPSTREAM[k])}
-        del caps, h_of, h_raw
+        del caps, h_of
         for name in stage:
             if isinstance(hs[name], list):  # stacked experts: one GPTQ per expert slice, stacked back
                 outs = [_gptq_one(w, h, opts) for w, h in zip(p[name], hs[name])]
