@@ -140,7 +140,7 @@ def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
 def test_moe_refusals():
     """A method that does not quantize experts yet, and a group size that does not divide an expert's K, are
     refused before anything is read, naming the tensor."""
-    from lrmq.ptq.config import QuantizeConfig
+    from lrmq.ptq.config import OutputsSection, QuantizeConfig
     from lrmq.ptq.pipeline import check_moe, model_config, resolve_model_path
 
     path = resolve_model_path("tiny-moe")
@@ -150,6 +150,9 @@ def test_moe_refusals():
     with pytest.raises(ConfigError, match=r"--group-size 128 does not divide layers.0.mlp.experts.down_proj's "
                                           r"input size K=64"):
         check_moe(QuantizeConfig(model=path, method="gptq", group_size=128), mcfg, path, {"group_size": "--group-size"})
+    with pytest.raises(ConfigError, match="autoawq format is not written for experts"):
+        check_moe(QuantizeConfig(model=path, method="gptq", group_size=64, outputs=OutputsSection(formats=["autoawq"])),
+                  mcfg, path)
     check_moe(QuantizeConfig(model=path, method="gptq", group_size=64), mcfg, path)
 
 

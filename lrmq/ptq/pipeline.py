@@ -128,6 +128,9 @@ def check_moe(cfg: QuantizeConfig, mcfg: ModelConfig, path: str, names: Mapping[
     if cfg.method not in MOE_METHODS:
         raise ConfigError(f"{path}: a mixture-of-experts model; {called('method')} {cfg.method} does not quantize "
                           f"experts yet (per expert: {', '.join(MOE_METHODS)})")
+    if "autoawq" in cfg.outputs.formats:
+        raise ConfigError(f"{path}: a mixture-of-experts model; the autoawq format is not written for experts (no "
+                          f"check against AutoAWQ's Qwen3-MoE layout); use compressed_tensors")
     g = cfg.group_size
     if cfg.method != "nf4" and g > 0:
         i = mcfg.moe_layers[0]
