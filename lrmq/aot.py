@@ -195,7 +195,7 @@ def compile_generate(graphdef, state, mesh, *, model_cfg: ModelConfig, engine: E
 def _rollout_programs(cfg: TrainConfig, graphdef, state, mesh, model_cfg: ModelConfig, programs=("prefill", "decode"),
                       engine: EngineConfig | None = None):
     r = cfg.rollout
-    return compile_generate(graphdef, state, mesh, model_cfg=model_cfg, engine=engine or r.engine_config(),
+    return compile_generate(graphdef, state, mesh, model_cfg=model_cfg, engine=engine or r.engine_config(moe=bool(model_cfg.num_experts)),
                             requests=r.prompts_per_step * r.group_size, prompt_len=r.max_prompt_len,
                             max_new=r.max_new_tokens, programs=programs,
                             sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
@@ -596,7 +596,7 @@ def check_fit(cfg: TrainConfig, devices=None, *, search: bool = True, all_update
                 report.largest_fitting_micro_batch, reserved = mb, row
                 break
     r = cfg.rollout
-    engine = r.engine_config()
+    engine = r.engine_config(moe=bool(run.model_cfg.num_experts))  # as the trainer's: MoE rollouts record experts
     # what else lives on the sampler's chips: the update (colocated), or only the sampler's own weights (split)
     others = (bytes_per_device(rollout_model(srun)[1]) if srun is not run
               else reserved["memory"]["total"] if reserved["memory"] is not None else None)

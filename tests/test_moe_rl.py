@@ -231,3 +231,17 @@ def test_compile_only_batch_carries_the_replayed_experts(tmp_path):
         assert batch.experts.shape[-2:] == (len(mcfg.moe_layers), mcfg.num_experts_per_tok) == (2, 2)
     dense = tiny_train_config(str(tmp_path))
     assert aot.abstract_batch(dense, mesh, model_cfg=read_model_config(TINY_MODEL_DIR)).experts is None
+
+
+def test_compile_only_rollout_records_the_experts_as_the_trainer_does(tmp_path, monkeypatch):
+    """The rollout programs `--compile-only` lowers are the trainer's: a mixture-of-experts policy's engine records
+    each token's experts even without routing replay (moe/route_mismatch reads them), a dense policy's does not."""
+    from lrmq import aot
+    from lrmq.checkpoint.load import TINY_MODEL_DIR, TINY_MOE_DIR, read_model_config
+
+    seen = []
+    monkeypatch.setattr(aot, "compile_generate", lambda *a, engine, **k: seen.append(engine))
+    for ckpt, mdir in (("tiny-moe", TINY_MOE_DIR), ("tiny", TINY_MODEL_DIR)):
+        cfg = tiny_train_config(str(tmp_path), model={"checkpoint": ckpt}, rollout={"routing_replay": False})
+        aot._rollout_programs(cfg, None, None, None, read_model_config(mdir))
+    assert [e.record_experts for e in seen] == [True, False]
