@@ -124,6 +124,27 @@ def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
                                                           bits=4, symmetric=False)
     np.testing.assert_array_equal(codes, np.asarray(unpacked_codes(expert_slice(qw, 5))))  # expert 5's own codes
     np.testing.assert_array_equal(scales, np.asarray(expert_slice(qw, 5).scales))
+    # read back (lrmq.checkpoint.quantized): each projection's experts stacked into one QuantizedExpertKernel; its
+    # logits are the packed model's written (the PTQ result's kernels swapped in), exactly in float32
+    from conftest import jit_forward
+    from lrmq.checkpoint.hf import CheckpointError
+    from lrmq.quant.qkernel import QuantizedExpertKernel
+    from lrmq.quant.transforms import module_at, set_packed_expert_kernel, set_packed_kernel
+    from safetensors.numpy import save_file
+
+    back = load_model(out)
+    assert isinstance(back.layers[2].mlp.experts.up_proj.kernel, QuantizedExpertKernel)
+    for f in ("codes", "scales", "zeros"):
+        np.testing.assert_array_equal(np.asarray(getattr(back.layers[2].mlp.experts.up_proj.kernel.get_value(), f)),
+                                      np.asarray(getattr(qw, f)))
+    for path, packed in result.packed.items():
+        (set_packed_expert_kernel if len(packed.shape) == 3 else set_packed_kernel)(module_at(model, path), packed)
+    np.testing.assert_allclose(np.asarray(jit_forward(back, TOKS)), np.asarray(jit_forward(model, TOKS)), rtol=0,
+                               atol=1e-6)
+    save_file({k: v for k, v in t.items() if k != pre + "weight_scale"}, os.path.join(out, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{out}/model.safetensors: missing {pre}weight_scale \(expert 5 of "
+                                              r"layers.2.mlp.experts.up_proj, compressed-tensors pack-quantized"):
+        load_model(out)
     # NF4 per expert: expert e's blocks are those of NF4-quantizing its slice alone (bitsandbytes, double quant)
     from lrmq.ptq.rtn import nf4_quantize_model
     from lrmq.quant.formats import quantize_weight

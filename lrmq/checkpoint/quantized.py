@@ -24,6 +24,13 @@ groups out of order, a K the packing does not divide) is dequantized once into a
 is read by `lrmq.checkpoint.hf.fill_hf_params`, so a bucket checkpoint (``gs://``, `lrmq.checkpoint.remote`) is
 streamed the same way.
 
+A mixture-of-experts model (Qwen3-MoE) holds its experts as llmcompressor writes them, one Linear per expert
+(``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight_packed`` ...): each expert is read as a Linear alone and
+the E `QuantizedWeight`s are stacked (`lrmq.quant.qweight.stack_experts`) into the layer's `QuantizedExpertKernel`
+(the grouped dequant-matmul). By the dense rule, a projection whose experts do not all fit one `QuantizedWeight`
+format (an expert left float, groups out of order) is dequantized once into the float [E, K, N] kernel. A missing
+expert tensor is one line naming it and its file.
+
 `quantized_format(path)` names the format of any quantized checkpoint (these, or an lrmq ``packed`` one) in one
 line; `refuse_quantized` is the one-line refusal of a command or mode that needs float weights.
 """
@@ -40,15 +47,16 @@ from flax import nnx
 
 from lrmq import paths
 from lrmq.checkpoint import remote
-from lrmq.checkpoint.hf import (CheckpointError, _place, _remote, fill_hf_params, flat_params, tensor_index)
+from lrmq.checkpoint.hf import (CheckpointError, _checked, _place, _remote, fill_hf_params, flat_params,
+                              tensor_index)
 from lrmq.checkpoint.hf_names import expand
 from lrmq.checkpoint.orbax_io import STATE_FILE, is_lrmq_checkpoint, read_weight_formats
 from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import Decoder
 from lrmq.ptq import export_formats as ef
 from lrmq.quant import packing
-from lrmq.quant.qweight import QuantizedWeight
-from lrmq.quant.transforms import module_at, set_packed_kernel
+from lrmq.quant.qweight import QuantizedWeight, stack_experts
+from lrmq.quant.transforms import module_at, set_packed_expert_kernel, set_packed_kernel
 from lrmq.sharding import LOGICAL_AXES_KEY
 
 CT_FORMATS = ("pack-quantized", "dense")
@@ -281,6 +289,16 @@ def _linear_prefixes(abstract: Decoder) -> dict[str, str]:
             if slot.path.endswith(".kernel") and hf.endswith(".weight") and slot.expert is None}
 
 
+def _expert_prefixes(abstract: Decoder) -> dict[str, list[str]]:
+    """lrmq ExpertLinear path ('layers.0.mlp.experts.gate_proj') -> its experts' HF module prefixes in expert order
+    ('model.layers.0.mlp.experts.{e}.gate_proj'): the per-expert Linears llmcompressor quantizes one by one."""
+    out: dict[str, list[str]] = {}
+    for hf, slot in expand(set(flat_params(abstract)), abstract.cfg).items():
+        if slot.path.endswith(".kernel") and hf.endswith(".weight") and slot.expert is not None:
+            out.setdefault(slot.path[: -len(".kernel")], []).append(hf[: -len(".weight")])
+    return out
+
+
 def _codes(q: HFQuantization, prefix: str, scheme: WeightScheme, names: set[str], reader: _Tensors):
     """(codes [K, N], scales [K/g, N] f32, zeros [K/g, N], g_idx | None, tensor names read) of one Linear."""
     keys = AWQ_TENSORS if q.method == "awq" else CT_TENSORS
@@ -353,4 +371,79 @@ def load_quantized_hf(path: str, q: HFQuantization, *, mesh=None, dtype: str | N
                 w = ef.dequantize(codes, scales, zeros, dtype="float32", g_idx=g_idx).astype(lin.kernel.get_value().dtype)
                 lin.kernel.set_value(_place(w, lin.kernel.get_metadata().get(LOGICAL_AXES_KEY), mesh))
             consumed |= read
+        for mod, prefixes in _expert_prefixes(abstract).items():
+            if q.fmt == "dense":
+                consumed |= {f"{p}.{k}" for p in prefixes for k in CT_QPARAMS} & names
+                continue
+            consumed |= _read_experts(q, module_at(abstract, mod), mod, prefixes, names, index, reader, where,
+                                      cfg.param_dtype, mesh)
     return fill_hf_params(abstract, path, index, mesh=mesh, consumed=frozenset(consumed))
+
+
+def _read_experts(q: HFQuantization, el, mod: str, prefixes: list[str], names: set[str], index: dict[str, str],
+                  reader: _Tensors, where: str, dtype: str, mesh) -> set[str]:
+    """Set ExpertLinear `el` (lrmq path `mod`) from its experts' per-expert tensors (HF module `prefixes[e]`, e.g.
+    llmcompressor's ``model.layers.0.mlp.experts.3.gate_proj.weight_packed``); the tensor names read. As a dense
+    Linear: every expert quantized into `QuantizedWeight`s of one format -> `stack_experts` into a
+    `QuantizedExpertKernel`; otherwise (an expert left float, or one a `QuantizedWeight` cannot hold) every expert
+    dequantized once into the float [E, K, N] kernel. No expert quantized: the float tensors are read with the
+    others (`fill_hf_params`)."""
+    keys = AWQ_TENSORS if q.method == "awq" else CT_TENSORS
+    schemes = [q.scheme_for(p) for p in prefixes]
+    quantized = [s is not None and any(f"{p}.{k}" in names for k in keys) for p, s in zip(prefixes, schemes)]
+    for e, (p, s, qd) in enumerate(zip(prefixes, schemes, quantized)):
+        if s is not None and not qd and f"{p}.weight" not in names:
+            raise CheckpointError(f"{_files_of(index, where)}: missing {p}.{keys[0]} (expert {e} of {mod}, targeted "
+                                  f"by quantization_config: {s.describe()}; no float {p}.weight either)")
+    if not any(quantized):
+        return set()
+    read: set[str] = set()
+    per: list = []
+    for e, (p, s, qd) in enumerate(zip(prefixes, schemes, quantized)):
+        if not qd:
+            per.append(None)
+            continue
+        need = keys if q.method == "awq" else keys[:2] + ("weight_shape",) + (() if s.symmetric else keys[2:3])
+        missing = [f"{p}.{k}" for k in need if f"{p}.{k}" not in names]
+        if missing:
+            raise CheckpointError(f"{_files_of(index, where, p, keys)}: missing {', '.join(missing)} (expert {e} of "
+                                  f"{mod}, {q.describe()})")
+        try:
+            codes, scales, zeros, g_idx, got = _codes(q, p, s, names, reader)
+        except ValueError as err:
+            raise CheckpointError(f"{_files_of(index, where, p, keys)}: {p} (expert {e} of {mod}, {q.describe()}): "
+                                  f"{err}") from None
+        if codes.shape != (el.in_features, el.out_features):
+            raise CheckpointError(f"{where}: {p} holds a [{codes.shape[1]}, {codes.shape[0]}] weight, the config "
+                                  f"needs [{el.out_features}, {el.in_features}] (expert {e} of {mod})")
+        per.append((codes, scales, zeros, g_idx, s))
+        read |= got
+    qws = [_qweight(*x, dtype) if x is not None else None for x in per]
+    if all(w is not None for w in qws) and all(w.static() == qws[0].static() for w in qws):
+        set_packed_expert_kernel(el, stack_experts(qws), mesh)
+        return read
+    target = el.kernel.get_value()  # dequantized once (the experts' float tensors read beside them)
+    stacked = np.empty(target.shape, target.dtype)
+    for e, (p, x) in enumerate(zip(prefixes, per)):
+        if x is None:
+            w = reader.get(f"{p}.weight").T
+            read.add(f"{p}.weight")
+        else:
+            codes, scales, zeros, g_idx, _ = x
+            w = ef.dequantize(codes, scales, zeros, dtype="float32", g_idx=g_idx)
+        if tuple(w.shape) != tuple(target.shape[1:]):
+            raise CheckpointError(f"{where}: {p}.weight has shape {list(w.T.shape)}, the config needs "
+                                  f"{[target.shape[2], target.shape[1]]} (expert {e} of {mod})")
+        stacked[e] = _checked(np.asarray(w), target.dtype, where, p)
+    el.kernel.set_value(_place(stacked, el.kernel.get_metadata().get(LOGICAL_AXES_KEY), mesh))
+    return read
+
+
+def _files_of(index: dict[str, str], where: str, prefix: str | None = None, keys=()) -> str:
+    """The safetensors file holding `prefix`'s other tensors (`keys`), else the checkpoint's tensor list: the file a
+    missing tensor is named against."""
+    held = [index[f"{prefix}.{k}"] for k in keys if prefix and f"{prefix}.{k}" in index]
+    if held:
+        return held[0]
+    idx = os.path.join(where, "model.safetensors.index.json")
+    return idx if os.path.exists(idx) else os.path.join(where, "model.safetensors")
