@@ -154,13 +154,13 @@ def test_quantization_targets_skip_routers_and_refuse_experts(hf_checkpoint):
     assert isinstance(model.layers[1].mlp.experts.gate_proj.kernel, nnx.Param)
 
 
-def test_ptq_refuses_a_method_without_experts_in_one_line(hf_checkpoint):
-    """PTQ per expert is rtn / int8 / nf4 / gptq (tests/test_ptq_moe.py); the others refuse a MoE checkpoint."""
-    from lrmq.ptq.config import QuantizeConfig
+def test_ptq_refuses_a_format_without_experts_in_one_line(hf_checkpoint):
+    """PTQ per expert is every method (tests/test_ptq_moe.py); the autoawq format refuses a MoE checkpoint."""
+    from lrmq.ptq.config import OutputsSection, QuantizeConfig
     from lrmq.ptq.pipeline import prepare
 
     path = hf_checkpoint("qwen3_moe_step")[0]
-    with pytest.raises(ConfigError, match="a mixture-of-experts model; method awq does not quantize experts yet"):
-        cfg = QuantizeConfig(model=path, method="awq")
+    with pytest.raises(ConfigError, match="a mixture-of-experts model; the autoawq format is not written for experts"):
+        cfg = QuantizeConfig(model=path, method="awq", group_size=32, outputs=OutputsSection(formats=["autoawq"]))
         cfg.calibration.block_size = 64  # within the tiny random model's positions
         prepare(cfg)

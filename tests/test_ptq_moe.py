@@ -159,22 +159,21 @@ def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
 
 
 def test_moe_refusals():
-    """A method that does not quantize experts yet, and a group size that does not divide an expert's K, are
-    refused before anything is read, naming the tensor."""
+    """A format that does not write experts, and a group size that does not divide an expert's K, are refused
+    before anything is read, naming the tensor; every method passes (awq / quantlrm per expert included)."""
     from lrmq.ptq.config import OutputsSection, QuantizeConfig
     from lrmq.ptq.pipeline import check_moe, model_config, resolve_model_path
 
     path = resolve_model_path("tiny-moe")
     mcfg = model_config(path)
-    with pytest.raises(ConfigError, match="method awq does not quantize experts"):
-        check_moe(QuantizeConfig(model=path, method="awq"), mcfg, path)
     with pytest.raises(ConfigError, match=r"--group-size 128 does not divide layers.0.mlp.experts.down_proj's "
                                           r"input size K=64"):
         check_moe(QuantizeConfig(model=path, method="gptq", group_size=128), mcfg, path, {"group_size": "--group-size"})
     with pytest.raises(ConfigError, match="autoawq format is not written for experts"):
         check_moe(QuantizeConfig(model=path, method="gptq", group_size=64, outputs=OutputsSection(formats=["autoawq"])),
                   mcfg, path)
-    check_moe(QuantizeConfig(model=path, method="gptq", group_size=64), mcfg, path)
+    for method in ("gptq", "awq", "quantlrm", "rtn"):
+        check_moe(QuantizeConfig(model=path, method=method, group_size=64), mcfg, path)
 
 
 def test_checkpoint_source_reads_sparse_and_dense_layers(float_moe):
@@ -190,3 +189,76 @@ def test_checkpoint_source_reads_sparse_and_dense_layers(float_moe):
         assert sorted(got) == sorted(want) and ("router" in got) == (i != 1)
         for k in want:
             np.testing.assert_array_equal(got[k], want[k])
+
+
+@pytest.fixture(scope="module")
+def awq_moe():
+    """(float layer-0 weights and input, AWQ'd model, result): AWQ W4 g32 per expert, all-experts calibration."""
+    from lrmq.ptq.awq import AWQOptions, awq_quantize_model
+
+    model = load_model("tiny-moe")
+    p0 = {k: np.asarray(v, np.float32) for k, v in lf.get_layer_params(model.layers[0]).items()}
+    x0 = embed_tokens(model, TOKS)
+    result = awq_quantize_model(model, TOKS, AWQOptions(group_size=32, batch_size=2), progress=False)
+    return p0, x0, model, result
+
+
+def test_awq_per_expert_folds_exactly_and_beats_rtn(awq_moe):
+    """AWQ on a sparse layer (llmcompressor's Qwen3-MoE mappings): one norm -> router + every expert's gate/up scale,
+    the router's rows multiplied by it and left float; one up -> down scale per expert. Folding the chosen scales into
+    the float weights keeps the layer's function (routing included); the quantized layer is closer to the float one
+    than RTN of the same weights."""
+    from lrmq.ptq.awq import MLP_IN, fold_expert_scales, fold_scale
+    from lrmq.ptq.rtn import quantize_experts, quantize_linear
+
+    p0, x0, model, result = awq_moe
+    pos = positions_for(*TOKS.shape)
+    s_in = result.scales[0]["mlp_in"][1]
+    s_out = result.scales[0]["mlp_out"][1]
+    assert s_out.shape == (8, 64) and len(set(result.info["layers"][0]["groups"]["mlp_out"]["ratio"])) > 1
+    assert not any("router" in k for k in result.packed) and result.packed["layers.0.mlp.experts.down_proj"].codes.ndim == 3
+    folded = fold_expert_scales(fold_scale(p0, s_in, s_in, MLP_IN), s_out)
+    np.testing.assert_allclose(np.asarray(model.layers[0].mlp.router.kernel.get_value()), folded["router"], rtol=1e-6)
+    y0 = np.asarray(lf.layer_forward(p0, _spec0(model), x0, pos))
+    np.testing.assert_allclose(np.asarray(lf.layer_forward(folded, _spec0(model), x0, pos)), y0, atol=2e-5)
+    unrouted = dict(folded, router=p0["router"])  # the router left unscaled: its input changed, routing moves
+    assert np.abs(np.asarray(lf.layer_forward(unrouted, _spec0(model), x0, pos)) - y0).max() > 1e-3
+    awq = {k: np.asarray(v, np.float32) for k, v in lf.get_layer_params(model.layers[0]).items()}
+    rtn = dict(p0)
+    for k in lf.LINEARS:
+        rtn[k] = (quantize_experts if p0[k].ndim == 3 else quantize_linear)(p0[k], 4, 32, False)[0]
+    err = lambda p: float(np.mean((np.asarray(lf.layer_forward(p, _spec0(model), x0, pos)) - y0) ** 2))  # noqa: E731
+    assert err(awq) < err(rtn)
+
+
+def _spec0(model):
+    return lf.layer_spec(model.cfg, 0)
+
+
+def test_quantlrm_importance_per_expert(float_moe):
+    """QuantLRM over expert dW: a stacked-experts pair's importance is the dense function of each expert's slice; the
+    per-expert up -> down search gets each expert's down_proj importance, the shared norm -> gate/up scale their
+    mean over experts."""
+    from lrmq.ptq.awq import MLP_IN, MLP_OUT
+    from lrmq.ptq.importance import global_stats, pair_importance
+    from lrmq.ptq.quantlrm import importance_stat_fn
+
+    base = np.asarray(float_moe.layers[0].mlp.experts.down_proj.kernel.get_value(), np.float32)
+    ft = base.copy()
+    rng = np.random.default_rng(1)
+    ft[3] += rng.normal(0, 1e-3, ft[3].shape).astype(np.float32) * (rng.random(ft[3].shape) < 0.7)
+    ft[5, :10] += 1e-2
+    stats = global_stats([("layers.0.mlp.experts.down_proj", ft, base)], stats_targets=("down_proj",))
+    imp = pair_importance(ft, base, stats)
+    assert imp.shape == (8, 64)
+    for e in range(8):
+        np.testing.assert_array_equal(imp[e], pair_importance(ft[e], base[e], stats))
+    assert not np.array_equal(imp[3], imp[0])
+
+    class Ctx:
+        index, cfg = 0, float_moe.cfg
+
+    gate = np.random.default_rng(2).random((8, 128)).astype(np.float32)
+    fn = importance_stat_fn({"layers.0.mlp.experts.down_proj": imp, "layers.0.mlp.experts.gate_proj": gate})
+    np.testing.assert_array_equal(fn(Ctx, MLP_OUT, None), imp)
+    np.testing.assert_allclose(fn(Ctx, MLP_IN, np.zeros((1, 2, 128), np.float32)), gate.mean(axis=0))

@@ -44,7 +44,7 @@ from lrmq.ptq import layer_fn as lf
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.result import PTQResult
 from lrmq.ptq.stream import LayerOut
-from lrmq.ptq.rtn import quantize_linear
+from lrmq.ptq.rtn import quantize_experts, quantize_linear
 from lrmq.ptq.shard import UnitRunner, ptq_mesh
 from lrmq.quant.quantizers import exact_div, fake_quant, resolve_group_size
 
@@ -64,12 +64,15 @@ class AWQOptions:
     oc_batch: int = 1024  # output columns per clip-search chunk (memory bound)
     propagate: str = "fp"  # fp (llm-awq) | quantized
     batch_size: int = 8  # calibration blocks per forward chunk
+    moe_calibration: str = "all"  # all | routed: the tokens an expert's up -> down statistic and loss run over
 
     def __post_init__(self):
         if self.gqa_vo not in ("skip", "downsample"):
             raise ValueError(f"gqa_vo must be 'skip' or 'downsample', got {self.gqa_vo!r}")
         if self.n_grid < 1:
             raise ValueError(f"n_grid must be >= 1, got {self.n_grid}")
+        if self.moe_calibration not in ("all", "routed"):
+            raise ValueError(f"moe_calibration must be 'all' or 'routed', got {self.moe_calibration!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,8 @@ def _inspect(kind: str, p, spec, x, pos):
 @partial(jax.jit, static_argnames=("bits", "group_size", "symmetric"))
 def scaled_fake_quant(w, s, bits, group_size, symmetric):
     """``Q(W diag(s)) diag(s)^-1`` on an lrmq ``[K, N]`` weight (s scales the K input rows)."""
+    if w.ndim == 3:  # stacked experts [E, K, N]: each expert's slice quantized alone
+        return jax.vmap(lambda we: scaled_fake_quant(we, s, bits, group_size, symmetric))(w)
     ws = w * s[:, None]
     q = fake_quant(ws, bits, group_size, symmetric)
     return exact_div(q, s[:, None])
@@ -201,8 +206,13 @@ def upsample_vo(s_v, spec: lf.LayerSpec):
 
 def fold_scale(p: dict, s_prev, s_fc, group: ScaleGroup) -> dict:
     """Fold into a layer's params: prev_op /= s_prev (norm scale, or output columns + bias of a Linear);
-    W *= s_fc (rows). Returns a new dict (the rollout copy folds fixed scales with it: lrmq.rl.rollout_copy)."""
+    W *= s_fc (rows). Returns a new dict (the rollout copy folds fixed scales with it: lrmq.rl.rollout_copy).
+    A sparse layer's ``mlp_in`` group also scales the router's rows (llmcompressor's Qwen3-MoE mapping lists
+    ``mlp.gate`` among the balance layers: it reads the scaled norm's output, so its kernel is multiplied by s
+    and the routing is unchanged; it is never quantized); its stacked experts [E, K, N] scale every expert's rows."""
     p = dict(p)
+    if group.name == "mlp_in" and "router" in p:
+        p["router"] = p["router"] * s_fc[:, None]
     if group.prev in lf.LINEARS:
         p[group.prev] = exact_div(p[group.prev], s_prev[None, :])
         if group.prev + ".bias" in p:
@@ -298,6 +308,95 @@ def apply_clip(w, max_val, group_size):
 CLIP_SKIP = ("q_", "k_", "query", "key", "Wqkv")
 
 
+# ----------------------------------------------------------------------------- experts (up_proj -> down_proj)
+
+
+def _expert_kw(ctx: lw.LayerContext, opts: AWQOptions) -> dict:
+    cfg = ctx.cfg
+    return dict(top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, calibration=opts.moe_calibration)
+
+
+def unit_expert_abs_sum(router, gate, up, x, *, top_k, normalize, calibration):
+    """One unit's per-expert sum of |h_e| over the expert's tokens [E, F] and their count [E]
+    (``h_e = silu(x W_gate[e]) * (x W_up[e])``, the expert's down_proj input; tokens: ``expert_token_mask``)."""
+    m = lf.expert_token_mask(x, router, top_k, normalize, calibration)
+    h = lf.expert_hidden(x, gate, up)
+    return jnp.einsum("em,emf->ef", m, jnp.abs(h)), jnp.sum(m, axis=1)
+
+
+def expert_activation_stat(ctx: lw.LayerContext, p: dict, mlp_in, opts: AWQOptions):
+    """AWQ's statistic per expert: mean over the expert's tokens of |h_e| [E, F] (0 for an expert with none),
+    and the token counts [E]."""
+    rep = ctx.runner.replicate(tuple(np.asarray(p[k], np.float32) for k in ("router", "gate_proj", "up_proj")))
+    tot, count = ctx.runner.sum(unit_expert_abs_sum, rep, (mlp_in,), **_expert_kw(ctx, opts))
+    return tot / np.maximum(count, np.float32(1))[:, None], count
+
+
+def unit_expert_grid_losses(router, gate, up, down, stat, x, *, top_k, normalize, calibration, n_grid, norm, bits,
+                            group_size, symmetric):
+    """One unit's [n_grid, E] ``sum over the expert's tokens of |h_e W_down[e] - h_e Q(W_down[e] s_e) / s_e|^2``
+    for every alpha (llm-awq's up_proj -> down_proj group, whose inspected part is down_proj alone, per expert)."""
+    m = lf.expert_token_mask(x, router, top_k, normalize, calibration)
+    h = lf.expert_hidden(x, gate, up)  # [E, M, F]
+    ys = jnp.einsum("emf,efd->emd", h, down)
+
+    def one(ratio):
+        s = jax.vmap(lambda st: grid_scales(st, ratio, norm))(stat)  # [E, F]
+        q = jax.vmap(lambda w, se: scaled_fake_quant(w, se, bits, group_size, symmetric))(down, s)
+        d = jnp.einsum("emf,efd->emd", h, q) - ys
+        return jnp.einsum("em,emd->e", m, d * d)
+
+    ratios = np.asarray([i * 1 / n_grid for i in range(n_grid)], np.float32)
+    return jax.lax.map(one, jnp.asarray(ratios))
+
+
+def search_expert_scales(ctx: lw.LayerContext, p: dict, mlp_in, stat, count, opts: AWQOptions):
+    """Each expert's up_proj -> down_proj scales [E, F] (the first minimum over alpha per expert), its ratios and
+    [n_grid, E] losses (mean over the expert's tokens and the output size). An expert with no token (routed) has
+    zero loss everywhere: alpha 0, its RTN."""
+    rep = ctx.runner.replicate(tuple(np.asarray(p[k], np.float32) for k in ("router", "gate_proj", "up_proj",
+                                                                           "down_proj")) + (np.asarray(stat, np.float32),))
+    g = resolve_group_size(np.shape(p["down_proj"])[1:], opts.group_size)
+    tot = ctx.runner.sum(unit_expert_grid_losses, rep, (mlp_in,), **_expert_kw(ctx, opts), n_grid=opts.n_grid,
+                         norm=opts.normalize, bits=opts.bits, group_size=g, symmetric=opts.symmetric)
+    losses = tot / (np.maximum(count, np.float32(1)) * np.float32(ctx.cfg.hidden_size))[None, :]
+    if not np.all(np.isfinite(losses).any(axis=0)):
+        raise FloatingPointError(f"layer {ctx.index} group mlp_out: an expert has no finite loss")
+    best = np.argmin(np.where(np.isfinite(losses), losses, np.inf), axis=0)
+    ratios = np.asarray([i * 1 / opts.n_grid for i in best], np.float32)
+    s = np.stack([np.asarray(grid_scales(jnp.asarray(st), jnp.float32(r), opts.normalize))
+                  for st, r in zip(np.asarray(stat, np.float32), ratios)])
+    if not np.all(np.isfinite(s)):
+        raise FloatingPointError(f"layer {ctx.index} group mlp_out: non-finite expert scales")
+    return s, ratios, losses
+
+
+def fold_expert_scales(p: dict, s) -> dict:
+    """Fold per-expert up -> down scales s [E, F]: every expert's up_proj output columns /= s_e, its down_proj
+    rows *= s_e (its function unchanged: silu(x W_gate) * (x W_up / s) then (W_down * s))."""
+    p = dict(p)
+    s = jnp.asarray(s, jnp.float32)
+    p["up_proj"] = exact_div(jnp.asarray(p["up_proj"]), s[:, None, :])
+    p["down_proj"] = jnp.asarray(p["down_proj"]) * s[:, :, None]
+    return p
+
+
+def expert_clip_inputs(ctx: lw.LayerContext, p: dict, mlp_in, opts: AWQOptions):
+    """The sampled clip-search inputs of each expert: (gate/up input [E] list of [t_e, D], down input [E] list of
+    [t_e, F]) from the (scaled) ``mlp_in`` and the folded weights; with ``all`` every expert's tokens are the
+    same sample (llm-awq's stride over all tokens), with ``routed`` a sample of the tokens routed to it."""
+    x = np.asarray(mlp_in, np.float32).reshape(-1, mlp_in.shape[-1])
+    cfg = ctx.cfg
+    if opts.moe_calibration == "all":
+        xs = [sample_tokens(x, opts.n_sample_token)] * cfg.num_experts
+    else:
+        m = np.asarray(lf.expert_token_mask(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, "routed"))
+        xs = [sample_tokens(x[m[e] > 0], opts.n_sample_token) for e in range(cfg.num_experts)]
+    hs = [np.asarray(lf.expert_hidden(xe, p["gate_proj"][e:e + 1], p["up_proj"][e:e + 1]))[0] if len(xe) else
+          np.zeros((0, p["down_proj"].shape[1]), np.float32) for e, xe in enumerate(xs)]
+    return xs, hs
+
+
 # ----------------------------------------------------------------------------- per layer
 
 
@@ -310,10 +409,27 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
     the packed weights); the searched scales and losses go to ``result``."""
     p = dict(ctx.params)
     caps = dict(ctx.inputs())
+    moe = lf.is_moe_params(p)  # a sparse layer: one norm -> router + every expert's gate/up scale, per-expert up -> down
     layer_info = {"groups": {}}
     searched = []
+    expert_s = None
     if opts.scale:
+        if moe and not ctx.spec.post_norm:
+            # the FP statistic and losses, on the unscaled layer as every other group
+            stat, count = expert_activation_stat(ctx, p, caps["mlp_in"], opts)
+            if stat_fn is not activation_stat:  # QuantLRM: the experts' own down_proj importance [E, F]
+                stat = stat_fn(ctx, MLP_OUT, None)
+            if stat is None:
+                layer_info["groups"]["mlp_out"] = "skipped (no statistic)"
+            else:
+                expert_s, ratios, losses = search_expert_scales(ctx, p, caps["mlp_in"], stat, count, opts)
+                layer_info["groups"]["mlp_out"] = {"ratio": [float(r) for r in ratios],
+                                                   "loss": [float(v) for v in losses.min(axis=0)],
+                                                   "loss_rtn": [float(v) for v in losses[0]],
+                                                   "tokens": [float(c) for c in count]}
         for group in scale_groups(ctx.spec):
+            if moe and group.name == "mlp_out":
+                continue  # per expert, above
             downsample = False
             if group.name == "attn_out" and not _vo_shapes_match(p):
                 if opts.gqa_vo == "skip":
@@ -339,16 +455,28 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
             np.divide(caps[group.inp], np.asarray(s_fc, np.float32), out=caps[group.inp])
             if result is not None:
                 result.scales.setdefault(ctx.index, {})[group.name] = (np.asarray(s_prev), np.asarray(s_fc))
+        if expert_s is not None:
+            p = {k: np.asarray(v) for k, v in fold_expert_scales(p, expert_s).items()}
+            if result is not None:
+                result.scales.setdefault(ctx.index, {})["mlp_out"] = (expert_s, expert_s)
     if opts.clip:
+        expert_in = expert_clip_inputs(ctx, p, caps["mlp_in"], opts) if moe else None
         for name in lf.LINEARS:
             if any(t in name for t in CLIP_SKIP):
                 continue
-            g = resolve_group_size(p[name].shape, opts.group_size)
-            mv = auto_clip(p[name], caps[lf.INPUT_OF[name]], dataclasses.replace(opts, group_size=g), ctx.runner)
+            g = resolve_group_size(np.shape(p[name])[-2:], opts.group_size)
+            o = dataclasses.replace(opts, group_size=g)
+            if moe and name in lf.EXPERT_PROJS:  # each expert's slice on its own tokens' inputs
+                ins = expert_in[1] if name == "down_proj" else expert_in[0]
+                p[name] = np.stack([apply_clip(w, auto_clip(w, xe, o, ctx.runner), g) if len(xe) else np.asarray(w)
+                                    for w, xe in zip(p[name], ins)])
+                continue
+            mv = auto_clip(p[name], caps[lf.INPUT_OF[name]], o, ctx.runner)
             p[name] = apply_clip(p[name], mv, g)
     packed = {}
     for name in lf.LINEARS:
-        fq, packed[name] = quantize_linear(p[name], opts.bits, opts.group_size, opts.symmetric)
+        quantize = quantize_experts if np.ndim(p[name]) == 3 else quantize_linear
+        fq, packed[name] = quantize(p[name], opts.bits, opts.group_size, opts.symmetric)
         p[name] = np.asarray(fq)
     if result is not None:
         result.info.setdefault("layers", {})[ctx.index] = layer_info

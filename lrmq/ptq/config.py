@@ -47,7 +47,7 @@ class CalibrationSection:
     max_blocks: Optional[int] = opt(None, "keep at most this many blocks after cutting (null = all; quick runs)", ge=1)
     batch_size: int = opt(8, "calibration blocks per forward chunk", ge=1)
     moe_experts: Literal["all", "routed"] = opt(
-        "all", "mixture-of-experts models (gptq): the tokens each expert's statistics sum over: every calibration "
+        "all", "mixture-of-experts models (gptq, awq, quantlrm): the tokens each expert's statistics sum over: every calibration "
                "token through every expert (all: llmcompressor's moe_calibrate_all_experts; the layer's output "
                "still uses only the routed experts) or only the tokens routed to it (routed)")
 

@@ -222,7 +222,8 @@ def pair_importance(
     zero_chunks: int = 1,
     precision: str = "fp16",
 ) -> np.ndarray:
-    """``channel_importance(abs_delta(w_ft, w_base), ...)`` bit for bit, in one fused pass over the pair
+    """``channel_importance(abs_delta(w_ft, w_base), ...)`` bit for bit, in one fused pass over the pair (a stacked
+    experts pair [E, K, N]: each expert's slice alone, [E, K])
     (:func:`lrmq.ptq.fused.importance_sums`) without materialising |dW| (the model driver's kernel).
 
     The kernel covers the built-in mappings with ``1 <= R <= 65504`` and ``N * R < 2^29``: q is then in
@@ -231,6 +232,9 @@ def pair_importance(
     mappings, extreme R) fall back to the whole-matrix numpy computation.
     """
     a, b = _pair_arrays(w_ft, w_base, name)
+    if a.ndim == 3:  # a mixture-of-experts layer's stacked experts [E, K, N]: each expert's own slice, [E, K]
+        return np.stack([pair_importance(a[e], b[e], stats, name=f"{name}[{e}]", mapping=mapping, R=R,
+                                         zero_chunks=zero_chunks, precision=precision) for e in range(a.shape[0])])
     if zero_chunks < 1:
         raise ValueError(f"zero_chunks must be >= 1, got {zero_chunks}")
     if precision not in ("fp16", "fp32"):

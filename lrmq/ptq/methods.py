@@ -100,7 +100,7 @@ def awq_options(cfg):
     return AWQOptions(bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, n_grid=a.n_grid,
                       normalize=a.normalize, scale=a.scale, clip=a.clip, max_shrink=a.max_shrink,
                       n_sample_token=a.n_sample_token, gqa_vo=a.gqa_vo, oc_batch=a.oc_batch, propagate=a.propagate,
-                      batch_size=cfg.calibration.batch_size)
+                      batch_size=cfg.calibration.batch_size, moe_calibration=cfg.calibration.moe_experts)
 
 
 def gptq_options(cfg):

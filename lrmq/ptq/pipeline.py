@@ -115,19 +115,14 @@ def quantlrm_importance(cfg: QuantizeConfig, model_path: str | None):
     return (ft_dir if q.quantize == "finetuned" else base_dir), imps, files, report
 
 
-MOE_METHODS = ("rtn", "int8", "nf4", "gptq")  # the methods that quantize a mixture-of-experts model per expert
-
-
 def check_moe(cfg: QuantizeConfig, mcfg: ModelConfig, path: str, names: Mapping[str, str] | None = None) -> None:
-    """A mixture-of-experts checkpoint: a method that quantizes it per expert, and a group size that divides every
-    expert projection's input size (ConfigError naming both), before anything is read. ``names``: what the
-    messages call a config key (the flag form: {"group_size": "--group-size"})."""
+    """A mixture-of-experts checkpoint (every method quantizes it per expert: docs/moe.md): an output format that
+    writes experts, and a group size that divides every expert projection's input size (ConfigError naming both),
+    before anything is read. ``names``: what the messages call a config key (the flag form:
+    {"group_size": "--group-size"})."""
     if not mcfg.num_experts:
         return
     called = lambda key: (names or {}).get(key, key)  # noqa: E731
-    if cfg.method not in MOE_METHODS:
-        raise ConfigError(f"{path}: a mixture-of-experts model; {called('method')} {cfg.method} does not quantize "
-                          f"experts yet (per expert: {', '.join(MOE_METHODS)})")
     if "autoawq" in cfg.outputs.formats:
         raise ConfigError(f"{path}: a mixture-of-experts model; the autoawq format is not written for experts (no "
                           f"check against AutoAWQ's Qwen3-MoE layout); use compressed_tensors")

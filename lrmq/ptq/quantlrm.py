@@ -95,6 +95,12 @@ def resolve_pair(finetuned: str | None = None, base: str | None = None, run_dir:
 # ----------------------------------------------------------------------------- tensor sources
 
 
+def linear_paths(cfg) -> list[str]:
+    """Every quantized Linear's module path; a sparse layer's stacked experts ``layers.N.mlp.experts.gate_proj``
+    (one [E, K, N] tensor: importance per expert), its router never."""
+    return [lw.linear_path(i, n, cfg.is_moe_layer(i)) for i in range(cfg.num_layers) for n in LINEARS]
+
+
 class TensorSource:
     """Linear weights of a checkpoint in lrmq orientation [K, N], keyed by module path ('layers.3.attn.q_proj').
 
@@ -112,13 +118,11 @@ class TensorSource:
             self._reader = open_tensors(path)
             self.cfg = self._reader.cfg
             names = set(self._reader.names())
-            self.entries = {p: p + ".kernel" for p in (lw.linear_path(i, n) for i in range(self.cfg.num_layers)
-                                                       for n in LINEARS) if p + ".kernel" in names}
+            self.entries = {p: p + ".kernel" for p in linear_paths(self.cfg) if p + ".kernel" in names}
         else:
             self._model = load_model(path)
             self.cfg = self._model.cfg
-            self.entries = {p: p + ".kernel" for p in
-                            (lw.linear_path(i, n) for i in range(self.cfg.num_layers) for n in LINEARS)}
+            self.entries = {p: p + ".kernel" for p in linear_paths(self.cfg)}
 
     def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """module path -> (tensor name in the checkpoint, shape as stored: an HF weight's [N, K])."""
@@ -179,13 +183,20 @@ def compute_importance(ft: TensorSource, base: TensorSource, opts: QuantLRMOptio
 
 
 def importance_stat_fn(importances: dict[str, np.ndarray]) -> Callable:
-    """AWQ statistic function: the group's source-matrix importance of this layer (None: skip group)."""
+    """AWQ statistic function: the group's source-matrix importance of this layer (None: skip group). A sparse
+    layer's experts: the per-expert up -> down search gets each expert's own down_proj importance [E, F]; the one
+    norm -> router + gate/up scale the mean over experts of their gate_proj importances."""
 
     def stat(ctx: lw.LayerContext, group: ScaleGroup, x):
-        v = importances.get(lw.linear_path(ctx.index, group.source))
+        path = lw.linear_path(ctx.index, group.source, ctx.cfg.is_moe_layer(ctx.index))
+        v = importances.get(path)
         if v is None:
             return None
         v = np.asarray(v, np.float32)
+        if v.ndim == 2:  # stacked experts [E, K]: up -> down per expert (x None); norm -> gate/up is one scale
+            if x is None:
+                return v
+            v = v.mean(axis=0)  # shared by every expert (and the router): the mean of the experts' importances
         if v.shape != (x.shape[-1],):
             raise QuantLRMError(f"importance of {lw.linear_path(ctx.index, group.source)} has shape {v.shape}, "
                                 f"group {group.name} has {x.shape[-1]} input channels")
