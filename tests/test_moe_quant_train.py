@@ -1,5 +1,5 @@
 """Quantized training and rollouts on mixture-of-experts expert weights (docs/moe.md, 'Quantization in RL'): QAT's
-per-expert fake-quant with a straight-through gradient, the refusals (QLoRA on experts, stochastic rounding), and a
+per-expert fake-quant with a straight-through gradient, the refusals (stochastic rounding), and a
 rollout copy that packs the experts (router float) which the paged engine decodes as the full forward does."""
 
 from __future__ import annotations
@@ -90,11 +90,6 @@ def test_expert_refusals_are_one_line():
     with pytest.raises(ValueError, match=r"^apply_qat: qat_stochastic_rounding .* " + expert):
         apply_qat(model, "int8", stochastic_rounding=True)
     apply_qat(model, "int8", pattern=r".*\.(q|k|v|o)_proj$", stochastic_rounding=True)  # experts left out: fine
-    from lrmq.quant.training import prepare_for_training
-    from lrmq.rl.config import QuantSection
-
-    with pytest.raises(ValueError, match=r"^quant.mode=qlora: .* expert weights " + expert):
-        prepare_for_training(_tiny_moe(), QuantSection(mode="qlora"))
     with pytest.raises(ValueError, match=r"qat_group_size=48 does not divide layers\.0\.mlp\.experts\.down_proj"):
         apply_qat(_tiny_moe(), "int4", pattern=r".*experts\.down_proj$", group_size=48)
 

@@ -3,7 +3,13 @@
 `save_lora(model, dir)` writes the adapters of a model prepared by `lrmq.quant.training` (atomic
 directory write); `load_lora(model, dir)` loads them back into a model with adapters on the same
 modules. Tensor names are `base_model.model.<HF module>.lora_A.weight` [r, in] and `...lora_B.weight`
-[out, r], the HF module names coming from the one name table (`lrmq.checkpoint.hf_names`).
+[out, r], the HF module names coming from the one name table (`lrmq.checkpoint.hf_names`). A mixture-of-experts
+layer's stacked adapters (`lrmq.quant.lora.ExpertLoRA`) are written per expert, under the per-expert module names
+of Qwen3-MoE's published checkpoints and of peft on transformers 4's `Qwen3MoeSparseMoeBlock`
+(`base_model.model.model.layers.N.mlp.experts.E.gate_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]);
+target_modules lists the projection names (`gate_proj`, ...), which peft matches against each expert's module.
+transformers 5 fuses the experts into 3-D parameters (`experts.gate_up_proj`), which peft's `target_modules` does
+not reach (it adapts them through `target_parameters`, a different adapter layout that is not written here).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from safetensors.numpy import load_file, save_file
 from lrmq import paths
 from lrmq.atomic import atomic_dir
 from lrmq.checkpoint.hf_names import NAME_MAP
+from lrmq.model.linear import ExpertLinear
 from lrmq.quant.lora import lora_linears
 from lrmq.sharding import host_array
 
@@ -26,8 +33,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def hf_module_name(path: str) -> str:
-    """'layers.3.attn.q_proj' -> 'model.layers.3.self_attn.q_proj' (HF module name, no '.weight')."""
+def hf_module_name(path: str, expert: int | None = None) -> str:
+    """'layers.3.attn.q_proj' -> 'model.layers.3.self_attn.q_proj' (HF module name, no '.weight'); a
+    mixture-of-experts projection with its `expert`: 'layers.0.mlp.experts.gate_proj', 2 ->
+    'model.layers.0.mlp.experts.2.gate_proj'."""
     kernel = path + ".kernel"
     for hf, ours, _ in NAME_MAP:
         if not ours.endswith(".kernel") or not hf.endswith(".weight"):
@@ -36,21 +45,31 @@ def hf_module_name(path: str) -> str:
             pre, post = ours.split("{i}")
             if kernel.startswith(pre) and kernel.endswith(post):
                 i = kernel[len(pre):len(kernel) - len(post)]
-                if i.isdigit():
-                    return hf.format(i=i)[: -len(".weight")]
+                if i.isdigit() and ("{e}" in hf) == (expert is not None):
+                    return hf.format(i=i, e=expert)[: -len(".weight")]
         elif kernel == ours:
             return hf[: -len(".weight")]
-    raise KeyError(f"no Hugging Face name for module {path!r}")
+    raise KeyError(f"no Hugging Face name for module {path!r}" + ("" if expert is None else f" (expert {expert})"))
+
+
+def adapter_names(path: str, lin) -> list[tuple[str, int | None]]:
+    """[(peft name prefix 'base_model.model.<hf module>', expert or None)] of an adapted module: one for a Linear,
+    one per expert for an ExpertLinear."""
+    if isinstance(lin, ExpertLinear):
+        return [("base_model.model." + hf_module_name(path, e), e) for e in range(lin.num_experts)]
+    return [("base_model.model." + hf_module_name(path), None)]
 
 
 def lora_state(model) -> dict[str, np.ndarray]:
     """Adapters alone, HF-peft names and orientation: `base_model.model.<hf>.lora_A.weight` [r, in],
-    `...lora_B.weight` [out, r] (float32)."""
+    `...lora_B.weight` [out, r] (float32); per expert for a mixture-of-experts projection."""
     out = {}
     for path, lin in lora_linears(model):
-        name = "base_model.model." + hf_module_name(path)
-        out[name + ".lora_A.weight"] = np.ascontiguousarray(host_array(lin.lora.a[...]).astype(np.float32).T)
-        out[name + ".lora_B.weight"] = np.ascontiguousarray(host_array(lin.lora.b[...]).astype(np.float32).T)
+        a = host_array(lin.lora.a[...]).astype(np.float32)
+        b = host_array(lin.lora.b[...]).astype(np.float32)
+        for name, e in adapter_names(path, lin):
+            out[name + ".lora_A.weight"] = np.ascontiguousarray((a if e is None else a[e]).T)
+            out[name + ".lora_B.weight"] = np.ascontiguousarray((b if e is None else b[e]).T)
     return out
 
 
@@ -105,16 +124,20 @@ def load_lora(model, adapter_dir: str) -> list[str]:
     lins = lora_linears(model)
     want = set()
     for path, lin in lins:
-        name = "base_model.model." + hf_module_name(path)
-        for key, var, tr in ((name + ".lora_A.weight", lin.lora.a, True), (name + ".lora_B.weight", lin.lora.b, True)):
-            want.add(key)
-            if key not in tensors:
-                raise KeyError(f"{wpath}: missing {key}")
-            arr = tensors[key].T if tr else tensors[key]
+        names = adapter_names(path, lin)
+        for suffix, var in ((".lora_A.weight", lin.lora.a), (".lora_B.weight", lin.lora.b)):
             old = var.get_value()
-            if tuple(arr.shape) != tuple(old.shape):
-                raise ValueError(f"{wpath}: {key} has shape {tensors[key].shape}, the model needs "
-                                 f"{tuple(old.shape[::-1])}")
+            need = tuple(old.shape[-2:][::-1])
+            parts = []
+            for name, _ in names:
+                key = name + suffix
+                want.add(key)
+                if key not in tensors:
+                    raise KeyError(f"{wpath}: missing {key}")
+                if tuple(tensors[key].shape) != need:
+                    raise ValueError(f"{wpath}: {key} has shape {tensors[key].shape}, the model needs {need}")
+                parts.append(tensors[key].T)
+            arr = np.stack(parts) if isinstance(lin, ExpertLinear) else parts[0]
             new = jnp.asarray(arr, old.dtype)
             sh = getattr(old, "sharding", None)
             var.set_value(jax.device_put(new, sh) if sh is not None else new)

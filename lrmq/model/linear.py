@@ -70,7 +70,8 @@ class ExpertLinear(nnx.Module):
     applied as a grouped matmul: `__call__(x, group_sizes)` takes rows sorted by expert (`group_sizes[e]` rows of
     expert e, in expert order) and multiplies each group by its expert's kernel (`ragged_dot`, the seam a
     quantized form replaces as `Linear.dot_general`; a packed kernel brings its own `packed_ragged_dot`, as a packed
-    `Linear` kernel its `packed_matmul`). The expert axis leads, with logical axis "expert", so an
+    `Linear` kernel its `packed_matmul`; an optional adapter, `lora(x, group_sizes)`, adds its grouped low-rank
+    term on the same rows, as `Linear.lora`). The expert axis leads, with logical axis "expert", so an
     expert mesh axis and per-expert quantization address it as one dimension."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, axes: tuple[str | None, str | None],
@@ -80,12 +81,17 @@ class ExpertLinear(nnx.Module):
         shape = (num_experts, in_features, out_features)
         self.kernel = param(init_std * jax.random.normal(rngs.params(), shape, param_dtype), ("expert", *axes))
         self.ragged_dot: Callable = default_ragged_dot
+        self.lora = None  # lrmq.quant.lora.ExpertLoRA (stacked per-expert adapters) when attached
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
         if _is_packed_experts(self.kernel):
-            return self.kernel.packed_ragged_dot(x, group_sizes).astype(self.dtype)
-        return self.ragged_dot(x, self.kernel.get_value().astype(self.dtype), group_sizes).astype(self.dtype)
+            y = self.kernel.packed_ragged_dot(x, group_sizes).astype(self.dtype)
+        else:
+            y = self.ragged_dot(x, self.kernel.get_value().astype(self.dtype), group_sizes).astype(self.dtype)
+        if self.lora is not None:  # the adapter brings its own grouped call over the same sorted rows
+            y = y + self.lora(x, group_sizes).astype(self.dtype)
+        return y
 
     def float_weight(self) -> jax.Array:
         """The [experts, in, out] weight as float (dequantized if packed)."""

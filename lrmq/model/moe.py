@@ -197,7 +197,13 @@ def _ragged_exchange(x, out, input_offsets, send_sizes, output_offsets, recv_siz
 def _ffn(module: "Experts", xs, sizes, kernels, mlp: tuple):
     """The SwiGLU experts on rows `xs` sorted by local expert (`sizes` [E / S] rows each; rows past their sum are
     padding, returned as 0), through each ExpertLinear's `ragged_dot` seam with the local `kernels`; the down
-    projection's partial sums over the `mlp` axes added."""
+    projection's partial sums over the `mlp` axes added. Adapters (`ExpertLinear.lora`) are refused here: their
+    stacked factors are not split over the expert axis."""
+    for lin in (module.gate_proj, module.up_proj, module.down_proj):
+        if lin.lora is not None:
+            raise ValueError("LoRA adapters on mixture-of-experts experts under an expert mesh axis: expert "
+                             "parallelism runs the experts without their adapters' grouped matmuls; use mesh.expert=1")
+
     def proj(lin, h, w):
         return lin.ragged_dot(h.astype(lin.dtype), w.astype(lin.dtype), sizes).astype(lin.dtype)
 

@@ -5,8 +5,9 @@
     ragged_dots of targeted mixture-of-experts experts: per-expert fake-quant, STE).
   - ``qlora``: every targeted Linear's kernel becomes a packed `QuantizedKernel` (NF4 + double quant,
     block 64, or int4 asymmetric with `base_group_size`); the float kernel is dropped. Then LoRA
-    adapters (`nnx.LoRAParam`) are attached. Targets that select mixture-of-experts experts are refused (no adapter
-    hook on `ExpertLinear`).
+    adapters (`nnx.LoRAParam`) are attached. Targeted mixture-of-experts experts likewise: each stacked [E, K, N]
+    kernel packed per expert into a `QuantizedExpertKernel`, stacked per-expert adapters (`lora.ExpertLoRA`) on
+    it; the router is never a target (float, frozen).
 * `trainable_filter(mode)`: what the optimizer trains (LoRA adapters under QLoRA, else every Param).
 * `quantize_linears(model, qweights)` installs given QuantizedWeights (used by the PTQ CLI too).
 * `pack_linears(model, packing)`: round-to-nearest pack into a kernel layout (`formats.PACKINGS`).
@@ -24,13 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrmq.model.linear import Linear, default_dot_general, default_ragged_dot
+from lrmq.model.linear import ExpertLinear, Linear, default_dot_general, default_ragged_dot
 from lrmq.quant.formats import PACKINGS, quantize_weight
 from lrmq.quant.lora import apply_lora, merge_lora
-from lrmq.quant.qat import apply_qat, set_dot_general, set_ragged_dot
+from lrmq.quant.qat import apply_qat, select_targets, set_dot_general, set_ragged_dot
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.quant.transforms import (
-    ATTENTION_TARGETS,
     DEFAULT_TARGETS,
     is_packed,
     iter_expert_linears,
@@ -39,6 +39,7 @@ from lrmq.quant.transforms import (
     module_at,
     require_linears,
     restore_float_kernel,
+    set_packed_expert_kernel,
     set_packed_kernel,
 )
 from lrmq.sharding import host_array
@@ -57,11 +58,13 @@ def quantize_linears(model, qweights: dict[str, QuantizedWeight], *, mesh=None) 
 
 
 def pack_base(model, pattern: str, base_format: str = "nf4", base_group_size: int = 64, *, mesh=None) -> list[str]:
-    """Quantize every targeted Linear's float kernel into a packed QuantizedKernel (QLoRA base)."""
+    """Quantize every targeted Linear's float kernel into a packed QuantizedKernel (QLoRA base), and every targeted
+    mixture-of-experts ExpertLinear's [E, K, N] kernel into a QuantizedExpertKernel (each expert quantized alone)."""
     if base_format not in BASE_FORMATS:
         raise ValueError(f"unknown base_format {base_format!r}; known: {list(BASE_FORMATS)}")
     done = []
-    for path, lin in require_linears(model, pattern, "prepare_for_training(qlora)"):
+    linears, experts = select_targets(model, pattern, "prepare_for_training(qlora)")
+    for path, lin in linears + experts:
         if is_packed(lin):
             continue
         w = lin.kernel.get_value()
@@ -69,11 +72,13 @@ def pack_base(model, pattern: str, base_format: str = "nf4", base_group_size: in
         # packed layout of a model can be built without its weights (lrmq.aot)
         w_local = w if isinstance(w, jax.core.Tracer) else jnp.asarray(host_array(w))
         options = dict(PACKINGS.get(base_format).options)
+        k = lin.in_features
         if base_format == "int4":
-            if w_local.shape[0] % base_group_size:
-                raise ValueError(f"base_group_size={base_group_size} does not divide {path}'s K={w_local.shape[0]}")
+            if k % base_group_size:
+                raise ValueError(f"quant.base_group_size={base_group_size} does not divide {path}'s K={k}")
             options["group_size"] = base_group_size
-        set_packed_kernel(lin, quantize_weight(w_local, **options), mesh if mesh is not None else mesh_of(w))
+        place = set_packed_expert_kernel if isinstance(lin, ExpertLinear) else set_packed_kernel
+        place(lin, quantize_weight(w_local, **options), mesh if mesh is not None else mesh_of(w))
         done.append(path)
     return done
 
@@ -105,12 +110,6 @@ def prepare_for_training(model, qcfg, *, seed: int = 0, mesh=None):
                   stochastic_rounding=qcfg.qat_stochastic_rounding, seed=seed)
         return model
     if mode == "qlora":
-        experts = iter_expert_linears(model, qcfg.targets)
-        if experts:
-            raise ValueError(f"quant.mode=qlora: quant.targets={qcfg.targets!r} selects the mixture-of-experts expert "
-                             f"weights {experts[0][0]}: LoRA adapters on experts are not built (ExpertLinear's packed "
-                             f"path has no adapter hook); leave the experts out (e.g. {ATTENTION_TARGETS!r}) or use "
-                             "quant.mode=qat")
         pack_base(model, qcfg.targets, qcfg.base_format, qcfg.base_group_size, mesh=mesh)
         apply_lora(model, qcfg.targets, rank=qcfg.lora_rank, alpha=qcfg.lora_alpha, dropout=qcfg.lora_dropout,
                    rngs=nnx.Rngs(params=seed), seed=seed, mesh=mesh)
