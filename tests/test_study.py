@@ -126,7 +126,7 @@ def test_moe_study():
 
     cfg = load_study_config(os.path.join(REPO_ROOT, "configs/study/moe.yaml"))
     arms = {a.name: a for a in expand(cfg)}
-    assert len(arms) == 12 and arms["base"].kind == "base"
+    assert len(arms) == 14 and arms["base"].kind == "base"
     mcfg = model_config(os.path.join(REPO_ROOT, "lrmq/assets/tiny-moe"))
     ks = (mcfg.hidden_size, mcfg.intermediate_size, mcfg.moe_intermediate_size)
     for a in arms.values():
@@ -140,8 +140,8 @@ def test_moe_study():
                 assert all(k % t.rollout.quant_group_size == 0 for k in ks), a.name
         elif a.kind == "ptq":
             assert a.source == "grpo" and a.baseline in ("", "grpo"), a.name  # empty: compared with its source
-            q = load_config(QuantizeConfig, None, ["model=tiny-moe", "calibration.path=c.jsonl", f"method={a.method}",
-                                                   f"bits={a.bits}", f"group_size={a.group_size}"])
+            q = load_config(QuantizeConfig, None, ["model=tiny-moe", "quantlrm.base=tiny-moe", "calibration.path=c.jsonl",
+                                                   f"method={a.method}", f"bits={a.bits}", f"group_size={a.group_size}"])
             check_moe(q, mcfg, "tiny-moe")
             assert all(k % a.group_size == 0 for k in ks), a.name
 
