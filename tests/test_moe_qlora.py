@@ -14,7 +14,7 @@ from flax import nnx
 
 from conftest import tiny_train_config
 from lrmq.checkpoint.load import TINY_MOE_DIR, load_model
-from lrmq.quant.formats import dequantize
+from lrmq.quant.formats import dequantize, quantize_weight
 from lrmq.quant.lora import ExpertLoRA, _drop, lora_linears, merge_lora
 from lrmq.quant.qkernel import QuantizedExpertKernel, QuantizedKernel
 from lrmq.quant.training import prepare_for_training, trainable_filter
@@ -119,6 +119,15 @@ def test_merge_folds_each_experts_delta_into_its_dequantized_weight(qlora_moe):
     m = _randomized(qlora_moe)
     el = m.layers[2].mlp.experts.down_proj
     want = np.asarray(dequantize(el.kernel.get_value())) + np.asarray(el.lora.delta())
+    # rollout.lora=merged: the rollout copy quantizes each expert's dequantized base + delta
+    from lrmq.rl.rollout_copy import RolloutQuant, quantize_for_rollout
+
+    copy = nnx.clone(m)
+    quantize_for_rollout(copy, RolloutQuant("int4", group_size=64, targets=r".*experts\.down_proj$", merge_lora=True))
+    packed = copy.layers[2].mlp.experts.down_proj
+    assert isinstance(packed.kernel, QuantizedExpertKernel) and packed.lora is None
+    want_q = quantize_weight(jnp.asarray(want), fmt="int", bits=4, group_size=64)
+    np.testing.assert_array_equal(np.asarray(packed.kernel.get_value().codes), np.asarray(want_q.codes))
     y = _forward(m, TOK)
     assert EXPERT in merge_lora(m)
     assert type(el.kernel) is nnx.Param and el.lora is None
