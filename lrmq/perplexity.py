@@ -32,7 +32,8 @@ from lrmq.model.config import check_position_limit
 from lrmq.data.text import label, read_documents
 from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.quant.quantizers import QUANTIZERS
-from lrmq.quant.transforms import iter_linears
+from lrmq.ptq.rtn import targeted
+from lrmq.quant.transforms import DEFAULT_TARGETS
 
 DEFAULT_WINDOW = 2048  # the seqlen of GPTQ / llm-awq / QuantLRM's WikiText-2 evaluation
 
@@ -89,11 +90,14 @@ def perplexity(model, blocks: np.ndarray, *, batch_size: int = 1) -> dict:
 
 
 def apply_fake_quant(model, method: str, bits: int, group_size: int) -> None:
-    """Replace the seven projections' kernels by ``QUANTIZERS[method]`` fake-quant weights, in place."""
+    """Replace the seven projections' kernels by ``QUANTIZERS[method]`` fake-quant weights, in place; a
+    mixture-of-experts layer's expert kernels [E, in, out] each expert alone (routers stay float)."""
     fn = QUANTIZERS.get(method)
-    for _, lin in iter_linears(model):
+    for _, lin in targeted(model, DEFAULT_TARGETS):
         w = lin.kernel.get_value()
-        lin.kernel.set_value(fn(w, bits=bits, group_size=group_size).astype(w.dtype))
+        q = (jnp.stack([fn(w[e], bits=bits, group_size=group_size) for e in range(w.shape[0])]) if w.ndim == 3
+             else fn(w, bits=bits, group_size=group_size))
+        lin.kernel.set_value(q.astype(w.dtype))
 
 
 def main(argv=None) -> int:

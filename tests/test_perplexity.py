@@ -131,3 +131,23 @@ def test_tiny_tokenizer_has_no_bos():
     assert tok.bos_id is None
     text = "Compute 1+3. Answer: 4\n\nCompute 2+6. Answer: 8"
     assert eval_ids(tok, text) == eval_ids(tok, text, add_special_tokens=False) == tok.encode(text)
+
+
+def test_fake_quant_reaches_every_expert_and_never_the_router():
+    """`--fake-quant` on a mixture-of-experts model: each expert's kernel is the quantizer of that expert alone,
+    the dense projections as before, the router untouched."""
+    import numpy as np
+
+    from lrmq.checkpoint.load import TINY_MOE_DIR, load_model
+    from lrmq.perplexity import apply_fake_quant
+    from lrmq.quant.quantizers import QUANTIZERS
+
+    model = load_model(TINY_MOE_DIR)
+    experts, router = model.layers[0].mlp.experts.down_proj, model.layers[0].mlp.router
+    w, r = np.asarray(experts.kernel.get_value()), np.asarray(router.kernel.get_value())
+    q_proj = np.asarray(model.layers[0].attn.q_proj.kernel.get_value())
+    apply_fake_quant(model, "rtn_asym", 4, 32)
+    fn = QUANTIZERS.get("rtn_asym")
+    np.testing.assert_array_equal(np.asarray(experts.kernel.get_value())[3], np.asarray(fn(w[3], bits=4, group_size=32)))
+    np.testing.assert_array_equal(np.asarray(router.kernel.get_value()), r)
+    assert not np.array_equal(np.asarray(model.layers[0].attn.q_proj.kernel.get_value()), q_proj)

@@ -46,15 +46,16 @@ def path_str(path) -> str:
 def iter_linears(model: nnx.Module, pattern: str | None = DEFAULT_TARGETS) -> list[tuple[str, Linear]]:
     """[(path, Linear)] in module order whose dotted path fully matches `pattern` (None: all Linears, routers
     included). A regex never selects a router; one that selects a mixture-of-experts expert projection
-    (`layers.N.mlp.experts.gate_proj`, an `ExpertLinear`) is refused: per-expert quantization is not built yet."""
+    (`layers.N.mlp.experts.gate_proj`, an `ExpertLinear`) is refused, so a transform written for Linears never
+    skips the experts silently: one that quantizes or adapts experts selects them with `iter_expert_linears`."""
     rx = re.compile(pattern) if pattern is not None else None
     out = []
     for path, mod in nnx.iter_graph(model):
         p = path_str(path)
         if isinstance(mod, ExpertLinear) and rx is not None and rx.fullmatch(p):
-            raise ValueError(f"the target regex {pattern!r} selects the mixture-of-experts expert weights {p}: "
-                             f"quantizing or adapting experts is not supported yet; leave them out (e.g. "
-                             f"{ATTENTION_TARGETS!r})")
+            raise ValueError(f"the target regex {pattern!r} selects the mixture-of-experts expert weights {p}, "
+                             f"which this step does not handle (it transforms Linear modules only); leave them out "
+                             f"(e.g. {ATTENTION_TARGETS!r})")
         if isinstance(mod, Linear) and (rx is None or (rx.fullmatch(p) and not p.endswith(ROUTER_SUFFIX))):
             out.append((p, mod))
     return out
