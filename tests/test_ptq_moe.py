@@ -126,6 +126,8 @@ def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
     np.testing.assert_array_equal(scales, np.asarray(expert_slice(qw, 5).scales))
     # read back (lrmq.checkpoint.quantized): each projection's experts stacked into one QuantizedExpertKernel; its
     # logits are the packed model's written (the PTQ result's kernels swapped in), exactly in float32
+    import re
+
     from conftest import jit_forward
     from lrmq.checkpoint.hf import CheckpointError
     from lrmq.quant.qkernel import QuantizedExpertKernel
@@ -145,6 +147,23 @@ def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{out}/model.safetensors: missing {pre}weight_scale \(expert 5 of "
                                               r"layers.2.mlp.experts.up_proj, compressed-tensors pack-quantized"):
         load_model(out)
+    # compressed-tensors "dense" (llmcompressor's save_compressed=False): each expert's fake-quant float weight read,
+    # its weight_scale / weight_zero_point skipped -- a float model with the packed model's logits
+    dense = {k: v for k, v in t.items() if not k.endswith((".weight_packed", ".weight_shape"))}
+    for hf in [k[: -len(".weight_packed")] for k in t if k.endswith(".weight_packed")]:
+        m = re.fullmatch(r"model\.(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)", hf)
+        lin = module_at(back, f"{m[1]}.{m[3]}" if m else hf.removeprefix("model.").replace("self_attn", "attn"))
+        w = np.asarray(lin.float_weight())
+        dense[f"{hf}.weight"] = np.ascontiguousarray((w[int(m[2])] if m else w).T)
+    save_file(dense, os.path.join(out, "model.safetensors"))
+    c = json.load(open(os.path.join(out, "config.json")))
+    c["quantization_config"].update(format="dense", quantization_status="frozen")
+    c["quantization_config"]["config_groups"]["group_0"]["format"] = "dense"
+    json.dump(c, open(os.path.join(out, "config.json"), "w"))
+    fq = load_model(out)
+    assert not isinstance(fq.layers[2].mlp.experts.up_proj.kernel, QuantizedExpertKernel)
+    np.testing.assert_allclose(np.asarray(jit_forward(fq, TOKS)), np.asarray(jit_forward(back, TOKS)), rtol=0,
+                               atol=1e-5)
     # NF4 per expert: expert e's blocks are those of NF4-quantizing its slice alone (bitsandbytes, double quant)
     from lrmq.ptq.rtn import nf4_quantize_model
     from lrmq.quant.formats import quantize_weight
