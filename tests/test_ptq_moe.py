@@ -164,6 +164,18 @@ def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
     assert not isinstance(fq.layers[2].mlp.experts.up_proj.kernel, QuantizedExpertKernel)
     np.testing.assert_allclose(np.asarray(jit_forward(fq, TOKS)), np.asarray(jit_forward(back, TOKS)), rtol=0,
                                atol=1e-5)
+    # pack-quantized with one expert left float: that projection's experts dequantized once into a float kernel
+    pre3 = "model.layers.2.mlp.experts.3.down_proj."
+    mixed = {k: v for k, v in t.items() if not k.startswith(pre3)}
+    mixed[pre3 + "weight"] = dense[pre3 + "weight"]
+    save_file(mixed, os.path.join(out, "model.safetensors"))
+    c["quantization_config"].update(format="pack-quantized", quantization_status="compressed")
+    c["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized"
+    json.dump(c, open(os.path.join(out, "config.json"), "w"))
+    mx = load_model(out)
+    assert isinstance(mx.layers[0].mlp.experts.down_proj.kernel, QuantizedExpertKernel)
+    np.testing.assert_array_equal(np.asarray(mx.layers[2].mlp.experts.down_proj.kernel.get_value()),
+                                  np.asarray(back.layers[2].mlp.experts.down_proj.float_weight()))
     # NF4 per expert: expert e's blocks are those of NF4-quantizing its slice alone (bitsandbytes, double quant)
     from lrmq.ptq.rtn import nf4_quantize_model
     from lrmq.quant.formats import quantize_weight
@@ -281,3 +293,31 @@ def test_quantlrm_importance_per_expert(float_moe):
     fn = importance_stat_fn({"layers.0.mlp.experts.down_proj": imp, "layers.0.mlp.experts.gate_proj": gate})
     np.testing.assert_array_equal(fn(Ctx, MLP_OUT, None), imp)
     np.testing.assert_allclose(fn(Ctx, MLP_IN, np.zeros((1, 2, 128), np.float32)), gate.mean(axis=0))
+
+
+def test_awq_expert_statistic_over_all_or_routed_tokens(float_moe):
+    """AWQ's up -> down statistic per expert: mean |h_e| over every token (all) or over the tokens routed to expert e
+    (routed: top-k of the router), with the token counts; an expert routed no token gets a zero statistic."""
+    from lrmq.model.moe import route
+    from lrmq.ptq.awq import AWQOptions, expert_activation_stat
+    from lrmq.ptq.shard import UnitRunner, ptq_mesh
+
+    cfg = float_moe.cfg
+    p = {k: np.asarray(v, np.float32) for k, v in lf.get_layer_params(float_moe.layers[0]).items()}
+    x = np.random.default_rng(3).normal(0, 1, (2, 24, cfg.hidden_size)).astype(np.float32)
+
+    class Ctx:
+        runner = UnitRunner(ptq_mesh(1), 2, 1)
+
+    Ctx.cfg = cfg
+    h = np.abs(np.asarray(lf.expert_hidden(x, p["gate_proj"], p["up_proj"])))  # [E, 48, F]
+    stat, count = expert_activation_stat(Ctx, p, x, AWQOptions(moe_calibration="all"))
+    np.testing.assert_allclose(stat, h.mean(axis=1), rtol=1e-5)
+    assert count.tolist() == [48.0] * 8
+    _, chosen = route(x.reshape(-1, cfg.hidden_size) @ p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    chosen = np.asarray(chosen)
+    stat, count = expert_activation_stat(Ctx, p, x, AWQOptions(moe_calibration="routed"))
+    for e in range(8):
+        rows = (chosen == e).any(axis=1)
+        assert count[e] == rows.sum()
+        np.testing.assert_allclose(stat[e], h[e, rows].mean(axis=0) if rows.any() else 0, rtol=1e-5, atol=1e-7)
