@@ -164,6 +164,18 @@ def test_rtn_per_expert_and_compressed_tensors_names(tmp_path):
     assert not isinstance(fq.layers[2].mlp.experts.up_proj.kernel, QuantizedExpertKernel)
     np.testing.assert_allclose(np.asarray(jit_forward(fq, TOKS)), np.asarray(jit_forward(back, TOKS)), rtol=0,
                                atol=1e-5)
+    # pack-quantized with one expert left float: that projection's experts dequantized once into a float kernel
+    pre3 = "model.layers.2.mlp.experts.3.down_proj."
+    mixed = {k: v for k, v in t.items() if not k.startswith(pre3)}
+    mixed[pre3 + "weight"] = dense[pre3 + "weight"]
+    save_file(mixed, os.path.join(out, "model.safetensors"))
+    c["quantization_config"].update(format="pack-quantized", quantization_status="compressed")
+    c["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized"
+    json.dump(c, open(os.path.join(out, "config.json"), "w"))
+    mx = load_model(out)
+    assert isinstance(mx.layers[0].mlp.experts.down_proj.kernel, QuantizedExpertKernel)
+    np.testing.assert_array_equal(np.asarray(mx.layers[2].mlp.experts.down_proj.kernel.get_value()),
+                                  np.asarray(back.layers[2].mlp.experts.down_proj.float_weight()))
     # NF4 per expert: expert e's blocks are those of NF4-quantizing its slice alone (bitsandbytes, double quant)
     from lrmq.ptq.rtn import nf4_quantize_model
     from lrmq.quant.formats import quantize_weight
