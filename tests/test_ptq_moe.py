@@ -247,7 +247,8 @@ def test_awq_per_expert_folds_exactly_and_beats_rtn(awq_moe):
     s_in = result.scales[0]["mlp_in"][1]
     s_out = result.scales[0]["mlp_out"][1]
     assert s_out.shape == (8, 64) and len(set(result.info["layers"][0]["groups"]["mlp_out"]["ratio"])) > 1
-    assert not any("router" in k for k in result.packed) and result.packed["layers.0.mlp.experts.down_proj"].codes.ndim == 3
+    assert not any("router" in k for k in result.packed)
+    assert result.packed["layers.0.mlp.experts.down_proj"].codes.ndim == 3
     folded = fold_expert_scales(fold_scale(p0, s_in, s_in, MLP_IN), s_out)
     np.testing.assert_allclose(np.asarray(model.layers[0].mlp.router.kernel.get_value()), folded["router"], rtol=1e-6)
     y0 = np.asarray(lf.layer_forward(p0, _spec0(model), x0, pos))

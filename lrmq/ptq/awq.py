@@ -22,6 +22,13 @@ variant), ``mlp_norm -> gate,up`` (inspect MLP), ``up_proj -> down_proj`` (inspe
 Olmo-3 (post-norm) has only the groups with a Linear before them: ``v_proj -> o_proj`` and
 ``up_proj -> down_proj`` (as llm-compressor and QuantLRM).
 
+A mixture-of-experts layer (Qwen3-MoE; llmcompressor's ``_moe_default_mappings``): ``mlp_norm -> router, every
+expert's gate/up`` is one scale (statistic over every token's ``mlp_in``, inspected part the sparse block; every
+expert's slice fake-quantized alone; the router is not quantized, and at the fold its rows are multiplied by the
+scale as llmcompressor's ``_smooth`` does, so routing is unchanged), and ``up_proj -> down_proj`` one scale per
+expert (statistic and loss over the expert's tokens: every token or the routed ones, ``moe_calibration``; inspected
+part the expert's down_proj); clipping and quantization per expert slice.
+
 The per-channel statistic is a pluggable function: AWQ's is ``mean_tokens |x|``; QuantLRM passes its
 fine-tuning importance (see :mod:`lrmq.ptq.quantlrm`) with ``normalize=False``.
 
@@ -354,8 +361,8 @@ def search_expert_scales(ctx: lw.LayerContext, p: dict, mlp_in, stat, count, opt
     """Each expert's up_proj -> down_proj scales [E, F] (the first minimum over alpha per expert), its ratios and
     [n_grid, E] losses (mean over the expert's tokens and the output size). An expert with no token (routed) has
     zero loss everywhere: alpha 0, its RTN."""
-    rep = ctx.runner.replicate(tuple(np.asarray(p[k], np.float32) for k in ("router", "gate_proj", "up_proj",
-                                                                           "down_proj")) + (np.asarray(stat, np.float32),))
+    weights = tuple(np.asarray(p[k], np.float32) for k in ("router", "gate_proj", "up_proj", "down_proj"))
+    rep = ctx.runner.replicate(weights + (np.asarray(stat, np.float32),))
     g = resolve_group_size(np.shape(p["down_proj"])[1:], opts.group_size)
     tot = ctx.runner.sum(unit_expert_grid_losses, rep, (mlp_in,), **_expert_kw(ctx, opts), n_grid=opts.n_grid,
                          norm=opts.normalize, bits=opts.bits, group_size=g, symmetric=opts.symmetric)
@@ -409,7 +416,7 @@ def awq_layer(ctx: lw.LayerContext, opts: AWQOptions, stat_fn: StatFn = activati
     the packed weights); the searched scales and losses go to ``result``."""
     p = dict(ctx.params)
     caps = dict(ctx.inputs())
-    moe = lf.is_moe_params(p)  # a sparse layer: one norm -> router + every expert's gate/up scale, per-expert up -> down
+    moe = lf.is_moe_params(p)  # sparse layer: one norm -> router + experts' gate/up scale, up -> down per expert
     layer_info = {"groups": {}}
     searched = []
     expert_s = None
