@@ -73,6 +73,94 @@ for name, mc, rules, dispatch in cases:
     print(f"{name}: loss {float(val):.6f} (single device {float(ref_loss):.6f}), largest gradient difference "
           f"{worst:.2e}, collectives {sorted(ops)}")
 
+# Packed experts (int4 g32, as rollout.quant=int4 packs them) under the expert axis: each chip's local experts'
+# QuantizedWeight through `qragged_dot`, the hidden split over `tensor` kept (whole groups a chip); logits equal one
+# device's. Then expert adapters (qlora: ExpertLoRA on the packed experts), their factors split over the expert axis:
+# loss and the adapters' gradients (the only trainable ones) equal one device's.
+from lrmq.quant.formats import quantize_weight  # noqa: E402
+from lrmq.quant.lora import apply_lora  # noqa: E402
+from lrmq.quant.transforms import set_packed_expert_kernel  # noqa: E402
+
+packed = nnx.clone(model)
+for layer in packed.layers:
+    if hasattr(layer.mlp, "experts"):
+        for lin in (layer.mlp.experts.gate_proj, layer.mlp.experts.up_proj, layer.mlp.experts.down_proj):
+            set_packed_expert_kernel(lin, quantize_weight(lin.kernel.get_value(), group_size=32))
+
+
+def logits_of(model, mesh=None, rules=None):
+    gdef, state = nnx.split(model)
+    fn = jax.jit(lambda st, t, p: nnx.merge(gdef, st)(t, p).astype(jnp.float32))
+    if mesh is None:
+        return np.asarray(fn(state, tokens, positions))
+    with jax.set_mesh(mesh), use_rules(rules or RULES):
+        return np.asarray(fn(state, tokens, positions))
+
+
+ref_logits = logits_of(packed)
+assert np.max(np.abs(ref_logits - logits_of(model))) > 1e-4  # int4 experts change the logits: the packed path ran
+for name, mc, rules in [("packed int4 g32, data2 x expert4 (all-to-all)", MeshConfig(2, 1, 1, 4), None),
+                        ("packed int4 g32, expert4 x tensor2 (hidden split)", MeshConfig(1, 1, 2, 4), None),
+                        ("packed int4 g32, data2 x expert4 under DECODE_RULES (psum)", MeshConfig(2, 1, 1, 4),
+                         DECODE_RULES)]:
+    mesh = make_mesh(mc)
+    sharded = shard_model(nnx.clone(packed), mesh)
+    assert sharded.layers[0].mlp.experts.up_proj.kernel.get_value().codes.sharding.spec[0] == "expert"
+    with jax.set_mesh(mesh), use_rules(rules or RULES):
+        plan = _expert_plan(sharded.layers[0].mlp.experts, tokens.size)
+    assert plan is not None and plan.dispatch == (rules is None), (name, plan)
+    assert plan.mlp == (("tensor",) if mc.tensor > 1 else ()), (name, plan)
+    got = logits_of(sharded, mesh, rules)
+    np.testing.assert_allclose(got, ref_logits, rtol=1e-5, atol=1e-5, err_msg=name)
+    print(f"{name}: logits equal one device's (largest difference {np.max(np.abs(got - ref_logits)):.2e})")
+
+# On a TPU target the per-chip call inside the shard_map is the grouped Pallas kernel (traced only: a jaxpr, no
+# TPU here), not the XLA dequantize + ragged_dot fallback it takes under a mesh outside a shard_map.
+import pallas_kernels as pk  # noqa: E402
+
+mesh = make_mesh(MeshConfig(2, 1, 1, 4))
+experts_mod = shard_model(nnx.clone(packed), mesh).layers[0].mlp.experts
+xe = jnp.ones((16, cfg.hidden_size), jnp.float32)
+ids = jnp.asarray(rng.randint(0, cfg.num_experts, (16, cfg.num_experts_per_tok)), jnp.int32)
+for platform, want in (("tpu", True), ("cpu", False)):
+    with pk.target(platform, "TPU v5" if platform == "tpu" else None), jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(lambda x: experts_mod(x, ids, jnp.full(ids.shape, 0.5)))(xe))
+    assert "shard_map" in jaxpr and ("pallas_call" in jaxpr) == want, (platform, want)
+print("packed experts under an expert axis on a TPU target: the grouped Pallas kernel inside the shard_map")
+
+qlora = nnx.clone(packed)
+assert len(apply_lora(qlora, r".*experts\.(gate|up|down)_proj$", rank=4, seed=0)) == 6
+for i, (_, var) in enumerate(nnx.iter_graph(qlora)):
+    if isinstance(var, nnx.LoRAParam) and var.get_value().ndim == 3 and var.get_value().shape[1] == 4:  # b: nonzero
+        var.set_value(0.05 * jax.random.normal(jax.random.key(i), var.get_value().shape, jnp.float32))
+
+
+def adapter_value_and_grad(model, mesh=None):
+    gdef, lp, rest = nnx.split(model, nnx.LoRAParam, ...)
+    fn = jax.jit(lambda lp, rest, t, p: jax.value_and_grad(lambda l: loss(nnx.merge(gdef, l, rest), t, p))(lp))
+    if mesh is None:
+        return fn(lp, rest, tokens, positions)
+    with jax.set_mesh(mesh):
+        return fn(lp, rest, tokens, positions)
+
+
+lref, gref = adapter_value_and_grad(qlora)
+gref = leaves(gref)
+assert len(gref) == 12 and all(float(np.max(np.abs(np.asarray(g)))) > 0 for g in gref.values())
+for name, mc in [("qlora experts, data2 x expert4 (all-to-all)", MeshConfig(2, 1, 1, 4)),
+                 ("qlora experts, expert4 x tensor2 (hidden split)", MeshConfig(1, 1, 2, 4))]:
+    mesh = make_mesh(mc)
+    sharded = shard_model(nnx.clone(qlora), mesh)
+    assert sharded.layers[0].mlp.experts.down_proj.lora.a.get_value().sharding.spec[0] == "expert"
+    val, grad = adapter_value_and_grad(sharded, mesh)
+    np.testing.assert_allclose(float(val), float(lref), rtol=1e-5, err_msg=name)
+    got = leaves(grad)
+    assert got.keys() == gref.keys()
+    for path, g in gref.items():
+        np.testing.assert_allclose(np.asarray(got[path]), np.asarray(g), rtol=2e-4, atol=2e-6,
+                                   err_msg=f"{name}: {jax.tree_util.keystr(path)}")
+    print(f"{name}: loss {float(val):.6f} (single device {float(lref):.6f}), {len(got)} adapter gradients equal")
+
 # The decode program under an expert axis (the engine traces it under DECODE_RULES: tokens split over `data` only,
 # so the psum path): its loop moves no weight. Collectives in the decode loop at least as large as the smallest
 # expert kernel's share are weights moved per token (tests/test_paged_tpu.py's check).

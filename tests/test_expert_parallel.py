@@ -10,7 +10,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from lrmq.configlib import ConfigError
 from lrmq.sharding import (DECODE_RULES, EXPERT_AXIS, MeshConfig, batch_divisor, logical_to_spec, make_mesh,
-                           mesh_axes)
+                           mesh_axes, use_rules)
 
 
 def test_expert_mesh_axis_and_config(tmp_path):
@@ -50,12 +50,16 @@ def test_expert_mesh_axis_and_config(tmp_path):
         placement_meshes(cfg, jax.devices())  # 4 experts' chips on this 1-device host
 
 
-def test_packed_experts_under_an_expert_axis_are_refused_in_one_line():
+def test_packed_experts_under_an_expert_axis_split_whole_groups():
+    """Packed experts under an expert axis (the multi-device run checks their numbers): each array's leading expert
+    dim over `expert`, the hidden (`mlp`) dim over the tensor axes only where every chip keeps whole groups (int4 /
+    int8 codes); otherwise the plan gathers the hidden dim (`mlp=()`) rather than cutting a group."""
     from flax import nnx
 
     from lrmq.model.config import ModelConfig
     from lrmq.model.moe import Experts, _expert_plan
     from lrmq.quant.formats import quantize_weight
+    from lrmq.quant.qmatmul import expert_shard
     from lrmq.quant.transforms import set_packed_expert_kernel
 
     cfg = ModelConfig.from_hf_dict(dict(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=64,
@@ -63,15 +67,25 @@ def test_packed_experts_under_an_expert_axis_are_refused_in_one_line():
                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                         head_dim=32, max_position_embeddings=64), dtype="float32")
     experts = Experts(cfg, nnx.Rngs(0))
-    expert_mesh = AbstractMesh((1, 1, 1, 4), mesh_axes(MeshConfig(1, 1, 1, 4)))
-    with jax.sharding.use_abstract_mesh(expert_mesh):
-        assert _expert_plan(experts, 8).dispatch  # float kernels: expert parallel, 8 tokens over the expert axis
-    set_packed_expert_kernel(experts.up_proj, quantize_weight(experts.up_proj.kernel.get_value(), group_size=32))
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1, 4, 1), ("data", "fsdp", "tensor"))):
-        assert _expert_plan(experts, 8) is None  # no expert axis: today's path, packed kernels included
-    with jax.sharding.use_abstract_mesh(expert_mesh), pytest.raises(ValueError, match=r"^packed expert kernels "
-                                                                    r"under an expert mesh axis \(mesh.expert=4\)"):
-        _expert_plan(experts, 8)
+    mesh = AbstractMesh((1, 1, 2, 4), mesh_axes(MeshConfig(1, 1, 2, 4)))
+    w = experts.down_proj.kernel.get_value()  # [4, 32 (mlp), 64]
+    q16 = quantize_weight(w, group_size=16)
+    specs, shape = expert_shard(q16, ("expert", "mlp", "embed"), mesh, "expert", ("tensor",))
+    assert shape == (1, 16, 64) and specs.codes == P("expert", "tensor", None) and specs.scales == P("expert", "tensor",
+                                                                                                       None)
+    # one group of 32 over 2 chips, NF4's flat blocks: no hidden split; the expert split alone always works
+    assert expert_shard(quantize_weight(w, group_size=32), ("expert", "mlp", "embed"), mesh, "expert", ("tensor",)) is None
+    nf4 = quantize_weight(w, fmt="nf4", block_size=32)
+    assert expert_shard(nf4, ("expert", "mlp", "embed"), mesh, "expert", ("tensor",)) is None
+    assert expert_shard(nf4, ("expert", "mlp", "embed"), mesh, "expert", ())[1] == (1, 32, 64)
+    with jax.sharding.use_abstract_mesh(mesh), use_rules(DECODE_RULES):
+        assert _expert_plan(experts, 8).mlp == ("tensor",)  # float kernels: hidden split over tensor
+        set_packed_expert_kernel(experts.down_proj, q16)
+        assert _expert_plan(experts, 8).mlp == ("tensor",)  # int4 g16: two whole groups a chip
+        set_packed_expert_kernel(experts.up_proj, quantize_weight(experts.up_proj.kernel.get_value(), fmt="nf4",
+                                                                  block_size=32))
+        plan = _expert_plan(experts, 8)
+        assert plan is not None and plan.mlp == ()  # an NF4 projection: the hidden dim gathered, not refused
 
 
 def test_expert_parallel_matches_one_device(multi_device_run):

@@ -83,14 +83,18 @@ class ExpertLinear(nnx.Module):
         self.ragged_dot: Callable = default_ragged_dot
         self.lora = None  # lrmq.quant.lora.ExpertLoRA (stacked per-expert adapters) when attached
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, kernel=None, lora=None) -> jax.Array:
+        """`kernel` / `lora`: inside an expert-parallel shard_map (`lrmq.model.moe`), this chip's share of the kernel
+        (the float [E / S, in, out] array, or a packed kernel's (arrays, local shape)) and of the adapter's factors
+        (a, b); None: the variables' own values."""
         x = x.astype(self.dtype)
         if _is_packed_experts(self.kernel):
-            y = self.kernel.packed_ragged_dot(x, group_sizes).astype(self.dtype)
+            y = self.kernel.packed_ragged_dot(x, group_sizes, local=kernel).astype(self.dtype)
         else:
-            y = self.ragged_dot(x, self.kernel.get_value().astype(self.dtype), group_sizes).astype(self.dtype)
+            w = self.kernel.get_value() if kernel is None else kernel
+            y = self.ragged_dot(x, w.astype(self.dtype), group_sizes).astype(self.dtype)
         if self.lora is not None:  # the adapter brings its own grouped call over the same sorted rows
-            y = y + self.lora(x, group_sizes).astype(self.dtype)
+            y = y + self.lora(x, group_sizes, factors=lora).astype(self.dtype)
         return y
 
     def float_weight(self) -> jax.Array:

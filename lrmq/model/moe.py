@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 
 from lrmq.model.config import ModelConfig
 from lrmq.model.linear import ExpertLinear, Linear
-from lrmq.sharding import (EXPERT_AXIS, axes_size, dividing_axes, entry_axes, is_manual, logical_to_spec,
-                           rules_in_effect, spec_entry)
+from lrmq.sharding import (EXPERT_AXIS, LOGICAL_AXES_KEY, axes_size, dividing_axes, entry_axes, is_manual,
+                           logical_to_spec, rules_in_effect, spec_entry)
 
 
 # A replayed expert id meaning "not recorded" (a token the sampler never ran: the last completion token, padding):
@@ -151,17 +151,15 @@ def _expert_plan(module: "Experts", n_tokens: int) -> _Plan | None:
         return None
     if module.num_experts % mesh.shape[EXPERT_AXIS]:
         return None
-    for lin in (module.gate_proj, module.up_proj, module.down_proj):
-        if _is_packed(lin.kernel):
-            raise ValueError(f"packed expert kernels under an expert mesh axis (mesh.expert="
-                             f"{mesh.shape[EXPERT_AXIS]}): expert parallelism runs float (or QAT) expert kernels "
-                             f"only; use mesh.expert=1 for packed experts")
     rules = rules_in_effect()
     k = module.gate_proj.kernel
     spec = tuple(logical_to_spec(("expert", "embed", "mlp"), tuple(k.shape), mesh, rules)) + (None,) * 3
     mlp = tuple(a for a in entry_axes(spec[2]) if a != EXPERT_AXIS)
     if mlp and module.down_proj.kernel.shape[1] % axes_size(mesh, mlp):
         mlp = ()
+    if mlp and any(_is_packed(lin.kernel) and lin.kernel.shard_specs(mesh, EXPERT_AXIS, mlp) is None
+                   for lin in _projections(module)):
+        mlp = ()  # a packed kernel whose groups the hidden split would cut: its hidden dimension gathered
     tokens = dividing_axes(mesh, entry_axes(rules.get("batch")), n_tokens, exclude=mlp)
     return _Plan(mesh, tokens, mlp, EXPERT_AXIS in tokens)
 
@@ -194,21 +192,33 @@ def _ragged_exchange(x, out, input_offsets, send_sizes, output_offsets, recv_siz
                                       cpu=padded, default=ragged)
 
 
-def _ffn(module: "Experts", xs, sizes, kernels, mlp: tuple):
+def _projections(module: "Experts") -> tuple:
+    return module.gate_proj, module.up_proj, module.down_proj
+
+
+def _local_specs(lin, mesh, mlp: tuple):
+    """(the shard_map in_specs of `lin`'s kernel value, of its adapter's (a, b) or None, the local shape of a packed
+    kernel or None): experts over the expert axis, the logical `mlp` dimension over `mlp` (the rest gathered)."""
+    axes = tuple(lin.kernel.get_metadata().get(LOGICAL_AXES_KEY) or ("expert", None, None))
+    over = lambda name: spec_entry(mlp) if name == "mlp" else None
+    lora = None if lin.lora is None else (P(EXPERT_AXIS, over(axes[1]), None), P(EXPERT_AXIS, None, over(axes[2])))
+    if _is_packed(lin.kernel):
+        kspec, shape = lin.kernel.shard_specs(mesh, EXPERT_AXIS, mlp)
+        return kspec, lora, shape
+    return P(EXPERT_AXIS, over(axes[1]), over(axes[2])), lora, None
+
+
+def _ffn(module: "Experts", xs, sizes, local, mlp: tuple):
     """The SwiGLU experts on rows `xs` sorted by local expert (`sizes` [E / S] rows each; rows past their sum are
-    padding, returned as 0), through each ExpertLinear's `ragged_dot` seam with the local `kernels`; the down
-    projection's partial sums over the `mlp` axes added. Adapters (`ExpertLinear.lora`) are refused here: their
-    stacked factors are not split over the expert axis."""
-    for lin in (module.gate_proj, module.up_proj, module.down_proj):
-        if lin.lora is not None:
-            raise ValueError("LoRA adapters on mixture-of-experts experts under an expert mesh axis: expert "
-                             "parallelism runs the experts without their adapters' grouped matmuls; use mesh.expert=1")
+    padding, returned as 0), through each `ExpertLinear` with this chip's share of its kernel and adapter (`local`:
+    a (kernel, adapter factors) pair a projection); the down projection's partial sums over the `mlp` axes added
+    (an adapter's too: its down factor a is split on the hidden dimension as the kernel is)."""
 
-    def proj(lin, h, w):
-        return lin.ragged_dot(h.astype(lin.dtype), w.astype(lin.dtype), sizes).astype(lin.dtype)
+    def proj(lin, h, own):
+        return lin(h, sizes, kernel=own[0], lora=own[1]).astype(lin.dtype)
 
-    h = jax.nn.silu(proj(module.gate_proj, xs, kernels[0])) * proj(module.up_proj, xs, kernels[1])
-    y = proj(module.down_proj, h, kernels[2])
+    h = jax.nn.silu(proj(module.gate_proj, xs, local[0])) * proj(module.up_proj, xs, local[1])
+    y = proj(module.down_proj, h, local[2])
     if mlp:
         y = jax.lax.psum(y, mlp)
     valid = jnp.arange(xs.shape[0]) < jnp.sum(sizes)
@@ -222,11 +232,16 @@ def _expert_parallel(module: "Experts", plan: _Plan, x, experts, weights):
     s = mesh.shape[EXPERT_AXIS]
     el = e // s
     tok, mlp = spec_entry(plan.tokens), spec_entry(plan.mlp)
-    specs = (P(EXPERT_AXIS, None, mlp), P(EXPERT_AXIS, None, mlp), P(EXPERT_AXIS, mlp, None))
-    kernels = tuple(lin.kernel.get_value() for lin in (module.gate_proj, module.up_proj, module.down_proj))
+    lins = _projections(module)
+    plans = [_local_specs(lin, mesh, plan.mlp) for lin in lins]
+    specs = tuple((kspec, lspec) for kspec, lspec, _ in plans)
+    values = tuple((lin.kernel.get_value(), None if lin.lora is None else (lin.lora.a[...], lin.lora.b[...]))
+                   for lin in lins)
     out_dtype = module.down_proj.dtype
 
-    def body(x, experts, weights, *kernels):
+    def body(x, experts, weights, values):
+        # a packed kernel's local arrays go back with their local shape (`QuantizedExpertKernel.packed_ragged_dot`)
+        kernels = tuple((v if shape is None else (v, shape), ab) for (v, ab), (_, _, shape) in zip(values, plans))
         n, k = experts.shape
         me = jax.lax.axis_index(EXPERT_AXIS)
         flat = experts.reshape(-1)
@@ -263,9 +278,9 @@ def _expert_parallel(module: "Experts", plan: _Plan, x, experts, weights):
         ys = jnp.zeros_like(back).at[order].set(back, unique_indices=True).reshape(n, k, -1)
         return jnp.sum(ys * weights.astype(ys.dtype)[..., None], axis=1)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(tok, None), P(tok, None), P(tok, None), *specs),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(tok, None), P(tok, None), P(tok, None), specs),
                        out_specs=P(tok, None), check_vma=False)
-    return fn(x, experts, weights, *kernels).astype(out_dtype)
+    return fn(x, experts, weights, values).astype(out_dtype)
 
 
 class MoE(nnx.Module):

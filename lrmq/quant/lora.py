@@ -195,8 +195,11 @@ class ExpertLoRA(nnx.Module):
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def __call__(self, x, group_sizes):
-        a, b = self.a[...].astype(x.dtype), self.b[...].astype(x.dtype)
+    def __call__(self, x, group_sizes, factors=None):
+        """`factors`: (a, b) to use instead of the parameters' values (an expert-parallel shard_map's local experts'
+        shares, `lrmq.model.moe`)."""
+        a, b = (self.a[...], self.b[...]) if factors is None else factors
+        a, b = a.astype(x.dtype), b.astype(x.dtype)
         if self.rate > 0.0 and self.mode == "train":
             h = expert_lora_down(x, a, group_sizes, self.rate, self.seed, self.salt)
         elif self.rate > 0.0 and self.mode == "always":

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 from lrmq.quant.formats import array_axes, dequantize
-from lrmq.quant.qmatmul import qmatmul, qragged_dot
+from lrmq.quant.qmatmul import expert_shard, local_expert_weight, qmatmul, qragged_dot
 from lrmq.sharding import LOGICAL_AXES_KEY
 
 
@@ -44,10 +44,18 @@ class QuantizedExpertKernel(QuantizedKernel):
     with a leading expert axis; logical axes ("expert", in, out)). A `QuantizedKernel` for everything that stores,
     shards or copies packed weights (checkpoints, `lrmq.sharding`, rollout copies); its matmul is the grouped one."""
 
-    def packed_ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def packed_ragged_dot(self, x: jax.Array, group_sizes: jax.Array, local=None) -> jax.Array:
         """Rows of x [M, K] sorted by expert (`group_sizes[e]` rows of expert e, in order) times their expert's
-        weight: `qmatmul.qragged_dot` (a grouped Pallas kernel on TPU, else dequantize + `jax.lax.ragged_dot`)."""
-        return qragged_dot(x, self.get_value(), group_sizes, axes=self.get_metadata().get(LOGICAL_AXES_KEY))
+        weight: `qmatmul.qragged_dot` (a grouped Pallas kernel on TPU, else dequantize + `jax.lax.ragged_dot`).
+        `local`: inside an expert-parallel shard_map, (this chip's shards of the arrays, the local shape) as
+        `shard_specs` split them; the local experts' grouped matmul."""
+        qw = self.get_value() if local is None else local_expert_weight(*local)
+        return qragged_dot(x, qw, group_sizes, axes=self.get_metadata().get(LOGICAL_AXES_KEY))
+
+    def shard_specs(self, mesh, expert: str, mlp: tuple):
+        """(shard_map in_specs of the packed arrays, the local shape) for an expert-parallel layer, or None where
+        the hidden (`mlp`) split would not keep whole groups a chip (`qmatmul.expert_shard`)."""
+        return expert_shard(self.get_value(), self.get_metadata().get(LOGICAL_AXES_KEY), mesh, expert, mlp)
 
     def packed_matmul(self, x: jax.Array) -> jax.Array:
         raise TypeError("a QuantizedExpertKernel (stacked experts) has no plain matmul; ExpertLinear calls "

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from lrmq.quant.formats import PACKINGS, Packing, dequantize, packing_of
+from lrmq.quant.formats import PACKINGS, Packing, array_axes, dequantize, packing_of
 from lrmq.quant.qweight import QuantizedWeight
 from lrmq.sharding import (axes_size, dividing_axes, entry_axes, is_manual, logical_to_spec, rules_in_effect,
                            spec_entry)
@@ -181,3 +181,43 @@ def qragged_dot_path(qw: QuantizedWeight, impl: str = "auto") -> str:
     if packing is None or packing.grouped_call is None or pk.resolve_impl(impl)[0] != "tpu":
         return "dequant"
     return packing.name
+
+
+def expert_shard(qw: QuantizedWeight, axes, mesh, expert: str, mlp: tuple):
+    """How an expert-parallel `shard_map` (`lrmq.model.moe`) takes a stacked-experts `qw`: (in_specs, a pytree of
+    `PartitionSpec`s shaped like `qw`; the local weight's shape) with every array's leading expert dim over the mesh
+    axis `expert` (E / S experts a chip) and the dims of logical axis "mlp" (`axes`: the kernel's logical
+    (expert, in, out) axes) over the `mlp` mesh axes, or None where that `mlp` split would not leave each chip whole
+    quantization groups: only int4 / int8 codes split there (N: any split dividing it; K: whole groups a chip, as
+    `kernel_specs`); other formats (NF4's flat blocks, 2/3/5-7-bit codes) split on the expert axis only, so the
+    caller gathers their hidden dim (`mlp=()`)."""
+    if qw.num_experts is None:
+        raise ValueError(f"expert_shard takes a stacked-experts weight of shape (E, K, N), got shape {qw.shape}")
+    axes = tuple(axes) if axes is not None else ("expert", None, None)
+    t = axes_size(mesh, mlp) if mlp else 1
+    shape = [qw.num_experts // mesh.shape[expert], qw.K, qw.N]
+    for i, name in ((1, axes[1]), (2, axes[2])):
+        if name != "mlp" or t == 1:
+            continue
+        packing = packing_of(qw)
+        if qw.fmt != "int" or packing is None or shape[i] % t:
+            return None
+        if i == 1:
+            unit, groups = packing.k_split(qw)
+            if qw.K % (t * unit) or groups % t:
+                return None
+        shape[i] //= t
+    entry = {"expert": expert, "mlp": spec_entry(mlp) if t > 1 else None}
+    logical = array_axes(qw, axes)
+    for name, a in qw.arrays().items():  # every split dim divides (a per-channel [1, N] scale row does not)
+        if any(n == "mlp" and t > 1 and d % t for n, d in zip(getattr(logical, name), a.shape)):
+            return None
+    specs = jax.tree.map(lambda a: P(*(entry.get(n) for n in a)), logical,
+                         is_leaf=lambda a: isinstance(a, tuple))
+    return specs, tuple(shape)
+
+
+def local_expert_weight(qw: QuantizedWeight, shape: tuple) -> QuantizedWeight:
+    """The per-chip view, inside an expert-parallel `shard_map`, of a stacked-experts weight split by `expert_shard`
+    (its arrays already the local shards): the same weight with the local `shape`."""
+    return qw.replace(shape=tuple(shape))
