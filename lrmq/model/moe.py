@@ -19,7 +19,10 @@ the tokens are not split over it (the decode layout splits the batch over `data`
 experts' share of its tokens and the shares are summed (a psum over the expert axis). The expert kernels' model
 dimension is gathered at the shard_map's edge (FSDP); an `mlp` dimension split over tensor axes stays split, each
 chip computing its columns and the down projections' partial sums added (the decode layout's tensor parallelism:
-no weight is gathered per token). XLA:CPU has no ragged-all-to-all: on the CPU the same exchange runs as a
+no weight is gathered per token). Packed expert kernels enter as their arrays' local shards (the kernel variable
+brings its specs and its local grouped call: `shard_specs`, `packed_ragged_dot(..., local=)`), their hidden split
+kept only where every chip holds whole quantization groups (else gathered); expert adapters' factors split over
+the expert axis like the kernels and run on the same local rows. XLA:CPU has no ragged-all-to-all: on the CPU the same exchange runs as a
 padded `all_to_all` (`_ragged_exchange`), so the multi-device CPU test checks the same offsets.
 
 Choice and computation are separate (`MoE.routed` = `route`, then `Experts(x, experts, weights)`), so a
