@@ -42,7 +42,7 @@ from lrmq.ptq import awq as awq_mod
 from lrmq.ptq import layer_fn as lf
 from lrmq.ptq.config import QuantizeConfig
 from lrmq.ptq.gptq import gptq_quantize, prepare_hessian
-from lrmq.ptq.programs import Program, abstract_layer_params, host_bytes, layer_programs
+from lrmq.ptq.programs import Program, abstract_layer_params, host_bytes, layer_kinds, layer_programs
 from lrmq.ptq.shard import AXIS, ptq_mesh, unit_size
 from lrmq.rl.precompile import GIB, HEADROOM, hbm_bytes, lower_compile
 from lrmq.targets import chip_peaks
@@ -71,8 +71,8 @@ def holds_layer(prog) -> bool:
 
 def layer_weight_bytes(cfg: ModelConfig) -> int:
     """The largest decoder layer's float32 weights (what the chips hold replicated)."""
-    return max(sum(4 * math.prod(s) for s in abstract_layer_params(cfg, cfg.layer_types.index(lt)).values())
-               for lt in set(cfg.layer_types))
+    return max(sum(4 * math.prod(s) for s in abstract_layer_params(cfg, i).values())
+               for i in layer_kinds(cfg).values())
 
 
 def importance_host_bytes(cfg: ModelConfig) -> int:
@@ -116,10 +116,28 @@ def gptq_host_seconds(cfg: ModelConfig, qcfg: QuantizeConfig) -> float:
     (K N elements) and updates of the later rows (~K^2 N float32 flops), one Hessian inverse per captured input
     (~2/3 K^3 float64 flops: Cholesky and triangular inverse, K^3 / 3 each)."""
     rate = gptq_host_rate()
-    shapes = abstract_layer_params(cfg, 0)
-    secs = sum(rate["kn"] * k * n + k * k * n / rate["f32_flops"] for k, n in (shapes[name] for name in lf.LINEARS))
-    ks = {lf.INPUT_OF[name]: shapes[name][0] for name in lf.LINEARS}
-    return secs + sum(2 * k ** 3 / 3 / rate["f64_flops"] for k in ks.values())
+    count: dict[tuple[str, bool], int] = {}
+    for i, lt in enumerate(cfg.layer_types):
+        count[(lt, cfg.is_moe_layer(i))] = count.get((lt, cfg.is_moe_layer(i)), 0) + 1
+    return sum(count[kind] * _gptq_host_layer(cfg, qcfg, i, rate)
+               for kind, i in layer_kinds(cfg).items()) / cfg.num_layers
+
+
+def _gptq_host_layer(cfg: ModelConfig, qcfg: QuantizeConfig, i: int, rate: dict) -> float:
+    """Layer i's `gptq_host_seconds`. A sparse layer's stacked experts [E, K, N] are E solves of [K, N]
+    (`lrmq.ptq.gptq_model.gptq_layer`); their Hessian inverses: down_proj's one per expert, gate/up's one shared
+    (mlp_in's) with calibration.moe_experts=all, one per expert with "routed"."""
+    shapes = abstract_layer_params(cfg, i)
+    secs = 0.0
+    for name in lf.LINEARS:
+        *e, k, n = shapes[name]
+        secs += (e[0] if e else 1) * (rate["kn"] * k * n + k * k * n / rate["f32_flops"])
+    inverses = {}
+    for name in lf.LINEARS:
+        *e, k, _ = shapes[name]
+        per_expert = e and (name == "down_proj" or qcfg.calibration.moe_experts != "all")
+        inverses[lf.INPUT_OF[name]] = (e[0] if per_expert else 1, k)
+    return secs + sum(c * 2 * k ** 3 / 3 / rate["f64_flops"] for c, k in inverses.values())
 
 
 # ----------------------------------------------------------------------------- the check
@@ -201,10 +219,13 @@ def estimate_seconds(row: dict, peaks: tuple[float, float] | None) -> float | No
     return max(row["flops"] / peaks[0], row["bytes"] / peaks[1])
 
 
-def layer_type_of(name: str, cfg: ModelConfig) -> str:
-    """The layer type a program belongs to (`lrmq.ptq.programs` names end in "(layer type T)")."""
-    m = re.search(r"\(layer type (\w+)\)", name)
-    return m.group(1) if m and m.group(1) in cfg.layer_types else cfg.layer_types[0]
+def layer_type_of(name: str, cfg: ModelConfig) -> tuple[str, bool]:
+    """The layer kind a program belongs to, (layer type, sparse) (`lrmq.ptq.programs.layer_tag`: names end in
+    "(layer type T)" or "(layer type T, experts)")."""
+    m = re.search(r"\(layer type (\w+)(, experts)?\)", name)
+    if m and m.group(1) in cfg.layer_types:
+        return m.group(1), bool(m.group(2))
+    return cfg.layer_types[0], cfg.is_moe_layer(0)
 
 
 def compile_rows(cfg: ModelConfig, qcfg: QuantizeConfig, mesh, n_blocks: int, block_size: int, names=None,
@@ -242,12 +263,12 @@ def check(cfg: ModelConfig, qcfg: QuantizeConfig, devices, *, n_blocks: int, blo
     fit.rows = compile_rows(cfg, qcfg, mesh, n_blocks, block_size, log=log)
     for row in fit.rows:
         row["estimate_s"] = estimate_seconds(row, fit.peaks)
-    per_type: dict[str, float] = {}
+    per_type: dict[tuple[str, bool], float] = {}
     if all(r["estimate_s"] is not None for r in fit.rows):
         for r in fit.rows:
             lt = layer_type_of(r["name"], cfg)
             per_type[lt] = per_type.get(lt, 0.0) + r["calls"] * r["estimate_s"]
-        fit.model_seconds = sum(per_type[lt] for lt in cfg.layer_types)
+        fit.model_seconds = sum(per_type[(lt, cfg.is_moe_layer(i))] for i, lt in enumerate(cfg.layer_types))
         fit.layer_seconds = fit.model_seconds / cfg.num_layers
     if qcfg.method == "gptq":
         fit.gptq_host_layer_seconds = gptq_host_seconds(cfg, qcfg)

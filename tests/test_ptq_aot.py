@@ -67,11 +67,11 @@ def test_compile_only_bad_input_is_one_line(cli):
         "lrmq.quantize: error: --shapes 'llama-9000' is neither a known architecture (llama3.1-8b, olmo-3-7b, "
         "qwen3-0.6b, qwen3-1.7b, qwen3-30b-a3b, qwen3-4b, qwen3-8b, r1-distill-llama-70b, r1-distill-qwen-32b) nor a "
         "checkpoint directory with a config.json"]
-    r = cli("quantize", "--compile-only", "--shapes", "qwen3-30b-a3b", "--method", "gptq")
+    r = cli("quantize", "--compile-only", "--shapes", "qwen3-30b-a3b", "--method", "awq")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "lrmq.quantize: error: --shapes qwen3-30b-a3b: a mixture-of-experts model; --compile-only does not compile "
-        "the per-expert programs (expert Hessians, grouped forward) yet; the run itself quantizes it per expert (rtn, "
-        "int8, nf4, gptq; docs/moe.md)"]
+        "lrmq.quantize: error: --shapes qwen3-30b-a3b: a mixture-of-experts model; --compile-only compiles its "
+        "per-expert programs for gptq only, not yet awq's expert statistics, grid losses and fold (the run itself "
+        "quantizes it per expert with rtn, int8, nf4, gptq, awq, quantlrm; docs/moe.md)"]
     r = cli("quantize", *TINY, "--method", "rtn")
     assert r.returncode == 2 and "--compile-only covers awq, gptq, quantlrm" in r.stderr
     r = cli("quantize", *TINY[:-1], "512", "--method", "gptq")
@@ -79,13 +79,23 @@ def test_compile_only_bad_input_is_one_line(cli):
 
 
 def test_compile_only_gptq_and_quantlrm(cli):
-    """GPTQ: the stage forwards and X^T X compiled, the Hessian work in the host RSS, the host-side quantization
-    estimated from a rate measured here; QuantLRM: no activation statistic (its importance replaces it), v -> o
-    searched (GQA downsampling), the importance pass's host memory stated."""
-    r = cli("quantize", *TINY, "--method", "gptq")
+    """GPTQ, on the tiny mixture-of-experts model (sparse layers 0 and 2, dense layer 1): the stage forwards and X^T
+    X compiled, for the sparse layers the stages reading mlp_in for down_proj, no down_in capture, and each chip's
+    [E, F, F] expert down_proj Hessians (`gptq_model.expert_hessians`), the Hessian work and the per-expert Hessians
+    in the host RSS, the host-side quantization estimated from a rate measured here; QuantLRM: no activation
+    statistic (its importance replaces it), v -> o searched (GQA downsampling), the importance pass's host memory
+    stated."""
+    r = cli("quantize", TINY[0], "--shapes", "tiny-moe", *TINY[3:], "--method", "gptq")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "| X^T X down_in [384] (layer type full_attention) |" in r.stdout and "| stage 3 inputs down_in" in r.stdout
+    assert "tiny-moe: 3 layers; gptq W4 g128" in r.stdout
+    dense, sparse = "(layer type full_attention)", "(layer type full_attention, experts)"
+    assert f"| X^T X down_in [256] {dense} |" in r.stdout and f"| stage 3 inputs down_in {dense} |" in r.stdout
+    assert f"| expert X^T X down_in [8, 64, 64] {sparse} |" in r.stdout
+    assert f"| stage 3 inputs mlp_in {sparse} |" in r.stdout and f"| forward {sparse} |" in r.stdout
+    assert f"X^T X down_in [256] {sparse}" not in r.stdout and f"| X^T X mlp_in [128] {sparse} |" in r.stdout
     assert "GPTQ Hessian work" in r.stdout and "GPTQ's host-side quantization (numba) at the rate measured" in r.stdout
+    assert "GPTQ per-expert Hessians (8 experts" in r.stdout
+    assert r.stdout.strip().splitlines()[-1].startswith("fits: ")
     r = cli("quantize", *TINY, "--method", "quantlrm", "--bits", "3")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "activation statistic" not in r.stdout and "| grid losses attn_out (layer type full_attention) |" in r.stdout
@@ -102,3 +112,26 @@ def test_chip_peaks():
     flops, bandwidth = chip_peaks("NVIDIA H200 141GB HBM3e", "f32")
     assert abs(flops / 1e12 - 494.6) < 0.5 and bandwidth == 4.8e12
     assert chip_peaks("cpu") is None
+
+
+def test_gptq_host_seconds_count_every_expert():
+    """GPTQ's host estimate of a sparse layer: E solves per stacked expert projection, one down_proj Hessian inverse
+    per expert, and gate/up's one shared inverse (calibration.moe_experts=all) or one per expert ("routed"); a dense
+    layer one of each (tiny-moe: layer 0 sparse, 8 experts of width 64, layer 1 dense)."""
+    import dataclasses
+
+    from lrmq import ptq_aot
+    from lrmq.ptq.config import QuantizeConfig
+    from lrmq.quantize import compile_only_model
+
+    cfg = compile_only_model("tiny-moe")
+    qcfg = QuantizeConfig(model="tiny-moe", method="gptq")
+    routed = dataclasses.replace(qcfg, calibration=dataclasses.replace(qcfg.calibration, moe_experts="routed"))
+    solves = {"kn": 1.0, "f32_flops": float("inf"), "f64_flops": float("inf")}
+    inverses = {"kn": 0.0, "f32_flops": float("inf"), "f64_flops": 2 / 3}  # one inverse of [K, K] costs K^3
+    attn = 128 * 128 + 2 * 128 * 64 + 128 * 128  # q, o [128, 128] (4 heads x 32), k / v [128, 64] (2 kv heads)
+    assert ptq_aot._gptq_host_layer(cfg, qcfg, 0, solves) == attn + 8 * 3 * 128 * 64
+    assert ptq_aot._gptq_host_layer(cfg, qcfg, 1, solves) == attn + 3 * 128 * 256
+    assert ptq_aot._gptq_host_layer(cfg, qcfg, 0, inverses) == pytest.approx(3 * 128 ** 3 + 8 * 64 ** 3)
+    assert ptq_aot._gptq_host_layer(cfg, routed, 0, inverses) == pytest.approx(2 * 128 ** 3 + 8 * (128 ** 3 + 64 ** 3))
+    assert ptq_aot._gptq_host_layer(cfg, qcfg, 1, inverses) == pytest.approx(3 * 128 ** 3 + 256 ** 3)

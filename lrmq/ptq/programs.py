@@ -26,7 +26,7 @@ from lrmq.model.decoder import DecoderLayer
 from lrmq.ptq import layer_fn as lf
 from lrmq.ptq import layerwise as lw
 from lrmq.ptq.awq import _clip_chunk, _fold, _vo_shapes_match, scale_groups, unit_abs_sum, unit_grid_losses
-from lrmq.ptq.gptq_model import TRUE_SEQUENTIAL, unit_xtx
+from lrmq.ptq.gptq_model import TRUE_SEQUENTIAL, unit_expert_down_xtx, unit_expert_mlp_in_xtx, unit_xtx
 from lrmq.ptq.rtn import _quantize_jit
 from lrmq.ptq.shard import AXIS, unit_program, unit_size
 from lrmq.quant.quantizers import resolve_group_size
@@ -54,10 +54,28 @@ def _sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-def capture_widths(cfg: ModelConfig) -> dict[str, int]:
-    """Last-axis width of each captured Linear input."""
-    return {"attn_in": cfg.hidden_size, "o_in": cfg.num_heads * cfg.head_dim, "mlp_in": cfg.hidden_size,
-            "down_in": cfg.intermediate_size}
+def capture_widths(cfg: ModelConfig, moe: bool = False) -> dict[str, int]:
+    """Last-axis width of each captured Linear input; a sparse layer (``moe``) captures no ``down_in`` (an expert's
+    down_proj input depends on the expert: ``layer_fn.expert_down_xtx`` computes it from ``mlp_in``)."""
+    w = {"attn_in": cfg.hidden_size, "o_in": cfg.num_heads * cfg.head_dim, "mlp_in": cfg.hidden_size,
+         "down_in": cfg.intermediate_size}
+    if moe:
+        del w["down_in"]
+    return w
+
+
+def layer_kinds(cfg: ModelConfig) -> dict[tuple[str, bool], int]:
+    """The distinct (layer type, sparse) pairs of a model, each with its first layer's index."""
+    kinds: dict[tuple[str, bool], int] = {}
+    for i, lt in enumerate(cfg.layer_types):
+        kinds.setdefault((lt, cfg.is_moe_layer(i)), i)
+    return kinds
+
+
+def layer_tag(lt: str, moe: bool) -> str:
+    """The suffix naming a program's layer kind: "(layer type full_attention)", "(layer type full_attention,
+    experts)" for a sparse layer (``lrmq.ptq_aot.layer_type_of`` reads it back)."""
+    return f"(layer type {lt}{', experts' if moe else ''})"
 
 
 def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int) -> list[Program]:
@@ -75,14 +93,17 @@ def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int)
     one = NamedSharding(mesh, P())  # single-device programs (fold, quantize) take replicated inputs here
     x_of = lambda width: _sds((d, u, block_size, width), F32, shd)  # noqa: E731 one unit per chip
     pos = _sds((d, u, block_size), np.dtype(np.int32), shd)
-    widths = capture_widths(cfg)
     out: list[Program] = []
-    for lt in dict.fromkeys(cfg.layer_types):
-        i = cfg.layer_types.index(lt)
+    for (lt, moe), i in layer_kinds(cfg).items():
+        widths = capture_widths(cfg, moe)
         spec = lf.layer_spec(cfg, i)
         shapes = abstract_layer_params(cfg, i)
         p = {k: _sds(s, F32, rep) for k, s in shapes.items()}
-        tag = f"(layer type {lt})"
+        tag = layer_tag(lt, moe)
+        if moe and method != "gptq":
+            raise ValueError(f"method {method}: the per-expert programs of a mixture-of-experts layer are compiled "
+                             "for gptq only (awq / quantlrm's expert statistics, grid losses and fold are not "
+                             "listed yet; the run itself quantizes it per expert: docs/moe.md)")
         if method in ("awq", "quantlrm"):
             out.append(Program(f"forward + captures {tag}", unit_program(lw.unit_forward, mesh, 1, 2, spec=spec,
                                                                          capture=True),
@@ -134,16 +155,33 @@ def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int)
             stages = TRUE_SEQUENTIAL if gq.true_sequential else (tuple(n for s in TRUE_SEQUENTIAL for n in s),)
             exact: set[str] = set()
             for k, stage in enumerate(stages):
-                need = tuple(sorted({lf.INPUT_OF[n] for n in stage}))
+                need = {lf.INPUT_OF[n] for n in stage}
+                if moe:  # gptq_layer: a sparse layer's expert statistics are computed from mlp_in
+                    need = {"mlp_in" if inp in ("mlp_in", "down_in") else inp for inp in need}
+                need = tuple(sorted(need))
                 keys = tuple(sorted(exact - set(need)))
                 fn = unit_program(lw.unit_run, mesh, 1, 2 + len(keys), spec=spec, names=need, keys=keys)
                 out.append(Program(f"stage {k} inputs {'/'.join(need)} {tag}", fn,
                                    (p, x_of(cfg.hidden_size), pos, *[x_of(widths[kk]) for kk in keys]), steps))
                 exact |= {n for n in need if n != "attn_in"}
                 exact = {kk for kk in exact if not set(stage) & set(lf.UPSTREAM[kk])}
-            for inp in dict.fromkeys(lf.INPUT_OF.values()):
+            for inp in widths:  # one Hessian per captured input (a sparse layer's mlp_in: every expert's gate/up)
+                if moe and inp == "mlp_in" and qcfg.calibration.moe_experts != "all":
+                    continue
                 out.append(Program(f"X^T X {inp} [{widths[inp]}] {tag}", unit_program(unit_xtx, mesh, 0, 1),
                                    (x_of(widths[inp]),), steps))
+            if moe:  # gptq_model.expert_hessians: the E per-expert Hessians, every expert's over a unit on a chip
+                e, f, dd = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+                kw = dict(top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob,
+                          calibration=qcfg.calibration.moe_experts)
+                router = _sds(shapes["router"], F32, rep)
+                if qcfg.calibration.moe_experts != "all":
+                    out.append(Program(f"expert X^T X mlp_in [{e}, {dd}, {dd}] {tag}",
+                                       unit_program(unit_expert_mlp_in_xtx, mesh, 1, 1, **kw),
+                                       (router, x_of(dd)), steps))
+                out.append(Program(f"expert X^T X down_in [{e}, {f}, {f}] {tag}",
+                                   unit_program(unit_expert_down_xtx, mesh, 3, 1, **kw),
+                                   (router, p["gate_proj"], p["up_proj"], x_of(dd)), steps))
             if gq.propagate == "quantized":
                 keys = tuple(sorted(exact))
                 fn = unit_program(lw.unit_run, mesh, 1, 2 + len(keys), spec=spec, names=None, keys=keys)
@@ -174,19 +212,28 @@ class _bind:
 
 def host_bytes(cfg: ModelConfig, qcfg, n_blocks: int, block_size: int, *, prefetch: bool = True) -> dict[str, int]:
     """What the host holds at the peak of a streamed run, by part (bytes): the calibration activations (layer
-    input and FP output, the four captures, float32), the layer's float32 weights (current, working copy and the
-    prefetched next one), the embedding in the param dtype, and for GPTQ the float64 Hessian work."""
+    input and FP output, the captures, float32), the largest layer's float32 weights (current, working copy and
+    the prefetched next one), the embedding in the param dtype, and for GPTQ the float64 Hessian work (a sparse
+    layer: also its E per-expert down_proj Hessians, summed [E, F, F] float32 and each expert's prepared Hinv)."""
     tokens = n_blocks * block_size
-    w = capture_widths(cfg)
-    layer = sum(int(np.prod(s)) for s in abstract_layer_params(cfg, 0).values()) * 4
+    kinds = layer_kinds(cfg)
+    caps = max(sum(capture_widths(cfg, moe).values()) for _, moe in kinds)
+    layer = max(sum(int(np.prod(s)) for s in abstract_layer_params(cfg, i).values()) for i in kinds.values()) * 4
     itemsize = 2 if cfg.param_dtype in ("bfloat16", "float16") else 4
     parts = {
-        "activations (input, output, 4 captures; float32)": tokens * (2 * cfg.hidden_size + sum(w.values())) * 4,
+        "activations (input, output, captures; float32)": tokens * (2 * cfg.hidden_size + caps) * 4,
         "layer weights (float32: current, quantized copy" + (", next prefetched)" if prefetch else ")"):
             layer * (3 if prefetch else 2),
         "embedding": cfg.vocab_size * cfg.hidden_size * itemsize,
     }
     if qcfg.method == "gptq":
-        k = max(w.values())
+        k = max(max(capture_widths(cfg, moe).values()) for _, moe in kinds)
         parts["GPTQ Hessian work (float64 Cholesky, float32 H / Hinv of the widest input)"] = k * k * (8 * 2 + 4 * 2)
+        if any(moe for _, moe in kinds):
+            f, e = cfg.moe_intermediate_size, cfg.num_experts
+            # down_proj: the summed [E, F, F] and E prepared Hinv; "routed": gate's and up's E Hinv [D, D] each too,
+            # beside one summed [E, D, D] (gptq_layer prepares each projection's list)
+            routed = 0 if qcfg.calibration.moe_experts == "all" else 3 * cfg.hidden_size ** 2
+            parts[f"GPTQ per-expert Hessians ({e} experts: summed H and prepared Hinv, float32)"] = \
+                e * 4 * (2 * f * f + routed)
     return parts
