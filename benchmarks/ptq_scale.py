@@ -10,10 +10,15 @@ or a GPU); GPTQ's host-side quantization estimated from a rate measured on this 
     python benchmarks/ptq_scale.py --out docs/figures/ptq_scale.json            # every target, one process each
     python benchmarks/ptq_scale.py --out docs/figures/ptq_scale.json --target v5p-8
     python benchmarks/ptq_scale.py --out docs/figures/ptq_scale.json --reasoning  # QuantLRM's calibration, W3
+    python benchmarks/ptq_scale.py --out docs/figures/ptq_scale.json --moe        # Qwen3-30B-A3B GPTQ W4 per expert
     python benchmarks/ptq_scale.py --markdown docs/figures/ptq_scale.json       # docs/ptq.md's tables
 
 --reasoning: QuantLRM's own calibration recipe (calibration.source reasoning: the first 128 x 2,048 = 262,144 tokens,
 cut into 512 blocks of 512), W3, every model and target: 4x the blocks of the default, the same units on a chip.
+
+--moe: Qwen3-30B-A3B (128 experts, top-8) GPTQ W4 g128 per expert with calibration.moe_experts=all (the stage
+forwards with the grouped expert forward, X^T X of the shared inputs, the 128 experts' down_proj Hessians on each
+chip, the host's 3 x 128 solves per layer), each case with its own machine, date and versions.
 
 Cases already in --out are kept (rerun with --force); the file is rewritten after each case.
 """
@@ -37,6 +42,7 @@ TARGETS = {"v5e-8": ("tpu", "v5e:2x4"), "v6e-8": ("tpu", "v6e:2x4"), "v5p-8": ("
 METHODS = ("awq", "gptq", "quantlrm")
 BITS = (3, 4)
 N_BLOCKS, BLOCK_SIZE, BATCH = 128, 512, 8
+MOE_MODELS = ("qwen3-30b-a3b",)  # --moe: GPTQ W4 per expert
 REASONING = (512, 512)  # QuantLRM's calibration (docs/ptq.md "Calibration"): blocks, tokens per block
 
 
@@ -89,7 +95,16 @@ def case_record(fit, cfg, qcfg, model: str, target: str, n_blocks: int, block_si
     return rep
 
 
-def run_target(target: str, out: str, force: bool, reasoning: bool = False) -> None:
+def cases(reasoning: bool, moe: bool) -> list[tuple[str, str, int]]:
+    """(model, method, bits) of a sweep: the main one, QuantLRM's own calibration, or the MoE one."""
+    if moe:
+        return [(m, "gptq", 4) for m in MOE_MODELS]
+    if reasoning:
+        return [(m, "quantlrm", 3) for m in MODELS]
+    return [(m, method, bits) for m in MODELS for method in METHODS for bits in BITS]
+
+
+def run_target(target: str, out: str, force: bool, reasoning: bool = False, moe: bool = False) -> None:
     """Every model x method x bits case of one target (with `reasoning`: QuantLRM W3 on its own calibration), in
     this process (one heavy compile at a time)."""
     import dataclasses
@@ -100,26 +115,27 @@ def run_target(target: str, out: str, force: bool, reasoning: bool = False) -> N
     platform, topology = TARGETS[target]
     devices = aot.target_devices(topology, platform)
     n_blocks, block_size = REASONING if reasoning else (N_BLOCKS, BLOCK_SIZE)
-    for model in MODELS:
+    for model, method, bits in cases(reasoning, moe):
         cfg = ptq_aot.preset_config(model)
-        for method in ("quantlrm",) if reasoning else METHODS:
-            for bits in (3,) if reasoning else BITS:
-                k = key(model, target, method, bits, reasoning)
-                data = load(out)
-                if k in data["cases"] and not force:
-                    continue
-                qcfg = QuantizeConfig(model=model, method=method, bits=bits, group_size=128)
-                qcfg = dataclasses.replace(qcfg, calibration=dataclasses.replace(
-                    qcfg.calibration, batch_size=BATCH, block_size=block_size))
-                t0 = time.perf_counter()
-                fit = ptq_aot.check(cfg, qcfg, devices, n_blocks=n_blocks, block_size=block_size, target=topology,
-                                    log=lambda m: None)
-                rec = case_record(fit, cfg, qcfg, model, target, n_blocks, block_size)
-                rec["wall_seconds"] = time.perf_counter() - t0
-                print(f"{k}: {rec['verdict']} ({rec['wall_seconds']:.0f} s)", flush=True)
-                data = load(out)  # another target's process may have written meanwhile: merge
-                data["cases"][k] = rec
-                save(out, data)
+        k = key(model, target, method, bits, reasoning)
+        data = load(out)
+        if k in data["cases"] and not force:
+            continue
+        qcfg = QuantizeConfig(model=model, method=method, bits=bits, group_size=128)
+        qcfg = dataclasses.replace(qcfg, calibration=dataclasses.replace(
+            qcfg.calibration, batch_size=BATCH, block_size=block_size))
+        t0 = time.perf_counter()
+        fit = ptq_aot.check(cfg, qcfg, devices, n_blocks=n_blocks, block_size=block_size, target=topology,
+                            log=lambda m: None)
+        rec = case_record(fit, cfg, qcfg, model, target, n_blocks, block_size)
+        rec["wall_seconds"] = time.perf_counter() - t0
+        if moe:  # compiled after the main sweep: its own machine, date and versions
+            rec.update(machine=common.machine_info(), versions=versions(),
+                       moe_experts=qcfg.calibration.moe_experts)
+        print(f"{k}: {rec['verdict']} ({rec['wall_seconds']:.0f} s)", flush=True)
+        data = load(out)  # another target's process may have written meanwhile: merge
+        data["cases"][k] = rec
+        save(out, data)
 
 
 def header(out: str) -> None:
@@ -189,6 +205,20 @@ def markdown(path: str) -> str:
             if any_rec is not None:
                 host = _gib(max(any_rec["host_total_bytes"], any_rec["importance_host_bytes"]))
                 lines.append(f"| {model} | {host} | " + " | ".join(map(_cell, row)) + " |")
+    moe = [[cases.get(key(model, t, "gptq", 4)) for t in TARGETS] for model in MOE_MODELS]
+    if any(any(r) for r in moe):
+        lines += ["", "Mixture of experts, GPTQ W4 g128 per expert (calibration.moe_experts=all):", "",
+                  "| model | host RSS (GiB) | " + " | ".join(TARGETS) + " | GPTQ host part (this machine) | "
+                  "compiled on |", "|---|---|" + "---|" * len(TARGETS) + "---|---|"]
+        for model, row in zip(MOE_MODELS, moe):
+            r0 = next((r for r in row if r), None)
+            if r0 is not None:
+                mm, vv = r0.get("machine", {}), r0.get("versions", {})
+                lines.append(f"| {model} | {_gib(r0['host_total_bytes'])} | " + " | ".join(map(_cell, row)) +
+                             f" | {_dur(r0['gptq_host_seconds_per_layer'])} / layer, "
+                             f"{_dur(r0['gptq_host_seconds_per_layer'] * r0['layers'])} | {mm.get('cpu')} "
+                             f"({mm.get('cores')} cores), {mm.get('date')}; jax {vv.get('jax')}, libtpu "
+                             f"{vv.get('libtpu')}, jax-cuda12-plugin {vv.get('jax-cuda12-plugin')} |")
     m = data.get("machine", {})
     v = data.get("versions", {})
     lines.append("")
@@ -204,6 +234,8 @@ def main(argv=None) -> int:
                                                             "one child process each)")
     ap.add_argument("--force", action="store_true", help="recompile cases already in --out")
     ap.add_argument("--reasoning", action="store_true", help="QuantLRM W3 on its own calibration (512 blocks of 512)")
+    ap.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B GPTQ W4 per expert (the main sweep's header "
+                                                       "kept; each case records its machine)")
     ap.add_argument("--markdown", metavar="JSON", help="print docs/ptq.md's table from this JSON and exit")
     args = ap.parse_args(argv)
     if args.markdown:
@@ -212,15 +244,17 @@ def main(argv=None) -> int:
     if not args.out:
         ap.error("--out is required")
     if args.target:
-        run_target(args.target, args.out, args.force, args.reasoning)
+        run_target(args.target, args.out, args.force, args.reasoning, args.moe)
         return 0
-    if not args.reasoning:
+    if args.moe:
+        pass  # each case carries its machine and versions (run_target)
+    elif not args.reasoning:
         header(args.out)
     else:  # the versions this pass compiled with (the header's machine and GPTQ rate stay the main sweep's)
         save(args.out, {**load(args.out), "versions": versions()})
     for target in TARGETS:  # one process per target: libtpu's and the CUDA plugin's devices apart
         cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--target", target]
-        cmd += ["--force"] * args.force + ["--reasoning"] * args.reasoning
+        cmd += ["--force"] * args.force + ["--reasoning"] * args.reasoning + ["--moe"] * args.moe
         rc = subprocess.call(cmd)
         if rc:
             print(f"{target}: exit {rc}", file=sys.stderr)
