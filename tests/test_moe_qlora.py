@@ -156,11 +156,3 @@ def test_peft_files_name_every_expert_and_load_back(qlora_moe, tmp_path):
     for (_, l1), (_, l2) in zip(lora_linears(m), lora_linears(fresh)):
         np.testing.assert_array_equal(np.asarray(l1.lora.a.get_value()), np.asarray(l2.lora.a.get_value()))
         np.testing.assert_array_equal(np.asarray(l1.lora.b.get_value()), np.asarray(l2.lora.b.get_value()))
-
-
-def test_expert_adapters_are_refused_under_the_expert_axis(qlora_moe):
-    from lrmq.model.moe import _ffn
-
-    experts = qlora_moe.layers[0].mlp.experts
-    with pytest.raises(ValueError, match=r"^LoRA adapters on mixture-of-experts experts under an expert mesh axis"):
-        _ffn(experts, jnp.zeros((4, 128)), jnp.asarray([4], jnp.int32), (None, None, None), ())
