@@ -393,11 +393,6 @@ def compile_only_main(argv) -> int:
     def body() -> int:
         qcfg = compile_only_config(args)
         mcfg = compile_only_model(args.shapes)
-        if mcfg.num_experts and qcfg.method != "gptq":
-            raise UsageError(f"--shapes {args.shapes}: a mixture-of-experts model; --compile-only compiles its "
-                             f"per-expert programs for gptq only, not yet {qcfg.method}'s expert statistics, grid "
-                             f"losses and fold (the run itself quantizes it per expert with rtn, int8, nf4, gptq, awq, "
-                             f"quantlrm; docs/moe.md)")
         n, t = args.calibration_blocks, args.block_size or min(512, mcfg.max_position_embeddings)
         if t > mcfg.max_position_embeddings:
             raise UsageError(f"--block-size {t} is longer than {args.shapes}'s max_position_embeddings "

@@ -67,11 +67,6 @@ def test_compile_only_bad_input_is_one_line(cli):
         "lrmq.quantize: error: --shapes 'llama-9000' is neither a known architecture (llama3.1-8b, olmo-3-7b, "
         "qwen3-0.6b, qwen3-1.7b, qwen3-30b-a3b, qwen3-4b, qwen3-8b, r1-distill-llama-70b, r1-distill-qwen-32b) nor a "
         "checkpoint directory with a config.json"]
-    r = cli("quantize", "--compile-only", "--shapes", "qwen3-30b-a3b", "--method", "awq")
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "lrmq.quantize: error: --shapes qwen3-30b-a3b: a mixture-of-experts model; --compile-only compiles its "
-        "per-expert programs for gptq only, not yet awq's expert statistics, grid losses and fold (the run itself "
-        "quantizes it per expert with rtn, int8, nf4, gptq, awq, quantlrm; docs/moe.md)"]
     r = cli("quantize", *TINY, "--method", "rtn")
     assert r.returncode == 2 and "--compile-only covers awq, gptq, quantlrm" in r.stderr
     r = cli("quantize", *TINY[:-1], "512", "--method", "gptq")
@@ -79,12 +74,13 @@ def test_compile_only_bad_input_is_one_line(cli):
 
 
 def test_compile_only_gptq_and_quantlrm(cli):
-    """GPTQ, on the tiny mixture-of-experts model (sparse layers 0 and 2, dense layer 1): the stage forwards and X^T
+    """GPTQ and QuantLRM, on the tiny mixture-of-experts model (sparse layers 0 and 2, dense layer 1): the stage forwards and X^T
     X compiled, for the sparse layers the stages reading mlp_in for down_proj, no down_in capture, and each chip's
     [E, F, F] expert down_proj Hessians (`gptq_model.expert_hessians`), the Hessian work and the per-expert Hessians
     in the host RSS, the host-side quantization estimated from a rate measured here; QuantLRM: no activation
-    statistic (its importance replaces it), v -> o searched (GQA downsampling), the importance pass's host memory
-    stated."""
+    statistic (its importance replaces it) but the sparse layers' per-expert token counts and up -> down grid losses,
+    the experts' clip search and quantizer once per expert, v -> o searched (GQA downsampling), the importance
+    pass's host memory stated."""
     r = cli("quantize", TINY[0], "--shapes", "tiny-moe", *TINY[3:], "--method", "gptq")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "tiny-moe: 3 layers; gptq W4 g128" in r.stdout
@@ -96,9 +92,16 @@ def test_compile_only_gptq_and_quantlrm(cli):
     assert "GPTQ Hessian work" in r.stdout and "GPTQ's host-side quantization (numba) at the rate measured" in r.stdout
     assert "GPTQ per-expert Hessians (8 experts" in r.stdout
     assert r.stdout.strip().splitlines()[-1].startswith("fits: ")
-    r = cli("quantize", *TINY, "--method", "quantlrm", "--bits", "3")
+    r = cli("quantize", TINY[0], "--shapes", "tiny-moe", *TINY[3:], "--method", "quantlrm", "--bits", "3",
+            "--group-size", "32")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "activation statistic" not in r.stdout and "| grid losses attn_out (layer type full_attention) |" in r.stdout
+    assert "| activation statistic" not in r.stdout and f"| grid losses attn_out {dense} |" in r.stdout
+    assert f"| expert activation statistic mlp_out [8, 64] {sparse} | 1 |" in r.stdout
+    assert f"| expert grid losses mlp_out [8, 64] {sparse} | 1 |" in r.stdout
+    assert f"| grid losses mlp_out {sparse}" not in r.stdout and f"| grid losses mlp_out {dense} |" in r.stdout
+    assert f"| clip search down_proj [64, 128] x 8 experts {sparse} | 8 |" in r.stdout
+    assert f"| quantize up_proj [128, 64] x 8 experts {sparse} | 8 |" in r.stdout
+    assert f"| grid losses mlp_in {sparse} |" in r.stdout and f"| fold scales mlp_in {sparse} |" in r.stdout
     assert "QuantLRM's importance pass before them: " in r.stdout
 
 

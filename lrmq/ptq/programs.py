@@ -25,7 +25,8 @@ from lrmq.model.config import ModelConfig
 from lrmq.model.decoder import DecoderLayer
 from lrmq.ptq import layer_fn as lf
 from lrmq.ptq import layerwise as lw
-from lrmq.ptq.awq import _clip_chunk, _fold, _vo_shapes_match, scale_groups, unit_abs_sum, unit_grid_losses
+from lrmq.ptq.awq import (_clip_chunk, _fold, _vo_shapes_match, scale_groups, unit_abs_sum, unit_expert_abs_sum,
+                          unit_expert_grid_losses, unit_grid_losses)
 from lrmq.ptq.gptq_model import TRUE_SEQUENTIAL, unit_expert_down_xtx, unit_expert_mlp_in_xtx, unit_xtx
 from lrmq.ptq.rtn import _quantize_jit
 from lrmq.ptq.shard import AXIS, unit_program, unit_size
@@ -100,10 +101,9 @@ def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int)
         shapes = abstract_layer_params(cfg, i)
         p = {k: _sds(s, F32, rep) for k, s in shapes.items()}
         tag = layer_tag(lt, moe)
-        if moe and method != "gptq":
-            raise ValueError(f"method {method}: the per-expert programs of a mixture-of-experts layer are compiled "
-                             "for gptq only (awq / quantlrm's expert statistics, grid losses and fold are not "
-                             "listed yet; the run itself quantizes it per expert: docs/moe.md)")
+        e = shapes["gate_proj"][0] if moe else 1
+        kw = dict(top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob,
+                  calibration=qcfg.calibration.moe_experts)
         if method in ("awq", "quantlrm"):
             out.append(Program(f"forward + captures {tag}", unit_program(lw.unit_forward, mesh, 1, 2, spec=spec,
                                                                          capture=True),
@@ -112,8 +112,20 @@ def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int)
             bits, g, sym = qcfg.bits, qcfg.group_size, qcfg.symmetric
             gqa_vo = qcfg.quantlrm.gqa_vo if method == "quantlrm" else a.gqa_vo
             normalize = qcfg.quantlrm.normalize if method == "quantlrm" else a.normalize
+            if a.scale and moe and not spec.post_norm:  # awq_layer: up -> down per expert (QuantLRM: the counts)
+                f, dd = cfg.moe_intermediate_size, cfg.hidden_size
+                w4 = tuple(p[k] for k in ("router", "gate_proj", "up_proj", "down_proj"))
+                out.append(Program(f"expert activation statistic mlp_out [{e}, {f}] {tag}",
+                                   unit_program(unit_expert_abs_sum, mesh, 3, 1, **kw), (*w4[:3], x_of(dd)), steps))
+                fn = unit_program(unit_expert_grid_losses, mesh, 5, 1, **kw, n_grid=a.n_grid, norm=normalize,
+                                  bits=bits, group_size=resolve_group_size(shapes["down_proj"][1:], g),
+                                  symmetric=sym)
+                out.append(Program(f"expert grid losses mlp_out [{e}, {f}] {tag}", fn,
+                                   (*w4, _sds((e, f), F32, rep), x_of(dd)), steps))
             for group in scale_groups(spec) if a.scale else ():
                 if group.name == "attn_out" and not _vo_shapes_match(p) and gqa_vo == "skip":
+                    continue
+                if moe and group.name == "mlp_out":  # per expert, above
                     continue
                 k = widths[group.inp]
                 if method == "awq":
@@ -133,19 +145,22 @@ def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int)
                 for name in lf.LINEARS:
                     if name in ("q_proj", "k_proj"):
                         continue
-                    K, N = shapes[name]
+                    K, N = shapes[name][-2:]
                     gs = resolve_group_size((K, N), g)
-                    if (K, N, gs) in seen:
+                    # a stacked expert projection: each expert's slice searched alone on its inputs (E times; with
+                    # calibration.moe_experts=routed an expert's sample may be smaller than the one compiled)
+                    experts = shapes[name][0] if len(shapes[name]) == 3 else 1
+                    if (K, N, gs, experts) in seen:
                         continue
-                    seen.add((K, N, gs))
+                    seen.add((K, N, gs, experts))
                     width = min(a.oc_batch, N)
                     chunks = -(-N // width)
                     n_tok = min(a.n_sample_token, n_blocks * block_size)
                     fn = unit_program(_clip_chunk, mesh, 1, 1, bits=bits, group_size=gs, symmetric=sym,
                                       n_grid=a.n_grid, n_shrink=int(a.max_shrink * a.n_grid))
-                    out.append(Program(f"clip search {name} [{K}, {N}] {tag}", fn,
-                                       (_sds((n_tok, K), F32, rep), _sds((d, K, width), F32, shd)),
-                                       -(-chunks // d)))
+                    out.append(Program(f"clip search {name} [{K}, {N}]{f' x {experts} experts' * (experts > 1)} "
+                                       f"{tag}", fn, (_sds((n_tok, K), F32, rep), _sds((d, K, width), F32, shd)),
+                                       experts * -(-chunks // d)))
             if a.propagate == "quantized":
                 out.append(Program(f"forward {tag}", unit_program(lw.unit_forward, mesh, 1, 2, spec=spec,
                                                                   capture=False),
@@ -171,9 +186,7 @@ def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int)
                 out.append(Program(f"X^T X {inp} [{widths[inp]}] {tag}", unit_program(unit_xtx, mesh, 0, 1),
                                    (x_of(widths[inp]),), steps))
             if moe:  # gptq_model.expert_hessians: the E per-expert Hessians, every expert's over a unit on a chip
-                e, f, dd = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-                kw = dict(top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob,
-                          calibration=qcfg.calibration.moe_experts)
+                f, dd = cfg.moe_intermediate_size, cfg.hidden_size
                 router = _sds(shapes["router"], F32, rep)
                 if qcfg.calibration.moe_experts != "all":
                     out.append(Program(f"expert X^T X mlp_in [{e}, {dd}, {dd}] {tag}",
@@ -188,12 +201,13 @@ def layer_programs(cfg: ModelConfig, qcfg, mesh, n_blocks: int, block_size: int)
                 out.append(Program(f"forward {tag}", fn,
                                    (p, x_of(cfg.hidden_size), pos, *[x_of(widths[kk]) for kk in keys]), steps))
         if method in ("awq", "quantlrm"):
-            for name in dict.fromkeys(lf.LINEARS):
-                K, N = shapes[name]
+            for name in dict.fromkeys(lf.LINEARS):  # a stacked expert projection: each slice (rtn.quantize_experts)
+                K, N = shapes[name][-2:]
+                experts = shapes[name][0] if len(shapes[name]) == 3 else 1
                 gs = resolve_group_size((K, N), qcfg.group_size)
-                out.append(Program(f"quantize {name} [{K}, {N}] {tag}",
+                out.append(Program(f"quantize {name} [{K}, {N}]{f' x {experts} experts' * (experts > 1)} {tag}",
                                    _bind(_quantize_jit, bits=qcfg.bits, group_size=gs, symmetric=qcfg.symmetric),
-                                   (_sds((K, N), F32, one),), 1))
+                                   (_sds((K, N), F32, one),), experts))
     return out
 
 
