@@ -74,13 +74,13 @@ def test_compile_only_bad_input_is_one_line(cli):
 
 
 def test_compile_only_gptq_and_quantlrm(cli):
-    """GPTQ and QuantLRM, on the tiny mixture-of-experts model (sparse layers 0 and 2, dense layer 1): the stage forwards and X^T
-    X compiled, for the sparse layers the stages reading mlp_in for down_proj, no down_in capture, and each chip's
-    [E, F, F] expert down_proj Hessians (`gptq_model.expert_hessians`), the Hessian work and the per-expert Hessians
-    in the host RSS, the host-side quantization estimated from a rate measured here; QuantLRM: no activation
-    statistic (its importance replaces it) but the sparse layers' per-expert token counts and up -> down grid losses,
-    the experts' clip search and quantizer once per expert, v -> o searched (GQA downsampling), the importance
-    pass's host memory stated."""
+    """GPTQ and QuantLRM, on the tiny mixture-of-experts model (sparse layers 0 and 2, dense layer 1). GPTQ: the
+    stage forwards and X^T X compiled; for the sparse layers the stages reading mlp_in for down_proj, no down_in
+    capture, and each chip's [E, F, F] expert down_proj Hessians (`gptq_model.expert_hessians`); the Hessian work
+    and the per-expert Hessians in the host RSS; the host-side quantization estimated from a rate measured here.
+    QuantLRM: no activation statistic (its importance replaces it) but the sparse layers' per-expert token counts
+    and up -> down grid losses, the experts' clip search and quantizer once per expert, v -> o searched (GQA
+    downsampling), the importance pass's host memory stated."""
     r = cli("quantize", TINY[0], "--shapes", "tiny-moe", *TINY[3:], "--method", "gptq")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "tiny-moe: 3 layers; gptq W4 g128" in r.stdout
