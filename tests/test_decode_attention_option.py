@@ -14,6 +14,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from lrmq import aot
+from lrmq.checkpoint.load import TINY_MODEL_DIR, read_model_config
 from lrmq.config_help import NAMES
 from lrmq.configlib import ConfigError, load_config
 from lrmq.evals.config import GenerationSection, eval_config
@@ -75,7 +76,7 @@ def test_the_compile_only_engines_take_the_setting(monkeypatch):
     monkeypatch.setattr(aot, "Engine", recorder(seen))
     cfg = load_config(TrainConfig, TINY_DEMO, ["rollout.decode_attention=xla"])
     with pytest.raises(Seen):
-        aot._rollout_programs(cfg, None, None, None, None)
+        aot._rollout_programs(cfg, None, None, None, read_model_config(TINY_MODEL_DIR))
     ecfg = eval_config(None, ["checkpoint=tiny", "generation.decode_attention=xla"])
     with pytest.raises(Seen):
         evaluate.compile_only(ecfg, types.SimpleNamespace(shapes=None, prompt_len=16, topology=None, platform="tpu",
