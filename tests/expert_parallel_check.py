@@ -175,15 +175,29 @@ from lrmq.hlo import decode_loop  # noqa: E402
 from lrmq.model.config import ModelConfig  # noqa: E402
 
 
-def weight_moves_in_decode_loop(mesh_cfg):
+def weight_moves_in_decode_loop(mesh_cfg, packed_experts: bool = False):
     """(collectives in the decode loop moving at least 1/8 of the smallest weight matrix, the abstract state) of
-    a Qwen3-MoE with weights large enough to tell from the activations of its 8 slots (abstract: none allocated)."""
+    a Qwen3-MoE with weights large enough to tell from the activations of its 8 slots (abstract: none allocated);
+    `packed_experts`: its expert kernels packed int4 g128 (a quantized rollout's experts)."""
     mcfg = ModelConfig.from_hf_dict(dict(model_type="qwen3_moe", vocab_size=512, hidden_size=512, intermediate_size=1024,
                                          moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
                                          num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                          max_position_embeddings=256, tie_word_embeddings=False), dtype="float32")
     mesh = make_mesh(mesh_cfg)
     graphdef, state = aot.abstract_model(mcfg, mesh)
+    if packed_experts:
+        from lrmq.model.decoder import Decoder
+        from lrmq.sharding import abstract_state
+
+        def build():
+            m = Decoder(mcfg, nnx.Rngs(0))
+            for layer in m.layers:
+                for lin in (layer.mlp.experts.gate_proj, layer.mlp.experts.up_proj, layer.mlp.experts.down_proj):
+                    set_packed_expert_kernel(lin, quantize_weight(lin.kernel.get_value(), group_size=128))
+            return m
+
+        graphdef, state = nnx.split(nnx.eval_shape(build))
+        state = abstract_state(state, mesh)
     compiled, _ = aot.compile_generate(graphdef, state, mesh, model_cfg=mcfg, requests=8, prompt_len=16, max_new=8,
                                        engine=EngineConfig(slots=8, sync_steps=4), sampling=SamplingConfig(),
                                        programs=("decode",))["decode"]
@@ -200,4 +214,11 @@ spec = tuple(nnx.to_pure_dict(state)["layers"][0]["mlp"]["experts"]["gate_proj"]
 assert spec[0] == "expert", spec
 assert not heavy, heavy
 print(f"decode, mesh fsdp2 x expert4: no weight-sized collective in the decode loop (expert kernels {spec})")
+# packed int4 experts: the hidden split over fsdp kept (g128: whole groups a chip), so no weight moves either
+heavy, state = weight_moves_in_decode_loop(MeshConfig(1, 2, 1, 4), packed_experts=True)
+spec = tuple(nnx.to_pure_dict(state)["layers"][0]["mlp"]["experts"]["down_proj"]["kernel"].codes.sharding.spec)
+assert spec[0] == "expert", spec
+assert not heavy, heavy
+print(f"decode with packed int4 experts, mesh fsdp2 x expert4: no weight-sized collective in the decode loop "
+      f"(down_proj codes {spec})")
 print("OK")
