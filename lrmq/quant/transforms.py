@@ -118,27 +118,26 @@ def place_qweight(qw: QuantizedWeight, axes, mesh) -> QuantizedWeight:
 
 def set_packed_kernel(lin: Linear, qw: QuantizedWeight, mesh=None) -> None:
     """Replace a Linear's kernel by a QuantizedKernel (float kernel dropped), keeping its logical axes."""
-    if tuple(qw.shape) != (lin.in_features, lin.out_features):
-        raise ValueError(f"packed weight shape {qw.shape} != Linear ({lin.in_features}, {lin.out_features})")
-    axes = kernel_axes(lin)
-    mesh = mesh if mesh is not None else mesh_of(lin.kernel.get_value() if not is_packed(lin) else None)
-    if mesh is not None:
-        qw = place_qweight(qw, axes, mesh)
-    lin.kernel = QuantizedKernel(qw, **{LOGICAL_AXES_KEY: axes})
+    _set_packed(lin, qw, (lin.in_features, lin.out_features), QuantizedKernel, mesh)
 
 
 def set_packed_expert_kernel(el: ExpertLinear, qw: QuantizedWeight, mesh=None) -> None:
     """Replace an ExpertLinear's stacked float kernel by a `QuantizedExpertKernel` holding the stacked-experts `qw`
     (shape (E, in, out): `formats.quantize_weight` of the [E, in, out] kernel, or `stack_experts` of per-expert
     weights), keeping its logical axes ("expert", in, out) and the mesh it lives on (as `set_packed_kernel`)."""
-    want = (el.num_experts, el.in_features, el.out_features)
+    _set_packed(el, qw, (el.num_experts, el.in_features, el.out_features), QuantizedExpertKernel, mesh)
+
+
+def _set_packed(mod, qw: QuantizedWeight, want: tuple, cls, mesh) -> None:
     if tuple(qw.shape) != want:
-        raise ValueError(f"packed expert weight shape {qw.shape} != ExpertLinear {want} (experts, in, out)")
-    axes = kernel_axes(el)
-    mesh = mesh if mesh is not None else mesh_of(el.kernel.get_value() if not is_packed(el) else None)
+        expert = isinstance(mod, ExpertLinear)
+        raise ValueError(f"packed {'expert ' if expert else ''}weight shape {qw.shape} != {type(mod).__name__} {want}"
+                         f"{' (experts, in, out)' if expert else ''}")
+    axes = kernel_axes(mod)
+    mesh = mesh if mesh is not None else mesh_of(mod.kernel.get_value() if not is_packed(mod) else None)
     if mesh is not None:
         qw = place_qweight(qw, axes, mesh)
-    el.kernel = QuantizedExpertKernel(qw, **{LOGICAL_AXES_KEY: axes})
+    mod.kernel = cls(qw, **{LOGICAL_AXES_KEY: axes})
 
 
 def restore_float_kernel(model, lin: Linear | ExpertLinear, w, dtype=None) -> None:
