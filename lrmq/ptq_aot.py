@@ -77,8 +77,9 @@ def layer_weight_bytes(cfg: ModelConfig) -> int:
 
 def importance_host_bytes(cfg: ModelConfig) -> int:
     """QuantLRM's importance pass (`lrmq.ptq.importance`, before the layers): two pairs of the largest weight in
-    float32 in flight, and the median's histograms (`lrmq.ptq.median`: ~37 MiB per worker thread, 8 counted)."""
-    largest = cfg.hidden_size * max(cfg.intermediate_size, cfg.q_size)
+    float32 in flight (a sparse layer's: a stacked [E, K, N] expert projection), and the median's histograms
+    (`lrmq.ptq.median`: ~37 MiB per worker thread, 8 counted)."""
+    largest = max(math.prod(s) for i in layer_kinds(cfg).values() for s in abstract_layer_params(cfg, i).values())
     return 2 * 2 * 4 * largest + 8 * 37 * 2 ** 20
 
 

@@ -120,7 +120,8 @@ def test_chip_peaks():
 def test_gptq_host_seconds_count_every_expert():
     """GPTQ's host estimate of a sparse layer: E solves per stacked expert projection, one down_proj Hessian inverse
     per expert, and gate/up's one shared inverse (calibration.moe_experts=all) or one per expert ("routed"); a dense
-    layer one of each (tiny-moe: layer 0 sparse, 8 experts of width 64, layer 1 dense)."""
+    layer one of each (tiny-moe: layer 0 sparse, 8 experts of width 64, layer 1 dense). QuantLRM's importance pass
+    counts the stacked experts as its largest weight."""
     import dataclasses
 
     from lrmq import ptq_aot
@@ -138,3 +139,5 @@ def test_gptq_host_seconds_count_every_expert():
     assert ptq_aot._gptq_host_layer(cfg, qcfg, 0, inverses) == pytest.approx(3 * 128 ** 3 + 8 * 64 ** 3)
     assert ptq_aot._gptq_host_layer(cfg, routed, 0, inverses) == pytest.approx(2 * 128 ** 3 + 8 * (128 ** 3 + 64 ** 3))
     assert ptq_aot._gptq_host_layer(cfg, qcfg, 1, inverses) == pytest.approx(3 * 128 ** 3 + 256 ** 3)
+    # QuantLRM's importance pass holds two pairs of the largest weight: the stacked [8, 128, 64] experts
+    assert ptq_aot.importance_host_bytes(cfg) == 2 * 2 * 4 * 8 * 128 * 64 + 8 * 37 * 2 ** 20
