@@ -16,9 +16,11 @@ or a GPU); GPTQ's host-side quantization estimated from a rate measured on this 
 --reasoning: QuantLRM's own calibration recipe (calibration.source reasoning: the first 128 x 2,048 = 262,144 tokens,
 cut into 512 blocks of 512), W3, every model and target: 4x the blocks of the default, the same units on a chip.
 
---moe: Qwen3-30B-A3B (128 experts, top-8) GPTQ W4 g128 per expert with calibration.moe_experts=all (the stage
-forwards with the grouped expert forward, X^T X of the shared inputs, the 128 experts' down_proj Hessians on each
-chip, the host's 3 x 128 solves per layer), each case with its own machine, date and versions.
+--moe: Qwen3-30B-A3B (128 experts, top-8) AWQ / GPTQ / QuantLRM W4 g128 per expert with calibration.moe_experts=all
+(GPTQ: the stage forwards with the grouped expert forward, X^T X of the shared inputs, the 128 experts' down_proj
+Hessians on each chip, the host's 3 x 128 solves per layer; AWQ / QuantLRM: the per-expert up -> down statistic and
+grid losses, the shared norm -> router + experts' gate/up scale, clip search and quantizer per expert slice), each
+case with its own machine, date and versions.
 
 Cases already in --out are kept (rerun with --force); the file is rewritten after each case.
 """
@@ -42,7 +44,7 @@ TARGETS = {"v5e-8": ("tpu", "v5e:2x4"), "v6e-8": ("tpu", "v6e:2x4"), "v5p-8": ("
 METHODS = ("awq", "gptq", "quantlrm")
 BITS = (3, 4)
 N_BLOCKS, BLOCK_SIZE, BATCH = 128, 512, 8
-MOE_MODELS = ("qwen3-30b-a3b",)  # --moe: GPTQ W4 per expert
+MOE_MODELS = ("qwen3-30b-a3b",)  # --moe: AWQ / GPTQ / QuantLRM W4 per expert
 REASONING = (512, 512)  # QuantLRM's calibration (docs/ptq.md "Calibration"): blocks, tokens per block
 
 
@@ -98,7 +100,7 @@ def case_record(fit, cfg, qcfg, model: str, target: str, n_blocks: int, block_si
 def cases(reasoning: bool, moe: bool) -> list[tuple[str, str, int]]:
     """(model, method, bits) of a sweep: the main one, QuantLRM's own calibration, or the MoE one."""
     if moe:
-        return [(m, "gptq", 4) for m in MOE_MODELS]
+        return [(m, method, 4) for m in MOE_MODELS for method in METHODS]
     if reasoning:
         return [(m, "quantlrm", 3) for m in MODELS]
     return [(m, method, bits) for m in MODELS for method in METHODS for bits in BITS]
@@ -205,20 +207,23 @@ def markdown(path: str) -> str:
             if any_rec is not None:
                 host = _gib(max(any_rec["host_total_bytes"], any_rec["importance_host_bytes"]))
                 lines.append(f"| {model} | {host} | " + " | ".join(map(_cell, row)) + " |")
-    moe = [[cases.get(key(model, t, "gptq", 4)) for t in TARGETS] for model in MOE_MODELS]
-    if any(any(r) for r in moe):
-        lines += ["", "Mixture of experts, GPTQ W4 g128 per expert (calibration.moe_experts=all):", "",
-                  "| model | host RSS (GiB) | " + " | ".join(TARGETS) + " | GPTQ host part (this machine) | "
-                  "compiled on |", "|---|---|" + "---|" * len(TARGETS) + "---|---|"]
-        for model, row in zip(MOE_MODELS, moe):
+    moe = [(model, method, [cases.get(key(model, t, method, 4)) for t in TARGETS]) for model in MOE_MODELS
+           for method in METHODS]
+    if any(any(r) for _, _, r in moe):
+        lines += ["", "Mixture of experts, W4 g128 per expert (calibration.moe_experts=all):", "",
+                  "| model | method | host RSS (GiB) | " + " | ".join(TARGETS) + " | GPTQ host part (this machine) | "
+                  "compiled on |", "|---|---|---|" + "---|" * len(TARGETS) + "---|---|"]
+        for model, method, row in moe:
             r0 = next((r for r in row if r), None)
             if r0 is not None:
                 mm, vv = r0.get("machine", {}), r0.get("versions", {})
-                lines.append(f"| {model} | {_gib(r0['host_total_bytes'])} | " + " | ".join(map(_cell, row)) +
-                             f" | {_dur(r0['gptq_host_seconds_per_layer'])} / layer, "
-                             f"{_dur(r0['gptq_host_seconds_per_layer'] * r0['layers'])} | {mm.get('cpu')} "
-                             f"({mm.get('cores')} cores), {mm.get('date')}; jax {vv.get('jax')}, libtpu "
-                             f"{vv.get('libtpu')}, jax-cuda12-plugin {vv.get('jax-cuda12-plugin')} |")
+                gptq = "" if method != "gptq" else (f"{_dur(r0['gptq_host_seconds_per_layer'])} / layer, "
+                                                    f"{_dur(r0['gptq_host_seconds_per_layer'] * r0['layers'])}")
+                host = _gib(max(r0["host_total_bytes"], r0["importance_host_bytes"]))
+                lines.append(f"| {model} | {method} | {host} | " + " | ".join(map(_cell, row)) +
+                             f" | {gptq} | {mm.get('cpu')} ({mm.get('cores')} cores), {mm.get('date')}; jax "
+                             f"{vv.get('jax')}, libtpu {vv.get('libtpu')}, jax-cuda12-plugin "
+                             f"{vv.get('jax-cuda12-plugin')} |")
     m = data.get("machine", {})
     v = data.get("versions", {})
     lines.append("")
