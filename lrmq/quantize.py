@@ -55,8 +55,8 @@ from lrmq.paths import check_dir_path, check_file_path
 from lrmq.ptq.config import QuantizeConfig, load_quantize_config
 from lrmq.ptq.exports import FORMATS, StreamedExport, save_format
 from lrmq.ptq.methods import LAYERWISE_METHODS, PTQ_METHODS, check_method_config, needs_calibration
-from lrmq.ptq.pipeline import (load_float_model, model_config, open_float_source, prepare, resolve_model_path,
-                               run_quantize)
+from lrmq.ptq.pipeline import (check_moe, load_float_model, model_config, open_float_source, prepare,
+                               resolve_model_path, run_quantize)
 from lrmq.ptq.qat_export import refuse_float_qat_policy
 from lrmq.quant.quantizers import check_bits
 from lrmq.ptq.rtn import targeted
@@ -393,6 +393,7 @@ def compile_only_main(argv) -> int:
     def body() -> int:
         qcfg = compile_only_config(args)
         mcfg = compile_only_model(args.shapes)
+        check_moe(qcfg, mcfg, args.shapes, names={"group_size": "--group-size"})  # the group size the run refuses
         n, t = args.calibration_blocks, args.block_size or min(512, mcfg.max_position_embeddings)
         if t > mcfg.max_position_embeddings:
             raise UsageError(f"--block-size {t} is longer than {args.shapes}'s max_position_embeddings "

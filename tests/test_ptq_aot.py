@@ -67,6 +67,10 @@ def test_compile_only_bad_input_is_one_line(cli):
         "lrmq.quantize: error: --shapes 'llama-9000' is neither a known architecture (llama3.1-8b, olmo-3-7b, "
         "qwen3-0.6b, qwen3-1.7b, qwen3-30b-a3b, qwen3-4b, qwen3-8b, r1-distill-llama-70b, r1-distill-qwen-32b) nor a "
         "checkpoint directory with a config.json"]
+    r = cli("quantize", TINY[0], "--shapes", "tiny-moe", *TINY[3:], "--method", "awq")  # as the run refuses it
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "lrmq.quantize: error: --group-size 128 does not divide layers.0.mlp.experts.down_proj's input size K=64 (use "
+        "a divisor or -1)"]
     r = cli("quantize", *TINY, "--method", "rtn")
     assert r.returncode == 2 and "--compile-only covers awq, gptq, quantlrm" in r.stderr
     r = cli("quantize", *TINY[:-1], "512", "--method", "gptq")
@@ -81,9 +85,9 @@ def test_compile_only_gptq_and_quantlrm(cli):
     QuantLRM: no activation statistic (its importance replaces it) but the sparse layers' per-expert token counts
     and up -> down grid losses, the experts' clip search and quantizer once per expert, v -> o searched (GQA
     downsampling), the importance pass's host memory stated."""
-    r = cli("quantize", TINY[0], "--shapes", "tiny-moe", *TINY[3:], "--method", "gptq")
+    r = cli("quantize", TINY[0], "--shapes", "tiny-moe", *TINY[3:], "--method", "gptq", "--group-size", "32")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "tiny-moe: 3 layers; gptq W4 g128" in r.stdout
+    assert "tiny-moe: 3 layers; gptq W4 g32" in r.stdout
     dense, sparse = "(layer type full_attention)", "(layer type full_attention, experts)"
     assert f"| X^T X down_in [256] {dense} |" in r.stdout and f"| stage 3 inputs down_in {dense} |" in r.stdout
     assert f"| expert X^T X down_in [8, 64, 64] {sparse} |" in r.stdout
