@@ -7,6 +7,12 @@ and shardings of a real run (:func:`lrmq.ptq.shard.unit_program`), with abstract
 mesh's devices (a TPU topology through libtpu, a GPU one through the CUDA plugin: ``lrmq.quantize
 --compile-only``), and ``calls`` says how many times a layer runs it (for time estimates).
 
+A mixture-of-experts model's sparse layers (:func:`layer_kinds`: one set per layer type and sparse / dense kind) list
+the per-expert programs their method runs: GPTQ's stage forwards through the router and grouped expert forward, and
+each chip's [E, F, F] expert down_proj Hessians (``gptq_model.unit_expert_down_xtx``); AWQ / QuantLRM's per-expert
+up -> down statistic and grid losses (``awq.unit_expert_abs_sum`` / ``unit_expert_grid_losses``), and the clip search
+and quantizer once per expert slice.
+
 :func:`host_bytes` is what the host holds during the run (the driver's accounting: activations stay on the
 host, one layer's weights plus the prefetched next one).
 """
