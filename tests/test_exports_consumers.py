@@ -478,3 +478,48 @@ def test_autoawq_export_loaded_by_transformers_awq_path(rtn_tiny, tmp_path):
     print(f"AWQ via transformers+gptqmodel ({res['kernel']}): max |logit diff| dequant path {d_dequant:.2e}, "
           f"kernel {d_kernel:.2e}, |logits| max {np.abs(ref).max():.2f}")
     assert d_dequant < 1e-2 and d_kernel < 1e-1
+
+
+def test_autoawq_moe_export_read_by_compressed_tensors_converter(hf_checkpoint, tmp_path):
+    """A Qwen3-MoE whose every layer is sparse, RTN W4 per expert, written as AutoAWQ GEMM: one qweight / qzeros /
+    scales per expert under its HF name (`model.layers.N.mlp.experts.E.gate_proj`), the routers float with
+    modules_to_not_convert ["mlp.gate"]; compressed-tensors' AutoAWQ reader decompresses every expert's weight to
+    lrmq's dequantized one bit for bit."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    from lrmq.checkpoint.hf import load_hf_model
+    from lrmq.ptq.exports import save_autoawq
+    from lrmq.ptq.rtn import rtn_quantize_model
+    from lrmq.quant.qweight import expert_slice
+
+    path = hf_checkpoint("qwen3_moe_ties")[0]
+    m = load_hf_model(path)
+    r = rtn_quantize_model(m, bits=4, group_size=32, symmetric=False)
+    out = str(tmp_path / "awq")
+    save_autoawq(m, r, out)
+    awq_cfg = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    assert awq_cfg["modules_to_not_convert"] == ["mlp.gate"]
+    raw = load_file(os.path.join(out, "model.safetensors"))
+    assert "model.layers.0.mlp.gate.weight" in raw and not any(k.startswith("model.layers.0.mlp.gate.q") for k in raw)
+    t = AutoAWQConverter.from_autoawq_config(awq_cfg).process(raw)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=awq_cfg["group_size"]))
+    n = 0
+    for lpath, qw in r.packed.items():
+        if qw.num_experts is None:
+            continue
+        i, proj = lpath.split(".")[1], lpath.rsplit(".", 1)[1]
+        for e in range(qw.num_experts):
+            w = _ct_decompress(t, f"model.layers.{i}.mlp.experts.{e}.{proj}", scheme)
+            _bits_equal(w, _lrmq_dequant(expert_slice(qw, e), "float16").to(torch.float16).T)
+            n += 1
+    assert n == 3 * m.cfg.num_experts * len(m.cfg.moe_layers)
+    # and lrmq reads it back (each expert's GEMM tensors stacked into the layer's packed experts): the same logits
+    import jax.numpy as jnp
+
+    from lrmq.checkpoint.load import load_model
+
+    back = load_model(out, dtype="float32")
+    assert type(back.layers[0].mlp.experts.gate_proj.kernel).__name__ == "QuantizedExpertKernel"
+    toks = jnp.asarray(TOKS % m.cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(back(toks)), np.asarray(m(toks)), atol=2e-2)

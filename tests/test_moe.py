@@ -155,12 +155,13 @@ def test_quantization_targets_skip_routers_and_refuse_experts(hf_checkpoint):
 
 
 def test_ptq_refuses_a_format_without_experts_in_one_line(hf_checkpoint):
-    """PTQ per expert is every method (tests/test_ptq_moe.py); the autoawq format refuses a MoE checkpoint."""
+    """PTQ per expert is every method (tests/test_ptq_moe.py); the autoawq format refuses a MoE checkpoint with dense
+    layers (its router key would also match their mlp.gate_proj in AutoAWQ and vLLM)."""
     from lrmq.ptq.config import OutputsSection, QuantizeConfig
     from lrmq.ptq.pipeline import prepare
 
     path = hf_checkpoint("qwen3_moe_step")[0]
-    with pytest.raises(ConfigError, match="a mixture-of-experts model; the autoawq format is not written for experts"):
+    with pytest.raises(ConfigError, match=r"a mixture-of-experts model with dense layers \[0\]; the autoawq format"):
         cfg = QuantizeConfig(model=path, method="awq", group_size=32, outputs=OutputsSection(formats=["autoawq"]))
         cfg.calibration.block_size = 64  # within the tiny random model's positions
         prepare(cfg)

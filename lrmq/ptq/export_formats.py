@@ -121,8 +121,10 @@ def awq_gemm_import(qweight, qzeros, scales):
     return codes, scales.astype(np.float32), zeros
 
 
-def awq_quantization_config(bits: int = 4, group_size: int = 128) -> dict:
-    """``config.json`` ``quantization_config`` as AutoAWQ's ``AwqConfig.to_transformers_dict`` writes it."""
+def awq_quantization_config(bits: int = 4, group_size: int = 128,
+                            modules_to_not_convert: list[str] | None = None) -> dict:
+    """``config.json`` ``quantization_config`` as AutoAWQ's ``AwqConfig.to_transformers_dict`` writes it;
+    ``modules_to_not_convert``: the Linears left float (a mixture-of-experts model's routers: ``["mlp.gate"]``)."""
     if bits != 4:
         raise ValueError(f"AutoAWQ GEMM is 4-bit only, got bits={bits}")
     return {
@@ -131,7 +133,7 @@ def awq_quantization_config(bits: int = 4, group_size: int = 128) -> dict:
         "group_size": int(group_size),
         "bits": 4,
         "version": "gemm",
-        "modules_to_not_convert": None,
+        "modules_to_not_convert": modules_to_not_convert,
     }
 
 

@@ -260,7 +260,10 @@ class _HFWriter:
         if not self.bits:
             raise ExportError(f"{self.fmt} export: no Linear was given packed weights (the PTQ result holds none)")
         if self.fmt == "autoawq":
-            qc = ef.awq_quantization_config(4, next(iter(self.groups)))
+            # a mixture-of-experts model's routers stay float (pipeline.check_moe: every layer sparse, so the key
+            # names the routers alone under AutoAWQ's and vLLM's substring match too)
+            qc = ef.awq_quantization_config(4, next(iter(self.groups)),
+                                            ["mlp.gate"] if self.cfg.num_experts else None)
         else:
             groups = {-1} if self.per_channel else self.groups
             if len(groups) != 1:

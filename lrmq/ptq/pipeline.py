@@ -123,9 +123,11 @@ def check_moe(cfg: QuantizeConfig, mcfg: ModelConfig, path: str, names: Mapping[
     if not mcfg.num_experts:
         return
     called = lambda key: (names or {}).get(key, key)  # noqa: E731
-    if "autoawq" in cfg.outputs.formats:
-        raise ConfigError(f"{path}: a mixture-of-experts model; the autoawq format is not written for experts (no "
-                          f"check against AutoAWQ's Qwen3-MoE layout); use compressed_tensors")
+    dense = [i for i in range(mcfg.num_layers) if not mcfg.is_moe_layer(i)]
+    if "autoawq" in cfg.outputs.formats and dense:
+        raise ConfigError(f"{path}: a mixture-of-experts model with dense layers {dense}; the autoawq format keeps its "
+                          f"routers float by modules_to_not_convert ['mlp.gate'], which AutoAWQ and vLLM match as a "
+                          f"substring of a dense layer's mlp.gate_proj too; use compressed_tensors")
     g = cfg.group_size
     if cfg.method != "nf4" and g > 0:
         i = mcfg.moe_layers[0]
