@@ -158,3 +158,22 @@ def test_qat_experts_under_expert_parallelism_take_their_chip_s_share():
         with pytest.raises(ValueError, match=f"^QAT {scheme} on expert weights: .*{what} .* holds 32 of them"):
             rd(h, w[:2, :32], sizes)
     ExpertSTERaggedDot("int4", 16, in_features=64)(h, w[:2, :32], sizes)  # groups within a chip's rows: exact
+
+
+@pytest.mark.parametrize("scheme, group", [("int4_asym", 32), ("int4", 0), ("paper_int8", 0)])
+def test_qat_expert_weights_export_as_the_forward_rounds_them(scheme, group):
+    """A QAT policy's quantized export covers the experts (`qat_export.qat_result`): each expert's packed codes
+    dequantize to the weight its QAT forward multiplied by, and the exported model computes the QAT forward's
+    logits."""
+    from lrmq.ptq.qat_export import qat_result
+
+    model = _tiny_moe()
+    apply_qat(model, scheme, group_size=group)
+    toks = jnp.arange(12)[None] % 300
+    want = np.asarray(model(toks))
+    el = model.layers[0].mlp.experts.down_proj
+    result = qat_result(model)
+    qw = result.packed["layers.0.mlp.experts.down_proj"]
+    assert qw.shape == tuple(el.kernel.get_value().shape) and qw.bits == (8 if scheme == "paper_int8" else 4)
+    np.testing.assert_array_equal(np.asarray(dequantize(qw)), np.asarray(el.kernel.get_value(), np.float32))
+    np.testing.assert_allclose(np.asarray(model(toks)), want, atol=1e-5)

@@ -35,12 +35,14 @@ from lrmq.ptq.exports import write_outputs
 from lrmq.ptq.result import PTQResult
 from lrmq.quant import packing
 from lrmq.quant.formats import WeightFormat
-from lrmq.quant.qat import (AqtDotGeneral, AsymSTEDotGeneral, PerTensorSTEDotGeneral, is_qat, qat_weight_format,
-                            remove_qat, sym_weight_codes)
+from lrmq.model.linear import ExpertLinear
+from lrmq.quant.qat import (ASYM_SCHEMES, AqtDotGeneral, AsymSTEDotGeneral, ExpertSTERaggedDot,
+                            PerExpertTensorSTERaggedDot, PerTensorSTEDotGeneral, is_qat, qat_weight_format,
+                            remove_qat, scheme_bits, sym_weight_codes)
 from lrmq.ptq.rtn import quantize_linear
 from lrmq.quant.quantizers import per_tensor_codes
-from lrmq.quant.qweight import QuantizedWeight
-from lrmq.quant.transforms import iter_linears
+from lrmq.quant.qweight import QuantizedWeight, stack_experts
+from lrmq.quant.transforms import iter_expert_linears, iter_linears
 
 QUANTIZED_POLICY = "final_policy_quantized"  # beside final_policy in a QAT run's directory
 FORMATS = ("packed", "compressed_tensors")
@@ -51,30 +53,44 @@ class QATExportError(ValueError):
     pass
 
 
-def qat_codes(lin, path: str = "") -> tuple[np.ndarray, np.ndarray, int]:
-    """(q int32 [K, N], scale f32 [K/g, N], bits) of a Linear with a QAT dot_general, as its forward rounds."""
-    dg = lin.dot_general
-    w = jnp.asarray(lin.float_weight(), jnp.float32)
-    if isinstance(dg, PerTensorSTEDotGeneral):
-        q, s = per_tensor_codes(w, dg.bits, scale=dg.scale[...])  # what fake_quant_per_tensor multiplies out
-        return np.asarray(q, np.int32), np.full((1, w.shape[1]), np.float32(s)), dg.bits
-    if isinstance(dg, AqtDotGeneral):
-        if dg.act_bits:
-            raise QATExportError(f"{path}: QAT scheme w8a8 also quantizes activations per token, which lrmq's packed "
-                                 "kernels and weight-only exports do not; it has no quantized export")
-        q, s = sym_weight_codes(w, dg.weight_bits, dg.group_size)
-        return np.asarray(q), np.asarray(s, np.float32), dg.weight_bits
-    raise QATExportError(f"{path}: not a QAT Linear (dot_general {type(dg).__name__})")
+def _rounding(fn, path: str):
+    """How a QAT forward rounds a weight, from its dot_general / ragged_dot `fn`: ("asym", bits, group) (lrmq's RTN),
+    ("tensor", bits, scales) (a frozen per-tensor scale; an expert projection's: one per expert) or ("sym", bits,
+    group) (AQT's absmax); w8a8 (activations too) has no weight-only export."""
+    if isinstance(fn, AsymSTEDotGeneral):
+        return "asym", fn.bits, fn.group_size
+    if isinstance(fn, PerTensorSTEDotGeneral):
+        return "tensor", fn.bits, fn.scale[...]
+    if isinstance(fn, PerExpertTensorSTERaggedDot):
+        return "tensor", fn.bits, fn.scale[...]
+    act_bits = getattr(fn, "act_bits", None)
+    if isinstance(fn, (AqtDotGeneral, ExpertSTERaggedDot)) and act_bits:
+        raise QATExportError(f"{path}: QAT scheme w8a8 also quantizes activations per token, which lrmq's packed "
+                             "kernels and weight-only exports do not; it has no quantized export")
+    if isinstance(fn, AqtDotGeneral):
+        return "sym", fn.weight_bits, fn.group_size
+    if isinstance(fn, ExpertSTERaggedDot):
+        if fn.scheme in ASYM_SCHEMES:
+            return "asym", ASYM_SCHEMES[fn.scheme], fn.group_size
+        return "sym", scheme_bits(fn.scheme), fn.group_size
+    raise QATExportError(f"{path}: not a QAT projection ({type(fn).__name__})")
 
 
-def qat_weight(lin, path: str = "") -> tuple[np.ndarray, QuantizedWeight]:
-    """(the fake-quantized float32 weight, its packed `QuantizedWeight`) of one QAT Linear."""
-    dg = lin.dot_general
-    if isinstance(dg, AsymSTEDotGeneral):  # lrmq's RTN: the same function computes the forward's weight
+def _codes(w, kind: str, bits: int, arg) -> tuple[np.ndarray, np.ndarray]:
+    """(q int32 [K, N], scale f32 [K/g, N]) of a symmetric rounding (`_rounding`'s "tensor" / "sym") of w [K, N]."""
+    if kind == "tensor":  # what fake_quant_per_tensor multiplies out
+        q, s = per_tensor_codes(w, bits, scale=arg)
+        return np.asarray(q, np.int32), np.full((1, w.shape[1]), np.float32(s))
+    q, s = sym_weight_codes(w, bits, arg)
+    return np.asarray(q), np.asarray(s, np.float32)
 
-        fq, qw = quantize_linear(lin.float_weight(), dg.bits, dg.group_size or -1, symmetric=False)
+
+def _weight(w, kind: str, bits: int, arg) -> tuple[np.ndarray, QuantizedWeight]:
+    """(the fake-quantized float32 weight, its packed `QuantizedWeight`) of a [K, N] weight rounded as `kind`."""
+    if kind == "asym":  # lrmq's RTN: the same function computes the forward's weight
+        fq, qw = quantize_linear(w, bits, arg or -1, symmetric=False)
         return np.asarray(fq, np.float32), qw
-    q, s, bits = qat_codes(lin, path)
+    q, s = _codes(w, kind, bits, arg)
     k, n = q.shape
     g = k // s.shape[0]
     half = 2 ** (bits - 1)
@@ -86,10 +102,33 @@ def qat_weight(lin, path: str = "") -> tuple[np.ndarray, QuantizedWeight]:
     return fq, qw
 
 
+def qat_codes(lin, path: str = "") -> tuple[np.ndarray, np.ndarray, int]:
+    """(q int32 [K, N], scale f32 [K/g, N], bits) of a Linear with a symmetric QAT dot_general, as its forward
+    rounds."""
+    kind, bits, arg = _rounding(lin.dot_general, path)
+    if kind == "asym":
+        raise QATExportError(f"{path}: an asymmetric QAT scheme has zero points (qat_weight)")
+    q, s = _codes(jnp.asarray(lin.float_weight(), jnp.float32), kind, bits, arg)
+    return q, s, bits
+
+
+def qat_weight(lin, path: str = "") -> tuple[np.ndarray, QuantizedWeight]:
+    """(the fake-quantized float32 weight, its packed `QuantizedWeight`) of one QAT Linear, or of one QAT expert
+    projection (an ExpertLinear: each expert's [K, N] rounded as the forward rounds it, stacked [E, K, N])."""
+    if isinstance(lin, ExpertLinear):
+        kind, bits, arg = _rounding(lin.ragged_dot, path)
+        w = jnp.asarray(lin.float_weight(), jnp.float32)
+        per = [_weight(w[e], kind, bits, arg[e] if kind == "tensor" else arg) for e in range(w.shape[0])]
+        return np.stack([fq for fq, _ in per]), stack_experts([qw for _, qw in per])
+    kind, bits, arg = _rounding(lin.dot_general, path)
+    return _weight(jnp.asarray(lin.float_weight(), jnp.float32), kind, bits, arg)
+
+
 def qat_result(model) -> PTQResult:
-    """The model's QAT Linears as a PTQ result (in place: their kernels set to the fake-quantized weights, their
-    dot_generals reset to the plain one, so the float model computes what the QAT forward computed)."""
-    linears = [(p, lin) for p, lin in iter_linears(model, None) if is_qat(lin)]
+    """The model's QAT projections (Linears, and a mixture-of-experts model's expert projections) as a PTQ result (in
+    place: their kernels set to the fake-quantized weights, their dot_generals / ragged_dots reset to the plain ones,
+    so the float model computes what the QAT forward computed)."""
+    linears = [(p, lin) for p, lin in iter_linears(model, None) + iter_expert_linears(model, None) if is_qat(lin)]
     if not linears:
         raise QATExportError("the model has no QAT Linears (quant.mode is not qat)")
     packed, widths, groups = {}, set(), set()
@@ -97,7 +136,7 @@ def qat_result(model) -> PTQResult:
         fq, packed[path] = qat_weight(lin, path)
         lin.kernel.set_value(jnp.asarray(fq).astype(lin.kernel.get_value().dtype))
         widths.add(packed[path].bits)
-        groups.add(packed[path].group_size if packed[path].scales.shape[0] > 1 else -1)
+        groups.add(packed[path].group_size if packed[path].scales.shape[-2] > 1 else -1)
     remove_qat(model)
     sym = {bool(qw.symmetric) for qw in packed.values()}
     return PTQResult(method="qat", packed=packed, bits=widths.pop(), group_size=groups.pop() if len(groups) == 1 else 0,

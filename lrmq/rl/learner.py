@@ -17,9 +17,7 @@ from lrmq.checkpoint.hf import save_hf_model
 from lrmq.checkpoint.load import resolve_checkpoint
 from lrmq.configlib import ConfigError
 from lrmq.ptq.qat_export import export_qat_policy
-from lrmq.quant.qat import is_qat
 from lrmq.quant.training import export_float_model, trainable_filter
-from lrmq.quant.transforms import iter_expert_linears
 from lrmq.rl.batch import RolloutBatch, UpdateBatch, bucketed_batch, packed_batch, padded_batch
 from lrmq.rl.config import TrainConfig
 from lrmq.rl.messages import WeightVersion, tree_bytes
@@ -212,11 +210,5 @@ class Learner:
                         "final_policy holds the float master weights", out_dir)
             return None
         model = nnx.merge(self.graphdef, self.trainable, self.rest)
-        experts = [p for p, el in iter_expert_linears(model, None) if is_qat(el)]
-        if experts:
-            log.warning("%s is not written: the QAT expert weights (%s, ...) have no quantized export (lrmq.ptq."
-                        "qat_export writes Linears' codes); final_policy holds the float master weights", out_dir,
-                        experts[0])
-            return None
         return export_qat_policy(model, out_dir, scheme=q.qat_scheme, group_size=q.qat_group_size,
                                  tokenizer_from=resolve_checkpoint(self.cfg.model.checkpoint))
