@@ -88,7 +88,7 @@ class ExpertLinear(nnx.Module):
         (the float [E / S, in, out] array, or a packed kernel's (arrays, local shape)) and of the adapter's factors
         (a, b); None: the variables' own values."""
         x = x.astype(self.dtype)
-        if _is_packed_experts(self.kernel):
+        if is_packed_experts(self.kernel):
             y = self.kernel.packed_ragged_dot(x, group_sizes, local=kernel).astype(self.dtype)
         else:
             w = self.kernel.get_value() if kernel is None else kernel
@@ -99,10 +99,10 @@ class ExpertLinear(nnx.Module):
 
     def float_weight(self) -> jax.Array:
         """The [experts, in, out] weight as float (dequantized if packed)."""
-        return self.kernel.dequantized() if _is_packed_experts(self.kernel) else self.kernel.get_value()
+        return self.kernel.dequantized() if is_packed_experts(self.kernel) else self.kernel.get_value()
 
 
-def _is_packed_experts(kernel) -> bool:
+def is_packed_experts(kernel) -> bool:
     # As `_is_packed`: a packed stacked-experts kernel variable (lrmq.quant.qkernel.QuantizedExpertKernel) brings
     # its own grouped matmul.
     return callable(getattr(type(kernel), "packed_ragged_dot", None))

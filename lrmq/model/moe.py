@@ -40,7 +40,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 from lrmq.model.config import ModelConfig
-from lrmq.model.linear import ExpertLinear, Linear
+from lrmq.model.linear import ExpertLinear, Linear, is_packed_experts
 from lrmq.sharding import (EXPERT_AXIS, LOGICAL_AXES_KEY, axes_size, dividing_axes, entry_axes, is_manual,
                            logical_to_spec, rules_in_effect, spec_entry)
 
@@ -129,11 +129,6 @@ class Experts(nnx.Module):
 
 
 # ----------------------------------------------------------------------------- expert parallelism
-def _is_packed(kernel) -> bool:
-    # looked up on the class, as lrmq.model.linear does: a packed kernel variable brings its own matmul
-    return any(callable(getattr(type(kernel), m, None)) for m in ("packed_ragged_dot", "packed_matmul"))
-
-
 @struct.dataclass
 class _Plan:
     """How `_expert_parallel` splits one call: the mesh in effect, the token axes (the batch axes of the rules in
@@ -160,7 +155,7 @@ def _expert_plan(module: "Experts", n_tokens: int) -> _Plan | None:
     mlp = tuple(a for a in entry_axes(spec[2]) if a != EXPERT_AXIS)
     if mlp and module.down_proj.kernel.shape[1] % axes_size(mesh, mlp):
         mlp = ()
-    if mlp and any(_is_packed(lin.kernel) and lin.kernel.shard_specs(mesh, EXPERT_AXIS, mlp) is None
+    if mlp and any(is_packed_experts(lin.kernel) and lin.kernel.shard_specs(mesh, EXPERT_AXIS, mlp) is None
                    for lin in _projections(module)):
         mlp = ()  # a packed kernel whose groups the hidden split would cut: its hidden dimension gathered
     tokens = dividing_axes(mesh, entry_axes(rules.get("batch")), n_tokens, exclude=mlp)
@@ -205,7 +200,7 @@ def _local_specs(lin, mesh, mlp: tuple):
     axes = tuple(lin.kernel.get_metadata().get(LOGICAL_AXES_KEY) or ("expert", None, None))
     over = lambda name: spec_entry(mlp) if name == "mlp" else None
     lora = None if lin.lora is None else (P(EXPERT_AXIS, over(axes[1]), None), P(EXPERT_AXIS, None, over(axes[2])))
-    if _is_packed(lin.kernel):
+    if is_packed_experts(lin.kernel):
         kspec, shape = lin.kernel.shard_specs(mesh, EXPERT_AXIS, mlp)
         return kspec, lora, shape
     return P(EXPERT_AXIS, over(axes[1]), over(axes[2])), lora, None
@@ -234,7 +229,7 @@ def _expert_parallel(module: "Experts", plan: _Plan, x, experts, weights):
     mesh, e = plan.mesh, module.num_experts
     s = mesh.shape[EXPERT_AXIS]
     el = e // s
-    tok, mlp = spec_entry(plan.tokens), spec_entry(plan.mlp)
+    tok = spec_entry(plan.tokens)
     lins = _projections(module)
     plans = [_local_specs(lin, mesh, plan.mlp) for lin in lins]
     specs = tuple((kspec, lspec) for kspec, lspec, _ in plans)
